@@ -1,0 +1,52 @@
+// Declarations of the CPU kernels, one block per family; each family's definitions live in
+// kernels/cpu/<family>.cpp. Contracts are documented once, on the KernelTable entries in
+// kernels/table.h.
+#pragma once
+
+#include "kernels/table.h"
+
+namespace loom::cpu {
+
+// elementwise.cpp
+void fill(const Strided& out, double value, StreamHandle stream);
+void copy(const Strided& out, const Strided& in, StreamHandle stream);
+void arange(const Strided& out, double start, double step, StreamHandle stream);
+void unary(UnaryOp op, const Strided& out, const Strided& in, double param, StreamHandle stream);
+void unary_backward(UnaryOp op, const Strided& grad_in, const Strided& grad_out, const Strided& in,
+                    const Strided& out, double param, StreamHandle stream);
+void binary(BinaryOp op, const Strided& out, const Strided& a, const Strided& b, StreamHandle stream);
+void where(const Strided& out, const Strided& cond, const Strided& a, const Strided& b, StreamHandle stream);
+
+// reduce.cpp
+void reduce(ReduceOp op, void* out, const void* in, DType dtype, int64_t outer, int64_t R, int64_t inner,
+            StreamHandle stream);
+
+// softmax.cpp
+void softmax(void* out, const void* in, DType dtype, int64_t outer, int64_t R, int64_t inner, bool log,
+             StreamHandle stream);
+void softmax_backward(void* grad_in, const void* grad_out, const void* out, DType dtype, int64_t outer,
+                      int64_t R, int64_t inner, bool log, StreamHandle stream);
+void cross_entropy(float* loss, float* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
+                   int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream);
+void cross_entropy_backward(void* grad_logits, const void* logits, const float* lse, const int64_t* target,
+                            const float* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
+                            double label_smoothing, StreamHandle stream);
+
+// matmul.cpp
+void gemm(const GemmArgs& args, StreamHandle stream);
+
+// indexing.cpp
+void index_select(void* out, const void* in, const int64_t* index, int64_t n_index, DType dtype, int64_t outer,
+                  int64_t R, int64_t inner, StreamHandle stream);
+void index_add(void* out, const void* src, const int64_t* index, int64_t n_index, DType dtype, int64_t outer,
+               int64_t R, int64_t inner, StreamHandle stream);
+void gather(void* out, const void* in, const int64_t* index, int64_t J, DType dtype, int64_t outer, int64_t R,
+            int64_t inner, StreamHandle stream);
+void scatter_add(void* out, const void* src, const int64_t* index, int64_t J, DType dtype, int64_t outer,
+                 int64_t R, int64_t inner, StreamHandle stream);
+
+// random.cpp
+void uniform(const Strided& out, uint64_t seed, uint64_t offset, double lo, double hi, StreamHandle stream);
+void normal(const Strided& out, uint64_t seed, uint64_t offset, double mean, double std, StreamHandle stream);
+
+}  // namespace loom::cpu

@@ -1,0 +1,17 @@
+// Threads over the outer loop, for the CPU kernels. A fixed pool sized to the machine
+// (LOOM_NUM_THREADS overrides) runs `body(begin, end)` over contiguous chunks of
+// [0, n); small ranges run inline so tiny tensors pay no thread hand-off.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace loom::cpu {
+
+// Runs body over [0, n) split into chunks of at least `grain` iterations; returns when
+// every chunk is done. Exceptions thrown by body are rethrown on the calling thread.
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
+
+int num_threads();
+
+}  // namespace loom::cpu

@@ -1,0 +1,31 @@
+// The CPU kernel table: one line per entry, in the order of KernelTable.
+#include "kernels/cpu/kernels.h"
+
+namespace loom {
+
+const KernelTable& cpu_kernel_table() {
+  static const KernelTable table{
+      .fill = cpu::fill,
+      .copy = cpu::copy,
+      .arange = cpu::arange,
+      .unary = cpu::unary,
+      .unary_backward = cpu::unary_backward,
+      .binary = cpu::binary,
+      .where = cpu::where,
+      .reduce = cpu::reduce,
+      .softmax = cpu::softmax,
+      .softmax_backward = cpu::softmax_backward,
+      .cross_entropy = cpu::cross_entropy,
+      .cross_entropy_backward = cpu::cross_entropy_backward,
+      .gemm = cpu::gemm,
+      .index_select = cpu::index_select,
+      .index_add = cpu::index_add,
+      .gather = cpu::gather,
+      .scatter_add = cpu::scatter_add,
+      .uniform = cpu::uniform,
+      .normal = cpu::normal,
+  };
+  return table;
+}
+
+}  // namespace loom

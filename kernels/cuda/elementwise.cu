@@ -1,0 +1,36 @@
+// PLACEHOLDER: replaced by the elementwise kernels.
+#include "kernels/cuda/kernels.h"
+#include "kernels/core/error.h"
+
+namespace loom::cuda {
+
+void fill(const Strided& out, double value, StreamHandle stream) {
+  LOOM_FAIL("cuda kernel fill is not written yet");
+}
+
+void copy(const Strided& out, const Strided& in, StreamHandle stream) {
+  LOOM_FAIL("cuda kernel copy is not written yet");
+}
+
+void arange(const Strided& out, double start, double step, StreamHandle stream) {
+  LOOM_FAIL("cuda kernel arange is not written yet");
+}
+
+void unary(UnaryOp op, const Strided& out, const Strided& in, double param, StreamHandle stream) {
+  LOOM_FAIL("cuda kernel unary is not written yet");
+}
+
+void unary_backward(UnaryOp op, const Strided& grad_in, const Strided& grad_out, const Strided& in,
+                    const Strided& out, double param, StreamHandle stream) {
+  LOOM_FAIL("cuda kernel unary_backward is not written yet");
+}
+
+void binary(BinaryOp op, const Strided& out, const Strided& a, const Strided& b, StreamHandle stream) {
+  LOOM_FAIL("cuda kernel binary is not written yet");
+}
+
+void where(const Strided& out, const Strided& cond, const Strided& a, const Strided& b, StreamHandle stream) {
+  LOOM_FAIL("cuda kernel where is not written yet");
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,31 @@
+// The CUDA kernel table: one line per entry, in the order of KernelTable.
+#include "kernels/cuda/kernels.h"
+
+namespace loom {
+
+const KernelTable& cuda_kernel_table() {
+  static const KernelTable table{
+      .fill = cuda::fill,
+      .copy = cuda::copy,
+      .arange = cuda::arange,
+      .unary = cuda::unary,
+      .unary_backward = cuda::unary_backward,
+      .binary = cuda::binary,
+      .where = cuda::where,
+      .reduce = cuda::reduce,
+      .softmax = cuda::softmax,
+      .softmax_backward = cuda::softmax_backward,
+      .cross_entropy = cuda::cross_entropy,
+      .cross_entropy_backward = cuda::cross_entropy_backward,
+      .gemm = cuda::gemm,
+      .index_select = cuda::index_select,
+      .index_add = cuda::index_add,
+      .gather = cuda::gather,
+      .scatter_add = cuda::scatter_add,
+      .uniform = cuda::uniform,
+      .normal = cuda::normal,
+  };
+  return table;
+}
+
+}  // namespace loom
