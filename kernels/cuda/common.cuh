@@ -1,0 +1,95 @@
+// Shared by the CUDA kernels: element types per DType, float conversion for loads and
+// stores, launch sizing, and the dispatch from a DType to a typed kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/core/error.h"
+#include "kernels/core/strided.h"
+#include "kernels/cuda/check.h"
+
+namespace loom::cuda {
+
+inline cudaStream_t as_cuda(StreamHandle s) { return static_cast<cudaStream_t>(s); }
+
+// Accumulation type: f32 for 16-bit floats and f32, f64 for f64, the type itself for ints.
+template <class T> struct Acc { using type = T; };
+template <> struct Acc<__nv_bfloat16> { using type = float; };
+template <> struct Acc<__half> { using type = float; };
+template <> struct Acc<float> { using type = float; };
+template <class T> using acc_t = typename Acc<T>::type;
+
+template <class T> __device__ __forceinline__ acc_t<T> to_acc(T v) { return acc_t<T>(v); }
+template <> __device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+
+template <class T, class A> __device__ __forceinline__ T from_acc(A v) { return T(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half(v); }
+
+// Blocks for n elements at `threads` per block, each thread handling `per_thread`,
+// capped so a grid-stride loop covers the rest.
+inline unsigned blocks_for(int64_t n, int threads, int per_thread = 1) {
+  int64_t b = (n + int64_t(threads) * per_thread - 1) / (int64_t(threads) * per_thread);
+  if (b < 1) b = 1;
+  if (b > (1 << 20)) b = 1 << 20;
+  return unsigned(b);
+}
+
+// Calls f(T{}) with T the CUDA element type of `dtype`.
+template <class F>
+void dispatch_all(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::f32: return f(float{});
+    case DType::f64: return f(double{});
+    case DType::bf16: return f(__nv_bfloat16{});
+    case DType::f16: return f(__half{});
+    case DType::i32: return f(int32_t{});
+    case DType::i64: return f(int64_t{});
+    case DType::u8: return f(uint8_t{});
+  }
+  LOOM_ASSERT(false, "unknown dtype");
+}
+
+template <class F>
+void dispatch_floating(DType dtype, const char* what, F&& f) {
+  switch (dtype) {
+    case DType::f32: return f(float{});
+    case DType::f64: return f(double{});
+    case DType::bf16: return f(__nv_bfloat16{});
+    case DType::f16: return f(__half{});
+    default: LOOM_FAIL(what, " needs a floating-point dtype, got ", dtype_name(dtype));
+  }
+}
+
+// Strided offsets on the device: the descriptor is passed by value into kernels.
+struct StridedIndexer {
+  int ndim;
+  int64_t shape[kMaxDims];
+  int64_t strides[kMaxDims];
+  explicit StridedIndexer(const Strided& s) : ndim(s.ndim) {
+    for (int i = 0; i < kMaxDims; ++i) {
+      shape[i] = i < s.ndim ? s.shape[i] : 1;
+      strides[i] = i < s.ndim ? s.strides[i] : 0;
+    }
+  }
+  // Element offset of the i-th element in row-major order of `shape`.
+  __device__ __forceinline__ int64_t offset(int64_t i) const {
+    int64_t off = 0;
+#pragma unroll
+    for (int d = kMaxDims - 1; d >= 0; --d) {
+      if (d < ndim) {
+        int64_t q = i / shape[d];
+        off += (i - q * shape[d]) * strides[d];
+        i = q;
+      }
+    }
+    return off;
+  }
+};
+
+}  // namespace loom::cuda
