@@ -1,0 +1,287 @@
+#include "engine/allocator.h"
+
+#include <bit>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/config.h"
+#include "kernels/core/error.h"
+
+#if LOOM_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/check.h"
+#endif
+
+namespace loom::memory {
+
+size_t size_class(size_t nbytes) {
+  constexpr size_t kSmall = 512, kLarge = size_t(1) << 20;
+  if (nbytes == 0) nbytes = 1;
+  if (nbytes < kLarge) return (nbytes + kSmall - 1) / kSmall * kSmall;
+  size_t step = std::bit_floor(nbytes) / 4;
+  return (nbytes + step - 1) / step * step;
+}
+
+namespace {
+
+std::string human(size_t bytes) {
+  char buf[32];
+  if (bytes >= (size_t(1) << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(size_t(1) << 30));
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", double(bytes) / double(1 << 20));
+  return buf;
+}
+
+#if LOOM_WITH_CUDA
+
+struct Block {
+  size_t size;
+  StreamHandle stream;
+  std::vector<StreamHandle> other_streams;
+};
+
+struct Pending {  // released, waiting for other streams' events
+  void* ptr;
+  std::vector<cudaEvent_t> events;
+};
+
+class DeviceCache {
+ public:
+  explicit DeviceCache(int index) : index_(index) {}
+
+  void* allocate(size_t nbytes, StreamHandle stream) {
+    size_t size = size_class(nbytes);
+    std::lock_guard lock(mu_);
+    reclaim_pending();
+    auto& bin = free_[key(size, stream)];
+    void* ptr = nullptr;
+    if (!bin.empty()) {
+      ptr = bin.back();
+      bin.pop_back();
+      stats_.num_cache_hits++;
+    } else {
+      cudaError_t err = cudaMalloc(&ptr, size);
+      if (err == cudaErrorMemoryAllocation) {
+        cudaGetLastError();
+        release_cached();
+        err = cudaMalloc(&ptr, size);
+      }
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        LOOM_FAIL("CUDA out of memory on cuda:", index_, " allocating ", human(size), ": Loom holds ",
+                  human(stats_.allocated), " in tensors and ", human(stats_.reserved),
+                  " reserved; the GPU has ", human(free_b), " free of ", human(total_b),
+                  ". Reduce the batch size, use bf16, or free tensors you no longer need.");
+      }
+      stats_.reserved += size;
+      stats_.num_allocs++;
+    }
+    live_[ptr] = Block{size, stream, {}};
+    stats_.allocated += size;
+    stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+    return ptr;
+  }
+
+  void release(void* ptr) {
+    std::lock_guard lock(mu_);
+    auto it = live_.find(ptr);
+    LOOM_ASSERT(it != live_.end(), "release of a pointer the allocator does not own");
+    Block block = std::move(it->second);
+    live_.erase(it);
+    stats_.allocated -= block.size;
+    if (block.other_streams.empty()) {
+      free_[key(block.size, block.stream)].push_back(ptr);
+      return;
+    }
+    Pending p{ptr, {}};
+    for (StreamHandle s : block.other_streams) {
+      cudaEvent_t ev;
+      LOOM_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      LOOM_CUDA(cudaEventRecord(ev, static_cast<cudaStream_t>(s)));
+      p.events.push_back(ev);
+    }
+    pending_blocks_[ptr] = std::move(block);
+    pending_.push_back(std::move(p));
+  }
+
+  void record_stream(void* ptr, StreamHandle stream) {
+    std::lock_guard lock(mu_);
+    auto it = live_.find(ptr);
+    LOOM_ASSERT(it != live_.end(), "record_stream on a pointer the allocator does not own");
+    if (stream != it->second.stream) it->second.other_streams.push_back(stream);
+  }
+
+  MemoryStats stats() {
+    std::lock_guard lock(mu_);
+    return stats_;
+  }
+  void reset_peak() {
+    std::lock_guard lock(mu_);
+    stats_.peak_allocated = stats_.allocated;
+  }
+  void empty_cache() {
+    std::lock_guard lock(mu_);
+    reclaim_pending();
+    release_cached();
+  }
+
+ private:
+  struct Key {
+    size_t size;
+    StreamHandle stream;
+    bool operator==(const Key&) const = default;
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const { return std::hash<size_t>()(k.size) ^ std::hash<void*>()(k.stream); }
+  };
+  static Key key(size_t size, StreamHandle stream) { return {size, stream}; }
+
+  void reclaim_pending() {
+    for (size_t i = 0; i < pending_.size();) {
+      bool done = true;
+      for (cudaEvent_t ev : pending_[i].events) done = done && cudaEventQuery(ev) == cudaSuccess;
+      if (!done) {
+        cudaGetLastError();  // cudaErrorNotReady is not an error here
+        ++i;
+        continue;
+      }
+      for (cudaEvent_t ev : pending_[i].events) cudaEventDestroy(ev);
+      auto node = pending_blocks_.extract(pending_[i].ptr);
+      free_[key(node.mapped().size, node.mapped().stream)].push_back(pending_[i].ptr);
+      pending_[i] = std::move(pending_.back());
+      pending_.pop_back();
+    }
+  }
+
+  void release_cached() {
+    for (auto& [k, ptrs] : free_) {
+      for (void* p : ptrs) {
+        cudaFree(p);
+        stats_.reserved -= k.size;
+      }
+    }
+    free_.clear();
+  }
+
+  int index_;
+  std::mutex mu_;
+  std::unordered_map<Key, std::vector<void*>, KeyHash> free_;
+  std::unordered_map<void*, Block> live_;
+  std::unordered_map<void*, Block> pending_blocks_;
+  std::vector<Pending> pending_;
+  MemoryStats stats_;
+};
+
+DeviceCache& cache(Device device) {
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<DeviceCache>> caches;
+  std::lock_guard lock(mu);
+  if (caches.empty()) caches.resize(std::max(1, cuda_device_count()));
+  LOOM_CHECK(device.index < int(caches.size()), "device ", device.str(), " does not exist");
+  auto& c = caches[device.index];
+  if (!c) c = std::make_unique<DeviceCache>(device.index);
+  return *c;
+}
+
+#endif
+
+struct CpuStats {
+  std::mutex mu;
+  MemoryStats stats;
+  std::unordered_map<void*, size_t> sizes;
+};
+CpuStats& cpu_stats() {
+  static CpuStats s;
+  return s;
+}
+
+}  // namespace
+
+void* allocate(Device device, size_t nbytes, StreamHandle stream) {
+  if (device.is_cpu()) {
+    size_t size = (std::max<size_t>(nbytes, 1) + 63) / 64 * 64;
+    void* ptr = std::aligned_alloc(64, size);
+    LOOM_CHECK(ptr, "out of host memory allocating ", human(size));
+    auto& s = cpu_stats();
+    std::lock_guard lock(s.mu);
+    s.sizes[ptr] = size;
+    s.stats.allocated += size;
+    s.stats.reserved += size;
+    s.stats.num_allocs++;
+    s.stats.peak_allocated = std::max(s.stats.peak_allocated, s.stats.allocated);
+    return ptr;
+  }
+#if LOOM_WITH_CUDA
+  set_current_device(device);
+  if (!stream) stream = compute_stream(device);
+  return cache(device).allocate(nbytes, stream);
+#else
+  LOOM_FAIL("cannot allocate on ", device.str(), ": this build of Loom has no CUDA");
+#endif
+}
+
+void release(Device device, void* ptr) {
+  if (!ptr) return;
+  if (device.is_cpu()) {
+    auto& s = cpu_stats();
+    {
+      std::lock_guard lock(s.mu);
+      auto it = s.sizes.find(ptr);
+      if (it != s.sizes.end()) {
+        s.stats.allocated -= it->second;
+        s.stats.reserved -= it->second;
+        s.sizes.erase(it);
+      }
+    }
+    std::free(ptr);
+    return;
+  }
+#if LOOM_WITH_CUDA
+  cache(device).release(ptr);
+#endif
+}
+
+void record_stream(Device device, void* ptr, StreamHandle stream) {
+#if LOOM_WITH_CUDA
+  if (device.is_cuda()) cache(device).record_stream(ptr, stream);
+#endif
+}
+
+MemoryStats stats(Device device) {
+  if (device.is_cpu()) {
+    std::lock_guard lock(cpu_stats().mu);
+    return cpu_stats().stats;
+  }
+#if LOOM_WITH_CUDA
+  return cache(device).stats();
+#else
+  return {};
+#endif
+}
+
+void reset_peak(Device device) {
+  if (device.is_cpu()) {
+    std::lock_guard lock(cpu_stats().mu);
+    cpu_stats().stats.peak_allocated = cpu_stats().stats.allocated;
+    return;
+  }
+#if LOOM_WITH_CUDA
+  cache(device).reset_peak();
+#endif
+}
+
+void empty_cache(Device device) {
+#if LOOM_WITH_CUDA
+  if (device.is_cuda()) cache(device).empty_cache();
+#endif
+}
+
+}  // namespace loom::memory

@@ -1,0 +1,79 @@
+// Autograd: a dynamic tape. Every differentiable op that sees an input requiring a
+// gradient records a Node: the closure that maps its output gradients to its input
+// gradients, plus an edge to each input's own node. backward() walks the nodes in
+// reverse topological order, always running the most recently created ready node first
+// (as PyTorch does), so the last layers' gradients are final first. A leaf's gradient is
+// accumulated by its AccumulateGrad node, which runs as soon as every path into it is
+// done and then fires the leaf's post-accumulate hooks: that is when DDP can start
+// reducing that gradient while the rest of backward goes on.
+//
+// Saved tensors are captured detached (data only) so a node never keeps its own output
+// alive through a cycle. Gradients of gradients are not supported: backward runs under
+// no-grad.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/tensor.h"
+
+namespace loom {
+
+using TensorList = std::vector<Tensor>;
+using BackwardFn = std::function<TensorList(const TensorList& grad_outputs)>;
+
+struct Edge {
+  std::shared_ptr<Node> node;  // null: this input needs no gradient
+  int input_nr = 0;            // which output of `node` the gradient belongs to
+};
+
+// Shape, dtype and device of an output, to build a zero gradient for an output that
+// received none (a multi-output node whose other outputs were unused).
+struct OutputMeta {
+  Shape shape;
+  DType dtype;
+  Device device;
+};
+
+struct Node {
+  std::string name;
+  uint64_t sequence_nr = 0;
+  std::vector<Edge> next_edges;  // one per input of the op
+  std::vector<OutputMeta> outputs;
+  // Returns one gradient per input (an undefined Tensor where an input gets none).
+  BackwardFn backward;
+  // Set on AccumulateGrad nodes: the leaf whose .grad they accumulate into.
+  std::shared_ptr<TensorImpl> leaf;
+};
+
+// Grad mode: on by default, per thread.
+bool grad_enabled();
+void set_grad_enabled(bool enabled);
+
+// Disables recording for its scope (evaluation, optimizer steps, in-place updates).
+class NoGradGuard {
+ public:
+  NoGradGuard() : previous_(grad_enabled()) { set_grad_enabled(false); }
+  ~NoGradGuard() { set_grad_enabled(previous_); }
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// True when grad mode is on and any input requires a gradient: the op must record.
+bool any_requires_grad(std::initializer_list<Tensor> inputs);
+bool any_requires_grad(const TensorList& inputs);
+
+// Records `backward` as the gradient of `outputs` with respect to `inputs`; marks the
+// outputs as requiring grad. Call only when any_requires_grad(inputs).
+void record(const char* name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward);
+
+// Runs backward from `roots` seeded with `grads` (one per root, same shapes).
+void run_backward(const TensorList& roots, const TensorList& grads);
+
+}  // namespace loom

@@ -1,0 +1,155 @@
+// Loom's ops: the public functions over Tensors. Each family is defined in one file,
+// engine/ops/<family>.cpp, which checks shapes, dtypes and devices, allocates the
+// outputs, calls the device's kernel from the kernel table and records the backward
+// closure next to the forward. Composite ops (built from the others) record nothing of
+// their own: their gradient comes from their parts.
+//
+// Conventions: dims may be negative (counted from the end); binary ops broadcast as
+// NumPy does and promote dtypes (f64 > f32 > f16 > bf16 > i64 > i32 > u8; a float beats
+// an integer); inputs must share a device. In-place ops (ending in _) never record a
+// gradient and refuse a tensor that requires one while grad mode is on.
+#pragma once
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "engine/tensor.h"
+
+namespace loom {
+
+// ---- creation (ops/creation.cpp) -----------------------------------------------
+Tensor zeros(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+Tensor ones(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+Tensor full(const Shape& shape, double value, DType dtype = DType::f32, Device device = Device::cpu());
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor empty_like(const Tensor& t);
+// start, start + step, ... below end.
+Tensor arange(double start, double end, double step = 1, DType dtype = DType::i64, Device device = Device::cpu());
+// A tensor holding `values` (row-major) with the given shape.
+Tensor from_vector(const std::vector<float>& values, const Shape& shape, Device device = Device::cpu());
+Tensor from_vector(const std::vector<double>& values, const Shape& shape, Device device = Device::cpu());
+Tensor from_vector(const std::vector<int64_t>& values, const Shape& shape, Device device = Device::cpu());
+Tensor scalar_tensor(double value, DType dtype = DType::f32, Device device = Device::cpu());
+void fill_(const Tensor& t, double value);
+void zero_(const Tensor& t);
+
+// ---- random (ops/random.cpp): Philox, same numbers on CPU and CUDA for one seed --
+void manual_seed(uint64_t seed);
+// The generator state (seed, offset), saved in training checkpoints.
+std::pair<uint64_t, uint64_t> rng_state();
+void set_rng_state(uint64_t seed, uint64_t offset);
+Tensor rand(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());   // U[0, 1)
+Tensor randn(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());  // N(0, 1)
+void uniform_(const Tensor& t, double lo, double hi);
+void normal_(const Tensor& t, double mean, double std);
+
+// ---- copies and conversions (ops/copy.cpp) -------------------------------------
+// Copies src into dst (broadcasting src, converting dtype, across devices). In place.
+void copy_(const Tensor& dst, const Tensor& src);
+// Differentiable conversions are the members Tensor::to(Device) and Tensor::to(DType).
+
+// ---- shape (ops/shape.cpp): views are members of Tensor; these make new tensors --
+Tensor cat(const TensorList& tensors, int dim);
+Tensor stack(const TensorList& tensors, int dim);
+TensorList split(const Tensor& t, int64_t split_size, int dim);
+// Sums `t` over broadcast dimensions down to `shape` (the gradient of a broadcast).
+Tensor sum_to(const Tensor& t, const Shape& shape);
+Shape broadcast_shapes(const Shape& a, const Shape& b);
+
+// ---- elementwise (ops/elementwise.cpp) -----------------------------------------
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, double b);
+Tensor mul(const Tensor& a, double b);
+Tensor pow(const Tensor& a, double exponent);
+Tensor rsub(const Tensor& a, double b);  // b - a
+Tensor rdiv(const Tensor& a, double b);  // b / a
+
+Tensor neg(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor sign(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+Tensor gelu(const Tensor& x);  // tanh approximation
+
+// Comparisons give u8 tensors (0 or 1) and no gradient.
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, double b);
+Tensor lt(const Tensor& a, double b);
+Tensor eq(const Tensor& a, double b);
+// cond ? a : b, broadcasting all three; differentiable in a and b.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+
+// In-place updates (no autograd): a += b, a *= s, a = a * s + b * t ...
+void add_(const Tensor& a, const Tensor& b, double alpha = 1);  // a += alpha * b
+void mul_(const Tensor& a, double s);
+
+// ---- reductions (ops/reduce.cpp) -----------------------------------------------
+// Over `dims` (all dims when empty); keepdim keeps them as size 1.
+Tensor sum(const Tensor& x, const std::vector<int>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int>& dims = {}, bool keepdim = false);
+// Variance with Bessel's correction by default (correction = 1), as torch.var.
+Tensor var(const Tensor& x, const std::vector<int>& dims = {}, bool keepdim = false, int correction = 1);
+// Maximum over one dim: values (differentiable: the gradient goes to the first maximum)
+// and indices (i64).
+std::pair<Tensor, Tensor> max(const Tensor& x, int dim, bool keepdim = false);
+std::pair<Tensor, Tensor> min(const Tensor& x, int dim, bool keepdim = false);
+Tensor max(const Tensor& x);  // over all elements
+Tensor argmax(const Tensor& x, int dim, bool keepdim = false);
+Tensor argmin(const Tensor& x, int dim, bool keepdim = false);
+
+// ---- matrix products (ops/matmul.cpp) ------------------------------------------
+// (..., m, k) @ (..., k, n) with broadcast batch dims; 1-d operands as in torch.matmul.
+Tensor matmul(const Tensor& a, const Tensor& b);
+
+// ---- softmax and losses (ops/softmax.cpp) --------------------------------------
+Tensor softmax(const Tensor& x, int dim);
+Tensor log_softmax(const Tensor& x, int dim);
+// Mean cross-entropy of logits (N, C) against i64 targets (N), ignoring rows whose target
+// is ignore_index; label_smoothing in [0, 1). Fused: never materialises probabilities.
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
+                     double label_smoothing = 0.0);
+
+// ---- indexing (ops/indexing.cpp) -----------------------------------------------
+// Rows of `x` along dim picked by i64 `index` (1-d).
+Tensor index_select(const Tensor& x, int dim, const Tensor& index);
+// out[..., j, ...] = x[..., index[..., j, ...], ...] along dim; index has x's shape except at dim.
+Tensor gather(const Tensor& x, int dim, const Tensor& index);
+// x with src added at index along dim (out of place; differentiable in x and src).
+Tensor scatter_add(const Tensor& x, int dim, const Tensor& index, const Tensor& src);
+// Rows of weight (V, D) for each i64 id in `ids` (any shape): output ids.shape + (D).
+Tensor embedding(const Tensor& weight, const Tensor& ids);
+
+// ---- operators ------------------------------------------------------------------
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+inline Tensor operator-(const Tensor& a) { return neg(a); }
+inline Tensor operator+(const Tensor& a, double b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, double b) { return add(a, -b); }
+inline Tensor operator*(const Tensor& a, double b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, double b) { return mul(a, 1.0 / b); }
+inline Tensor operator+(double a, const Tensor& b) { return add(b, a); }
+inline Tensor operator-(double a, const Tensor& b) { return rsub(b, a); }
+inline Tensor operator*(double a, const Tensor& b) { return mul(b, a); }
+inline Tensor operator/(double a, const Tensor& b) { return rdiv(b, a); }
+
+}  // namespace loom

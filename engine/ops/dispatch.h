@@ -1,0 +1,51 @@
+// What every op file needs: the kernel table of a tensor's device, the Strided view a
+// kernel takes, the stream to launch on, and the common argument checks. Internal to
+// engine/ops.
+#pragma once
+
+#include <string>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "kernels/table.h"
+
+namespace loom::ops {
+
+inline const KernelTable& kernels(Device device) {
+  return device.is_cpu() ? cpu_kernel_table() : cuda_kernel_table();
+}
+
+// The compute stream of the tensor's device (null on the CPU).
+inline StreamHandle stream(const Tensor& t) { return compute_stream(t.device()); }
+
+inline Strided strided(const Tensor& t) {
+  Strided s;
+  LOOM_CHECK(t.dim() <= kMaxDims, "tensors have at most ", kMaxDims, " dimensions, got shape ", shape_str(t.shape()));
+  s.data = t.data_ptr();
+  s.dtype = t.dtype();
+  s.ndim = t.dim();
+  for (int i = 0; i < s.ndim; ++i) {
+    s.shape[i] = t.shape()[i];
+    s.strides[i] = t.strides()[i];
+  }
+  return s;
+}
+
+// A Strided view of `t` broadcast to `shape` (stride 0 on broadcast dimensions).
+Strided broadcast_strided(const Tensor& t, const Shape& shape);
+
+void check_same_device(const Tensor& a, const Tensor& b, const char* op);
+void check_floating(const Tensor& t, const char* op);
+void check_defined(const Tensor& t, const char* op, const char* arg);
+DType promote(DType a, DType b);
+
+// Normalises dims (negative, duplicates) for a reduction over `ndim` dims; empty = all.
+std::vector<int> reduction_dims(const std::vector<int>& dims, int ndim, const char* op);
+
+// Sizes of the canonical (outer, R, inner) view of a contiguous tensor around `dim`.
+struct OuterRInner {
+  int64_t outer = 1, R = 1, inner = 1;
+};
+OuterRInner around_dim(const Shape& shape, int dim);
+
+}  // namespace loom::ops

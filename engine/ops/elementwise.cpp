@@ -1,0 +1,204 @@
+// Elementwise ops: broadcasting binary arithmetic, comparisons, where, the unary
+// functions and the scalar forms. Inputs of different dtypes are promoted first through
+// the differentiable Tensor::to, so the backward closures here see one dtype. Unary
+// gradients go through the fused unary_backward kernel; binary gradients are built from
+// the ops themselves and summed back over broadcast dimensions.
+#include "engine/ops/dispatch.h"
+
+namespace loom {
+
+using ops::kernels;
+using ops::strided;
+
+namespace {
+
+const char* binary_name(BinaryOp op) {
+  static const char* names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum",
+                                "eq",  "ne",  "lt",  "le",  "gt",  "ge"};
+  return names[int(op)];
+}
+
+const char* unary_name(UnaryOp op) {
+  static const char* names[] = {"neg",  "abs",  "exp",     "log",  "sqrt",       "rsqrt",     "tanh",       "sigmoid",
+                                "relu", "gelu", "sign",    "add_scalar", "mul_scalar", "pow_scalar", "rsub_scalar",
+                                "rdiv_scalar"};
+  return names[int(op)];
+}
+
+// Runs the binary kernel on promoted, broadcast inputs; no autograd.
+Tensor binary_kernel(BinaryOp op, const Tensor& a, const Tensor& b) {
+  Shape shape = broadcast_shapes(a.shape(), b.shape());
+  Tensor out = Tensor::empty(shape, is_comparison(op) ? DType::u8 : a.dtype(), a.device());
+  if (out.numel() > 0)
+    kernels(a.device()).binary(op, strided(out), ops::broadcast_strided(a, shape), ops::broadcast_strided(b, shape),
+                               ops::stream(a));
+  return out;
+}
+
+std::pair<Tensor, Tensor> promoted(const Tensor& a, const Tensor& b, BinaryOp op) {
+  ops::check_defined(a, binary_name(op), "a");
+  ops::check_defined(b, binary_name(op), "b");
+  ops::check_same_device(a, b, binary_name(op));
+  DType t = ops::promote(a.dtype(), b.dtype());
+  return {a.to(t), b.to(t)};
+}
+
+Tensor binary(BinaryOp op, const Tensor& a0, const Tensor& b0) {
+  auto [a, b] = promoted(a0, b0, op);
+  Tensor out = binary_kernel(op, a, b);
+  if (is_comparison(op) || !any_requires_grad({a, b})) return out;
+  Tensor sa = a.detach(), sb = b.detach(), so = out.detach();
+  Shape as = a.shape(), bs = b.shape();
+  BackwardFn fn;
+  switch (op) {
+    case BinaryOp::add:
+      fn = [as, bs](const TensorList& g) { return TensorList{sum_to(g[0], as), sum_to(g[0], bs)}; };
+      break;
+    case BinaryOp::sub:
+      fn = [as, bs](const TensorList& g) { return TensorList{sum_to(g[0], as), sum_to(neg(g[0]), bs)}; };
+      break;
+    case BinaryOp::mul:
+      fn = [sa, sb, as, bs](const TensorList& g) {
+        return TensorList{sum_to(mul(g[0], sb), as), sum_to(mul(g[0], sa), bs)};
+      };
+      break;
+    case BinaryOp::div:
+      fn = [sb, so, as, bs](const TensorList& g) {
+        Tensor ga = div(g[0], sb);
+        return TensorList{sum_to(ga, as), sum_to(neg(mul(ga, so)), bs)};
+      };
+      break;
+    case BinaryOp::pow:  // d/da a^b = b a^(b-1); d/db a^b = a^b log a
+      fn = [sa, sb, so, as, bs](const TensorList& g) {
+        Tensor ga = mul(g[0], mul(sb, pow(sa, sub(sb, ones_like(sb)))));
+        Tensor gb = mul(g[0], mul(so, log(sa)));
+        return TensorList{sum_to(ga, as), sum_to(gb, bs)};
+      };
+      break;
+    case BinaryOp::maximum:
+    case BinaryOp::minimum:  // the winner takes the gradient; a tie splits it
+      fn = [sa, sb, as, bs, op](const TensorList& g) {
+        Tensor win = op == BinaryOp::maximum ? gt(sa, sb) : lt(sa, sb);
+        Tensor share = add(win.to(g[0].dtype()), mul(eq(sa, sb).to(g[0].dtype()), 0.5));
+        Tensor ga = mul(g[0], share);
+        return TensorList{sum_to(ga, as), sum_to(sub(g[0], ga), bs)};
+      };
+      break;
+    default:
+      LOOM_ASSERT(false, "no gradient for ", binary_name(op));
+  }
+  record(binary_name(op), {a, b}, {out}, std::move(fn));
+  return out;
+}
+
+bool differentiable(UnaryOp op) { return op != UnaryOp::sign; }
+
+Tensor unary(UnaryOp op, const Tensor& x, double param = 0) {
+  ops::check_defined(x, unary_name(op), "x");
+  bool integer_ok = op == UnaryOp::neg || op == UnaryOp::abs || op == UnaryOp::sign || op == UnaryOp::relu ||
+                    op == UnaryOp::add_scalar || op == UnaryOp::mul_scalar || op == UnaryOp::rsub_scalar;
+  if (!integer_ok) ops::check_floating(x, unary_name(op));
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (out.numel() > 0) kernels(x.device()).unary(op, strided(out), strided(x), param, ops::stream(x));
+  if (!differentiable(op) || !any_requires_grad({x})) return out;
+  Tensor sx = x.detach(), so = out.detach();
+  record(unary_name(op), {x}, {out}, [op, sx, so, param](const TensorList& g) {
+    Tensor go = g[0].contiguous(), in = sx.contiguous();
+    Tensor gi = Tensor::empty(in.shape(), in.dtype(), in.device());
+    if (gi.numel() > 0)
+      kernels(in.device()).unary_backward(op, strided(gi), strided(go), strided(in), strided(so), param,
+                                          ops::stream(in));
+    return TensorList{gi};
+  });
+  return out;
+}
+
+Tensor scalar_like(const Tensor& t, double v) { return scalar_tensor(v, t.dtype(), t.device()); }
+
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b) { return binary(BinaryOp::add, a, b); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary(BinaryOp::sub, a, b); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary(BinaryOp::mul, a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary(BinaryOp::div, a, b); }
+Tensor pow(const Tensor& a, const Tensor& b) { return binary(BinaryOp::pow, a, b); }
+Tensor maximum(const Tensor& a, const Tensor& b) { return binary(BinaryOp::maximum, a, b); }
+Tensor minimum(const Tensor& a, const Tensor& b) { return binary(BinaryOp::minimum, a, b); }
+Tensor eq(const Tensor& a, const Tensor& b) { return binary(BinaryOp::eq, a, b); }
+Tensor ne(const Tensor& a, const Tensor& b) { return binary(BinaryOp::ne, a, b); }
+Tensor lt(const Tensor& a, const Tensor& b) { return binary(BinaryOp::lt, a, b); }
+Tensor le(const Tensor& a, const Tensor& b) { return binary(BinaryOp::le, a, b); }
+Tensor gt(const Tensor& a, const Tensor& b) { return binary(BinaryOp::gt, a, b); }
+Tensor ge(const Tensor& a, const Tensor& b) { return binary(BinaryOp::ge, a, b); }
+Tensor gt(const Tensor& a, double b) { return gt(a, scalar_like(a, b)); }
+Tensor lt(const Tensor& a, double b) { return lt(a, scalar_like(a, b)); }
+Tensor eq(const Tensor& a, double b) { return eq(a, scalar_like(a, b)); }
+
+Tensor add(const Tensor& a, double b) { return unary(UnaryOp::add_scalar, a, b); }
+Tensor mul(const Tensor& a, double b) { return unary(UnaryOp::mul_scalar, a, b); }
+Tensor pow(const Tensor& a, double exponent) { return unary(UnaryOp::pow_scalar, a, exponent); }
+Tensor rsub(const Tensor& a, double b) { return unary(UnaryOp::rsub_scalar, a, b); }
+Tensor rdiv(const Tensor& a, double b) { return unary(UnaryOp::rdiv_scalar, a, b); }
+
+Tensor neg(const Tensor& x) { return unary(UnaryOp::neg, x); }
+Tensor abs(const Tensor& x) { return unary(UnaryOp::abs, x); }
+Tensor sign(const Tensor& x) { return unary(UnaryOp::sign, x); }
+Tensor exp(const Tensor& x) { return unary(UnaryOp::exp, x); }
+Tensor log(const Tensor& x) { return unary(UnaryOp::log, x); }
+Tensor sqrt(const Tensor& x) { return unary(UnaryOp::sqrt, x); }
+Tensor rsqrt(const Tensor& x) { return unary(UnaryOp::rsqrt, x); }
+Tensor tanh(const Tensor& x) { return unary(UnaryOp::tanh, x); }
+Tensor sigmoid(const Tensor& x) { return unary(UnaryOp::sigmoid, x); }
+Tensor relu(const Tensor& x) { return unary(UnaryOp::relu, x); }
+Tensor gelu(const Tensor& x) { return unary(UnaryOp::gelu, x); }
+
+Tensor where(const Tensor& cond, const Tensor& a0, const Tensor& b0) {
+  ops::check_defined(cond, "where", "cond");
+  auto [a, b] = promoted(a0, b0, BinaryOp::add);
+  ops::check_same_device(cond, a, "where");
+  Tensor c = cond.dtype() == DType::u8 ? cond : ne(cond, zeros({}, cond.dtype(), cond.device()));
+  Shape shape = broadcast_shapes(broadcast_shapes(c.shape(), a.shape()), b.shape());
+  Tensor out = Tensor::empty(shape, a.dtype(), a.device());
+  if (out.numel() > 0)
+    kernels(a.device()).where(strided(out), ops::broadcast_strided(c, shape), ops::broadcast_strided(a, shape),
+                              ops::broadcast_strided(b, shape), ops::stream(a));
+  if (any_requires_grad({a, b})) {
+    Tensor sc = c.detach();
+    Shape as = a.shape(), bs = b.shape();
+    record("where", {a, b}, {out}, [sc, as, bs](const TensorList& g) {
+      Tensor zero = zeros({}, g[0].dtype(), g[0].device());
+      return TensorList{sum_to(where(sc, g[0], zero), as), sum_to(where(sc, zero, g[0]), bs)};
+    });
+  }
+  return out;
+}
+
+void add_(const Tensor& a, const Tensor& b, double alpha) {
+  LOOM_CHECK(!(grad_enabled() && a.requires_grad()),
+             "add_ on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
+  ops::check_same_device(a, b, "add_");
+  NoGradGuard no_grad;
+  Tensor rhs = b.dtype() == a.dtype() ? b : b.to(a.dtype());
+  if (alpha != 1) rhs = mul(rhs, alpha);
+  if (a.is_contiguous() && broadcast_shapes(a.shape(), rhs.shape()) == a.shape()) {
+    if (a.numel() > 0)
+      kernels(a.device()).binary(BinaryOp::add, strided(a), strided(a), ops::broadcast_strided(rhs, a.shape()),
+                                 ops::stream(a));
+    return;
+  }
+  copy_(a, add(a, rhs));
+}
+
+void mul_(const Tensor& a, double s) {
+  LOOM_CHECK(!(grad_enabled() && a.requires_grad()),
+             "mul_ on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
+  if (a.numel() == 0) return;
+  if (a.is_contiguous()) {
+    kernels(a.device()).unary(UnaryOp::mul_scalar, strided(a), strided(a), s, ops::stream(a));
+    return;
+  }
+  NoGradGuard no_grad;
+  copy_(a, mul(a, s));
+}
+
+}  // namespace loom

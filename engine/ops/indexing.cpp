@@ -1,0 +1,120 @@
+// Indexing by integer tensors: index_select (and embedding, its 2-d case), gather and
+// scatter_add. Each runs over the canonical (outer, R, inner) view around the indexed
+// dim; the gradient of a selection is an index_add / scatter_add of the output gradient.
+#include "engine/ops/dispatch.h"
+
+namespace loom {
+
+using ops::kernels;
+
+namespace {
+
+Tensor as_index(const Tensor& index, const Tensor& like, const char* op) {
+  ops::check_defined(index, op, "index");
+  ops::check_same_device(like, index, op);
+  LOOM_CHECK(index.dtype() == DType::i64 || index.dtype() == DType::i32, op,
+             ": index must be an integer tensor (i64), got ", dtype_name(index.dtype()));
+  return index.to(DType::i64).contiguous();
+}
+
+void check_gather_shapes(const Tensor& x, const Tensor& index, int d, const char* op) {
+  LOOM_CHECK(index.dim() == x.dim(), op, ": index of shape ", shape_str(index.shape()), " needs as many dims as ",
+             shape_str(x.shape()));
+  for (int i = 0; i < x.dim(); ++i)
+    LOOM_CHECK(i == d || index.shape()[i] == x.shape()[i], op, ": index of shape ", shape_str(index.shape()),
+               " must match ", shape_str(x.shape()), " in every dim but ", d);
+}
+
+}  // namespace
+
+Tensor index_select(const Tensor& x0, int dim, const Tensor& index0) {
+  ops::check_defined(x0, "index_select", "x");
+  int d = wrap_dim(dim, x0.dim(), "index_select");
+  Tensor index = as_index(index0, x0, "index_select");
+  LOOM_CHECK(index.dim() == 1, "index_select: index must be 1-d, got shape ", shape_str(index.shape()));
+  Tensor x = x0.contiguous();
+  ops::OuterRInner s = ops::around_dim(x.shape(), d);
+  Shape out_shape = x.shape();
+  out_shape[d] = index.numel();
+  Tensor out = Tensor::empty(out_shape, x.dtype(), x.device());
+  if (out.numel() > 0)
+    kernels(x.device()).index_select(out.data_ptr(), x.data_ptr(), index.data<int64_t>(), index.numel(), x.dtype(),
+                                     s.outer, s.R, s.inner, ops::stream(x));
+  if (any_requires_grad({x})) {
+    Shape in_shape = x.shape();
+    record("index_select", {x}, {out}, [in_shape, index, s](const TensorList& g) {
+      Tensor go = g[0].contiguous();
+      Tensor gi = zeros(in_shape, go.dtype(), go.device());
+      if (go.numel() > 0)
+        kernels(go.device()).index_add(gi.data_ptr(), go.data_ptr(), index.data<int64_t>(), index.numel(), go.dtype(),
+                                       s.outer, s.R, s.inner, ops::stream(go));
+      return TensorList{gi};
+    });
+  }
+  return out;
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& ids) {
+  ops::check_defined(weight, "embedding", "weight");
+  LOOM_CHECK(weight.dim() == 2, "embedding: weight must be (num_embeddings, dim), got ", shape_str(weight.shape()));
+  Tensor flat = index_select(weight, 0, ids.reshape({-1}));
+  Shape shape = ids.shape();
+  shape.push_back(weight.size(1));
+  return flat.reshape(shape);
+}
+
+Tensor gather(const Tensor& x0, int dim, const Tensor& index0) {
+  ops::check_defined(x0, "gather", "x");
+  int d = wrap_dim(dim, x0.dim(), "gather");
+  Tensor index = as_index(index0, x0, "gather");
+  check_gather_shapes(x0, index, d, "gather");
+  Tensor x = x0.contiguous();
+  ops::OuterRInner s = ops::around_dim(x.shape(), d);
+  int64_t J = index.shape()[d];
+  Tensor out = Tensor::empty(index.shape(), x.dtype(), x.device());
+  if (out.numel() > 0)
+    kernels(x.device()).gather(out.data_ptr(), x.data_ptr(), index.data<int64_t>(), J, x.dtype(), s.outer, s.R,
+                               s.inner, ops::stream(x));
+  if (any_requires_grad({x})) {
+    Shape in_shape = x.shape();
+    record("gather", {x}, {out}, [in_shape, index, s, J](const TensorList& g) {
+      Tensor go = g[0].contiguous();
+      Tensor gi = zeros(in_shape, go.dtype(), go.device());
+      if (go.numel() > 0)
+        kernels(go.device()).scatter_add(gi.data_ptr(), go.data_ptr(), index.data<int64_t>(), J, go.dtype(), s.outer,
+                                         s.R, s.inner, ops::stream(go));
+      return TensorList{gi};
+    });
+  }
+  return out;
+}
+
+Tensor scatter_add(const Tensor& x0, int dim, const Tensor& index0, const Tensor& src0) {
+  ops::check_defined(x0, "scatter_add", "x");
+  ops::check_defined(src0, "scatter_add", "src");
+  ops::check_same_device(x0, src0, "scatter_add");
+  int d = wrap_dim(dim, x0.dim(), "scatter_add");
+  Tensor index = as_index(index0, x0, "scatter_add");
+  check_gather_shapes(x0, index, d, "scatter_add");
+  LOOM_CHECK(src0.shape() == index.shape(), "scatter_add: src of shape ", shape_str(src0.shape()),
+             " must match index of shape ", shape_str(index.shape()));
+  Tensor src = src0.to(x0.dtype()).contiguous();
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = x0.clone();
+  }
+  ops::OuterRInner s = ops::around_dim(out.shape(), d);
+  int64_t J = index.shape()[d];
+  if (src.numel() > 0)
+    kernels(out.device()).scatter_add(out.data_ptr(), src.data_ptr(), index.data<int64_t>(), J, out.dtype(), s.outer,
+                                      s.R, s.inner, ops::stream(out));
+  if (any_requires_grad({x0, src})) {
+    record("scatter_add", {x0, src}, {out}, [index, d](const TensorList& g) {
+      return TensorList{g[0], gather(g[0], d, index)};
+    });
+  }
+  return out;
+}
+
+}  // namespace loom
