@@ -22,7 +22,6 @@
 
 namespace loom {
 
-using TensorList = std::vector<Tensor>;
 using BackwardFn = std::function<TensorList(const TensorList& grad_outputs)>;
 
 struct Edge {

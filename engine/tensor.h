@@ -131,6 +131,8 @@ class Tensor {
   std::shared_ptr<TensorImpl> impl_;
 };
 
+using TensorList = std::vector<Tensor>;
+
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 std::string shape_str(const Shape& shape);
 int64_t shape_numel(const Shape& shape);

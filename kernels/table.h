@@ -134,7 +134,9 @@ struct KernelTable {
   // Counter-based random numbers (Philox4x32-10): element i of the contiguous `out`
   // takes word (i % 4) of the Philox block for counter (offset + i / 4) and key seed, so
   // the CPU and CUDA produce the same numbers for the same (seed, offset).
-  // uniform: [lo, hi); normal: mean + std * N(0, 1) by Box-Muller on word pairs.
+  // uniform: lo + (hi - lo) * u, u = (word >> 8) * 2^-24 (24 bits for f64 too), a value rounding onto hi becomes lo;
+  // normal: mean + std * z, Box-Muller on words (2p, 2p + 1), p = (i % 4) / 2, cos for even i, sin for odd.
+  // The exact arithmetic is kernels/core/philox.h, shared by both devices.
   void (*uniform)(const Strided& out, uint64_t seed, uint64_t offset, double lo, double hi, StreamHandle stream);
   void (*normal)(const Strided& out, uint64_t seed, uint64_t offset, double mean, double std, StreamHandle stream);
 };

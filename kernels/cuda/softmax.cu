@@ -1,28 +1,334 @@
-// PLACEHOLDER: replaced by the softmax kernels.
+// Softmax, log-softmax and fused cross-entropy on CUDA.
+//
+// A row (the middle axis of a canonical (outer, R, inner) buffer) is read twice: once for
+// its running (max, sum of exp(x - max)) pair, kept "online" so one pass finds both, and
+// once to write. Contiguous rows (inner == 1) get a warp each up to R = 1024 and a block of
+// kBlock threads beyond; pairs from the threads of a group merge with warp shuffles (and
+// shared memory across the warps of a block). Short rows (R <= 16) and inner > 1 get a
+// thread per (o, i) looping over r; neighbouring threads read neighbouring i, so loads
+// coalesce. Few long strided rows (outer * inner tiny, R huge) are slow on that path; they
+// are rare and it stays correct.
+//
+// Cross-entropy rows are (N, C) contiguous: a warp per row up to C = 1024, else a block.
+// A target that is neither a class index nor ignore_index is a user error the engine
+// checks before the call where it can; here the kernel prints the row and target with
+// printf and executes __trap(), which aborts the kernel and leaves the CUDA context in an
+// error state (cudaErrorLaunchFailure on the next synchronising call). It never reads
+// logits[n, target] out of bounds.
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
-#include "kernels/core/error.h"
 
 namespace loom::cuda {
+namespace {
+
+constexpr int kWarpRows = 128;  // threads per block when a warp takes a row
+constexpr int kBlock = 512;     // threads per block when a block takes a row
+constexpr int kColThreads = 256;
+constexpr int64_t kWarpRowMax = 1024;
+constexpr int64_t kShortRow = 16;
+
+template <class A> __device__ __forceinline__ A exp_acc(A x) {
+  if constexpr (std::is_same_v<A, float>) return expf(x);
+  else return exp(x);
+}
+template <class A> __device__ __forceinline__ A log_acc(A x) {
+  if constexpr (std::is_same_v<A, float>) return logf(x);
+  else return log(x);
+}
+template <class A> __device__ __forceinline__ A neg_inf() { return -std::numeric_limits<A>::infinity(); }
+
+// Running max m and sum s of exp(x - m). A row of -inf keeps (-inf, 0) and its softmax is
+// NaN, as on the CPU; a NaN makes s NaN.
+template <class A> struct MaxSum {
+  A m, s;
+};
+
+template <class A> __device__ __forceinline__ MaxSum<A> push(MaxSum<A> a, A x) {
+  if (x > a.m) return {x, a.s * exp_acc(a.m - x) + A(1)};
+  if (x != neg_inf<A>()) a.s += exp_acc(x - a.m);
+  return a;
+}
+
+struct Merge {
+  template <class A> __device__ __forceinline__ MaxSum<A> operator()(MaxSum<A> a, MaxSum<A> b) const {
+    A m = a.m > b.m ? a.m : b.m;
+    if (m == neg_inf<A>()) return {m, a.s + b.s};
+    return {m, a.s * exp_acc(a.m - m) + b.s * exp_acc(b.m - m)};
+  }
+};
+
+struct Add {
+  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+};
+
+// Any trivially copyable value, moved across a warp word by word.
+template <class V> __device__ __forceinline__ V shfl_xor(V v, int mask) {
+  static_assert(sizeof(V) % 4 == 0, "shuffled values must be whole 32-bit words");
+  uint32_t w[sizeof(V) / 4];
+  memcpy(w, &v, sizeof(V));
+#pragma unroll
+  for (int k = 0; k < int(sizeof(V) / 4); ++k) w[k] = __shfl_xor_sync(0xffffffffu, w[k], mask);
+  memcpy(&v, w, sizeof(V));
+  return v;
+}
+
+// Reduces v over a group of kGroup threads (a warp, or the whole block when kGroup > 32);
+// every thread of the group gets the result. Block groups share one array, hence the
+// barrier before it is written.
+template <int kGroup, class V, class Op> __device__ __forceinline__ V group_reduce(V v, Op op) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = op(v, shfl_xor(v, m));
+  if constexpr (kGroup > 32) {
+    __shared__ V partial[kGroup / 32];
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = partial[0];
+#pragma unroll
+    for (int w = 1; w < kGroup / 32; ++w) v = op(v, partial[w]);
+  }
+  return v;
+}
+
+// A group of kGroup threads per row (a warp, or the whole block): the first row of this
+// thread's group, and the step to its next one.
+template <int kGroup, int kThreads> __device__ __forceinline__ int64_t first_row() {
+  return int64_t(blockIdx.x) * (kThreads / kGroup) + threadIdx.x / kGroup;
+}
+template <int kGroup, int kThreads> __device__ __forceinline__ int64_t row_step() {
+  return int64_t(gridDim.x) * (kThreads / kGroup);
+}
+
+template <class T, int kGroup, int kThreads>
+__global__ void __launch_bounds__(kThreads) softmax_rows_kernel(T* out, const T* in, int64_t rows, int64_t R, bool log) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % kGroup;
+  for (int64_t row = first_row<kGroup, kThreads>(); row < rows; row += row_step<kGroup, kThreads>()) {
+    const T* x = in + row * R;
+    T* y = out + row * R;
+    MaxSum<A> ms{neg_inf<A>(), A(0)};
+    for (int64_t r = lane; r < R; r += kGroup) ms = push(ms, to_acc(x[r]));
+    ms = group_reduce<kGroup>(ms, Merge{});
+    const A shift = log ? log_acc(ms.s) : A(1) / ms.s;
+    for (int64_t r = lane; r < R; r += kGroup) {
+      A v = to_acc(x[r]) - ms.m;
+      y[r] = from_acc<T>(log ? v - shift : exp_acc(v) * shift);
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kColThreads) softmax_cols_kernel(T* out, const T* in, int64_t outer, int64_t R,
+                                                                   int64_t inner, bool log) {
+  using A = acc_t<T>;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < outer * inner;
+       j += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t o = j / inner, off = o * R * inner + (j - o * inner);
+    MaxSum<A> ms{neg_inf<A>(), A(0)};
+    for (int64_t r = 0; r < R; ++r) ms = push(ms, to_acc(in[off + r * inner]));
+    const A shift = log ? log_acc(ms.s) : A(1) / ms.s;
+    for (int64_t r = 0; r < R; ++r) {
+      A v = to_acc(in[off + r * inner]) - ms.m;
+      out[off + r * inner] = from_acc<T>(log ? v - shift : exp_acc(v) * shift);
+    }
+  }
+}
+
+// softmax: gi = y * (go - sum(go * y)); log_softmax: gi = go - exp(y) * sum(go).
+template <class T, class A> __device__ __forceinline__ A backward_term(T go, T y, bool log) {
+  return log ? to_acc(go) : to_acc(go) * to_acc(y);
+}
+template <class T, class A> __device__ __forceinline__ T backward_value(T go, T y, A dot, bool log) {
+  A g = to_acc(go), v = to_acc(y);
+  return from_acc<T>(log ? g - exp_acc(v) * dot : v * (g - dot));
+}
+
+template <class T, int kGroup, int kThreads>
+__global__ void __launch_bounds__(kThreads) softmax_backward_rows_kernel(T* gi, const T* go, const T* y, int64_t rows,
+                                                                         int64_t R, bool log) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % kGroup;
+  for (int64_t row = first_row<kGroup, kThreads>(); row < rows; row += row_step<kGroup, kThreads>()) {
+    const int64_t base = row * R;
+    A dot = 0;
+    for (int64_t r = lane; r < R; r += kGroup) dot += backward_term<T, A>(go[base + r], y[base + r], log);
+    dot = group_reduce<kGroup>(dot, Add{});
+    for (int64_t r = lane; r < R; r += kGroup) gi[base + r] = backward_value(go[base + r], y[base + r], dot, log);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kColThreads) softmax_backward_cols_kernel(T* gi, const T* go, const T* y,
+                                                                            int64_t outer, int64_t R, int64_t inner,
+                                                                            bool log) {
+  using A = acc_t<T>;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < outer * inner;
+       j += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t o = j / inner, off = o * R * inner + (j - o * inner);
+    A dot = 0;
+    for (int64_t r = 0; r < R; ++r) dot += backward_term<T, A>(go[off + r * inner], y[off + r * inner], log);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t k = off + r * inner;
+      gi[k] = backward_value(go[k], y[k], dot, log);
+    }
+  }
+}
+
+// True when row n is ignored; traps on a target outside [0, C) that is not ignore_index.
+__device__ __forceinline__ bool ignored_row(const int64_t* target, int64_t n, int64_t C, int64_t ignore_index,
+                                            int lane) {
+  const int64_t t = target[n];
+  if (t == ignore_index) return true;
+  if (t < 0 || t >= C) {
+    if (lane == 0)
+      printf("loom cross_entropy: target %lld in row %lld is not a class index in [0, %lld) nor ignore_index\n",
+             (long long)t, (long long)n, (long long)C);
+    __trap();
+  }
+  return false;
+}
+
+template <class A> struct CeState {
+  MaxSum<A> ms;
+  A sum;  // of the logits, for label smoothing
+};
+
+struct CeMerge {
+  template <class A> __device__ __forceinline__ CeState<A> operator()(CeState<A> a, CeState<A> b) const {
+    return {Merge{}(a.ms, b.ms), a.sum + b.sum};
+  }
+};
+
+template <class T, int kGroup, int kThreads>
+__global__ void __launch_bounds__(kThreads) cross_entropy_kernel(float* loss, float* lse, const T* logits,
+                                                                 const int64_t* target, int64_t N, int64_t C,
+                                                                 int64_t ignore_index, double eps) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % kGroup;
+  for (int64_t row = first_row<kGroup, kThreads>(); row < N; row += row_step<kGroup, kThreads>()) {
+    const bool ignored = ignored_row(target, row, C, ignore_index, lane);
+    const T* x = logits + row * C;
+    CeState<A> st{{neg_inf<A>(), A(0)}, A(0)};
+    for (int64_t c = lane; c < C; c += kGroup) {
+      A v = to_acc(x[c]);
+      st.ms = push(st.ms, v);
+      st.sum += v;
+    }
+    st = group_reduce<kGroup>(st, CeMerge{});
+    if (lane == 0) {
+      const A l = st.ms.m + log_acc(st.ms.s);
+      lse[row] = float(l);
+      loss[row] = ignored ? 0.f
+                          : float(A(1 - eps) * (l - to_acc(x[target[row]])) + A(eps) * (l - st.sum / A(C)));
+    }
+  }
+}
+
+template <class T, int kGroup, int kThreads>
+__global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(T* grad, const T* logits, const float* lse,
+                                                                          const int64_t* target, const float* grad_row,
+                                                                          int64_t N, int64_t C, int64_t ignore_index,
+                                                                          double eps) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % kGroup;
+  for (int64_t row = first_row<kGroup, kThreads>(); row < N; row += row_step<kGroup, kThreads>()) {
+    T* g = grad + row * C;
+    if (ignored_row(target, row, C, ignore_index, lane)) {
+      for (int64_t c = lane; c < C; c += kGroup) g[c] = from_acc<T>(A(0));
+      continue;
+    }
+    const T* x = logits + row * C;
+    const A gr = A(grad_row[row]), l = A(lse[row]), hit = A(1 - eps), spread = A(eps / double(C));
+    const int64_t t = target[row];
+    for (int64_t c = lane; c < C; c += kGroup)
+      g[c] = from_acc<T>(gr * (exp_acc(to_acc(x[c]) - l) - (c == t ? hit : A(0)) - spread));
+  }
+}
+
+// Calls launch(group, threads) with a warp per row (group 32) for rows up to kWarpRowMax
+// long, else a block per row (group = threads = kBlock); both are integral_constants.
+template <class F> void launch_rows(int64_t len, F&& launch) {
+  if (len <= kWarpRowMax) launch(std::integral_constant<int, 32>{}, std::integral_constant<int, kWarpRows>{});
+  else launch(std::integral_constant<int, kBlock>{}, std::integral_constant<int, kBlock>{});
+  LOOM_CUDA_LAUNCH();
+}
+
+}  // namespace
 
 void softmax(void* out, const void* in, DType dtype, int64_t outer, int64_t R, int64_t inner, bool log,
              StreamHandle stream) {
-  LOOM_FAIL("cuda kernel softmax is not written yet");
+  if (outer * R * inner == 0) return;
+  dispatch_floating(dtype, log ? "log_softmax" : "softmax", [&](auto tag) {
+    using T = decltype(tag);
+    auto* y = static_cast<T*>(out);
+    auto* x = static_cast<const T*>(in);
+    cudaStream_t s = as_cuda(stream);
+    if (inner == 1 && R > kShortRow) {
+      launch_rows(R, [&](auto group, auto threads) {
+        constexpr int G = decltype(group)::value, N = decltype(threads)::value;
+        softmax_rows_kernel<T, G, N><<<blocks_for(outer, N / G), N, 0, s>>>(y, x, outer, R, log);
+      });
+    } else {
+      softmax_cols_kernel<T><<<blocks_for(outer * inner, kColThreads), kColThreads, 0, s>>>(y, x, outer, R, inner, log);
+      LOOM_CUDA_LAUNCH();
+    }
+  });
 }
 
 void softmax_backward(void* grad_in, const void* grad_out, const void* out, DType dtype, int64_t outer,
                       int64_t R, int64_t inner, bool log, StreamHandle stream) {
-  LOOM_FAIL("cuda kernel softmax_backward is not written yet");
+  if (outer * R * inner == 0) return;
+  dispatch_floating(dtype, log ? "log_softmax backward" : "softmax backward", [&](auto tag) {
+    using T = decltype(tag);
+    auto* gi = static_cast<T*>(grad_in);
+    auto* go = static_cast<const T*>(grad_out);
+    auto* y = static_cast<const T*>(out);
+    cudaStream_t s = as_cuda(stream);
+    if (inner == 1 && R > kShortRow) {
+      launch_rows(R, [&](auto group, auto threads) {
+        constexpr int G = decltype(group)::value, N = decltype(threads)::value;
+        softmax_backward_rows_kernel<T, G, N><<<blocks_for(outer, N / G), N, 0, s>>>(gi, go, y, outer, R, log);
+      });
+    } else {
+      softmax_backward_cols_kernel<T>
+          <<<blocks_for(outer * inner, kColThreads), kColThreads, 0, s>>>(gi, go, y, outer, R, inner, log);
+      LOOM_CUDA_LAUNCH();
+    }
+  });
 }
 
 void cross_entropy(float* loss, float* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
                    int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream) {
-  LOOM_FAIL("cuda kernel cross_entropy is not written yet");
+  LOOM_CHECK(C > 0 || N == 0, "cross_entropy needs at least one class, got logits of shape (", N, ", 0)");
+  if (N == 0) return;
+  dispatch_floating(dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    launch_rows(C, [&](auto group, auto threads) {
+      constexpr int G = decltype(group)::value, kN = decltype(threads)::value;
+      cross_entropy_kernel<T, G, kN><<<blocks_for(N, kN / G), kN, 0, as_cuda(stream)>>>(
+          loss, lse, static_cast<const T*>(logits), target, N, C, ignore_index, label_smoothing);
+    });
+  });
 }
 
 void cross_entropy_backward(void* grad_logits, const void* logits, const float* lse, const int64_t* target,
                             const float* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
                             double label_smoothing, StreamHandle stream) {
-  LOOM_FAIL("cuda kernel cross_entropy_backward is not written yet");
+  if (N * C == 0) return;
+  dispatch_floating(dtype, "cross_entropy backward", [&](auto tag) {
+    using T = decltype(tag);
+    launch_rows(C, [&](auto group, auto threads) {
+      constexpr int G = decltype(group)::value, kN = decltype(threads)::value;
+      cross_entropy_backward_kernel<T, G, kN><<<blocks_for(N, kN / G), kN, 0, as_cuda(stream)>>>(
+          static_cast<T*>(grad_logits), static_cast<const T*>(logits), lse, target, grad_row, N, C, ignore_index,
+          label_smoothing);
+    });
+  });
 }
 
 }  // namespace loom::cuda

@@ -1,1 +1,152 @@
+// The CPU GEMM against a naive triple loop in f64, over a table of shapes that cross
+// every blocking edge (1, odd sizes, past the MC/NC/KC blocks), every transpose, padded
+// leading dimensions, batch broadcasting and alpha/beta, for each floating dtype.
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/kernels.h"
+
+namespace loom {
+namespace {
+
+struct GemmCase {
+  std::string name;
+  int64_t m, n, k, batch = 1;
+  bool trans_a = false, trans_b = false;
+  float alpha = 1.f, beta = 0.f;
+  bool broadcast_a = false, broadcast_b = false;
+  int64_t pad = 0;  // extra elements on every leading dimension
+};
+
+const std::vector<GemmCase>& cases() {
+  static const std::vector<GemmCase> table = {
+      {"one", 1, 1, 1},
+      {"odd", 7, 33, 17},
+      {"odd_ta", 7, 33, 17, 1, true, false},
+      {"odd_tb", 7, 33, 17, 1, false, true},
+      {"odd_ta_tb", 7, 33, 17, 1, true, true},
+      {"wide_n", 3, 1025, 5},
+      {"tall_m", 1030, 2, 9, 1, true, false},
+      {"deep_k", 4, 6, 1027, 1, false, true},
+      {"all_blocks", 200, 150, 300, 1, true, true},
+      {"alpha_beta", 33, 20, 40, 1, false, false, 0.5f, 2.f},
+      {"minus_alpha_beta_one", 9, 12, 5, 1, true, false, -1.f, 1.f},
+      {"padded_ld", 13, 11, 19, 1, false, true, 1.f, 0.f, false, false, 5},
+      {"batch", 5, 9, 7, 4},
+      {"batch_broadcast_a", 5, 9, 7, 3, false, true, 1.f, 0.f, true, false},
+      {"batch_broadcast_b", 17, 10, 33, 3, true, false, 1.f, 0.5f, false, true},
+      {"k_zero", 4, 5, 0, 1, false, false, 1.f, 3.f},
+  };
+  return table;
+}
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+template <> constexpr DType dtype_of<bf16>() { return DType::bf16; }
+template <> constexpr DType dtype_of<f16>() { return DType::f16; }
+
+template <class T>
+double as_double(T v) {
+  if constexpr (std::is_same_v<T, double>) return v;
+  else return double(float(v));
+}
+
+template <class T>
+std::vector<T> random_vector(size_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<T> v(n);
+  for (auto& x : v) x = T(dist(rng));
+  return v;
+}
+
+// Runs one case through cpu::gemm and checks every element of C against the f64 loop.
+// The tolerance is relative to alpha * sum_p |a||b| + |beta c|, the scale that bounds
+// rounding in any summation order.
+template <class T>
+void check_case(const GemmCase& cs, double tol) {
+  SCOPED_TRACE(cs.name);
+  std::mt19937 rng(42);
+  const int64_t a_rows = cs.trans_a ? cs.k : cs.m, a_cols = cs.trans_a ? cs.m : cs.k;
+  const int64_t b_rows = cs.trans_b ? cs.n : cs.k, b_cols = cs.trans_b ? cs.k : cs.n;
+  const int64_t lda = a_cols + cs.pad, ldb = b_cols + cs.pad, ldc = cs.n + cs.pad;
+  const int64_t stride_a = cs.broadcast_a ? 0 : a_rows * lda, stride_b = cs.broadcast_b ? 0 : b_rows * ldb;
+  const int64_t stride_c = cs.m * ldc;
+  auto a = random_vector<T>(size_t(cs.broadcast_a ? a_rows * lda : stride_a * cs.batch), rng);
+  auto b = random_vector<T>(size_t(cs.broadcast_b ? b_rows * ldb : stride_b * cs.batch), rng);
+  auto c = random_vector<T>(size_t(stride_c * cs.batch), rng);
+  const auto c_before = c;
+
+  GemmArgs g;
+  g.dtype = dtype_of<T>();
+  g.trans_a = cs.trans_a, g.trans_b = cs.trans_b;
+  g.m = cs.m, g.n = cs.n, g.k = cs.k, g.batch = cs.batch;
+  g.a = a.data(), g.lda = lda, g.stride_a = stride_a;
+  g.b = b.data(), g.ldb = ldb, g.stride_b = stride_b;
+  g.c = c.data(), g.ldc = ldc, g.stride_c = stride_c;
+  g.alpha = cs.alpha, g.beta = cs.beta;
+  cpu::gemm(g, nullptr);
+
+  for (int64_t bi = 0; bi < cs.batch; ++bi)
+    for (int64_t i = 0; i < cs.m; ++i)
+      for (int64_t j = 0; j < cs.n; ++j) {
+        double sum = 0, scale = 0;
+        for (int64_t p = 0; p < cs.k; ++p) {
+          const double x = as_double(a[bi * stride_a + (cs.trans_a ? p * lda + i : i * lda + p)]);
+          const double y = as_double(b[bi * stride_b + (cs.trans_b ? j * ldb + p : p * ldb + j)]);
+          sum += x * y;
+          scale += std::abs(x * y);
+        }
+        const size_t at = size_t(bi * stride_c + i * ldc + j);
+        const double c0 = as_double(c_before[at]);
+        const double want = cs.alpha * sum + (cs.beta == 0 ? 0 : cs.beta * c0);
+        const double bound = tol * (std::abs(cs.alpha) * scale + std::abs(cs.beta * c0) + 1e-30);
+        ASSERT_NEAR(as_double(c[at]), want, bound) << "at batch " << bi << ", (" << i << ", " << j << ")";
+      }
+  // Padding between rows of C is not part of C and must be left alone.
+  for (int64_t bi = 0; bi < cs.batch; ++bi)
+    for (int64_t i = 0; i < cs.m; ++i)
+      for (int64_t j = cs.n; j < ldc; ++j) {
+        const size_t at = size_t(bi * stride_c + i * ldc + j);
+        ASSERT_EQ(as_double(c[at]), as_double(c_before[at]));
+      }
+}
+
+template <class T>
+void check_all_cases(double tol) {
+  for (const auto& cs : cases()) check_case<T>(cs, tol);
+}
+
+TEST(MatmulCpu, MatchesNaiveLoopF32) { check_all_cases<float>(1e-5); }
+TEST(MatmulCpu, MatchesNaiveLoopF64) { check_all_cases<double>(1e-13); }
+// 16-bit outputs round once, to 8 (bf16) or 11 (f16) bits: the accumulation is f32.
+TEST(MatmulCpu, MatchesNaiveLoopBf16) { check_all_cases<bf16>(8e-3); }
+TEST(MatmulCpu, MatchesNaiveLoopF16) { check_all_cases<f16>(1e-3); }
+
+TEST(MatmulCpu, BetaZeroIgnoresNanInC) {
+  const int64_t m = 9, n = 21, k = 6;
+  std::vector<float> a(size_t(m * k), 1.f), b(size_t(k * n), 2.f);
+  std::vector<float> c(size_t(m * n), std::numeric_limits<float>::quiet_NaN());
+  GemmArgs g;
+  g.m = m, g.n = n, g.k = k;
+  g.a = a.data(), g.lda = k, g.b = b.data(), g.ldb = n, g.c = c.data(), g.ldc = n;
+  cpu::gemm(g, nullptr);
+  for (float v : c) ASSERT_EQ(v, 12.f);
+}
+
+TEST(MatmulCpu, EmptyProductLeavesCUntouched) {
+  std::vector<float> c = {7.f};
+  GemmArgs g;
+  g.m = 0, g.n = 1, g.k = 3, g.c = c.data(), g.ldc = 1;
+  cpu::gemm(g, nullptr);
+  EXPECT_EQ(c[0], 7.f);
+}
+
+}  // namespace
+}  // namespace loom

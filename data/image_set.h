@@ -1,0 +1,26 @@
+// ImageSet: what every image reader (IDX, CIFAR, image folders) returns. Plain host data, no
+// tensors: the data layer must not depend on the engine's types, and the engine wraps these
+// vectors into tensors (or copies them to the GPU whole) later.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace loom::data {
+
+// Which half of a dataset that ships with a fixed train/test split.
+enum class Split { train, test };
+
+struct ImageSet {
+  std::vector<uint8_t> pixels;           // (count, channels, height, width), row-major
+  int64_t count = 0, channels = 0, height = 0, width = 0;
+  std::vector<int64_t> labels;           // (count,); empty when the source has no labels
+  std::vector<std::string> class_names;  // label -> name; empty when the source names none
+
+  int64_t image_bytes() const { return channels * height * width; }
+  // One image's pixels: (channels, height, width).
+  const uint8_t* image(int64_t i) const { return pixels.data() + i * image_bytes(); }
+};
+
+}  // namespace loom::data

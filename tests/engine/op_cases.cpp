@@ -1,0 +1,116 @@
+#include "tests/engine/op_cases.h"
+
+#include <algorithm>
+#include <random>
+
+namespace loom::test {
+
+Tensor ids(const std::vector<int64_t>& values, const Shape& shape, Device device) {
+  return from_vector(values, shape, device);
+}
+
+TensorList make_inputs(const OpCase& c) {
+  std::mt19937_64 rng(std::hash<std::string>()(c.name));
+  TensorList out;
+  for (const InputSpec& spec : c.inputs) {
+    int64_t n = shape_numel(spec.shape);
+    std::vector<double> v(static_cast<size_t>(n));
+    std::uniform_real_distribution<double> u(-2.0, 2.0), pos(0.5, 2.5);
+    if (spec.init == Init::separated) {
+      // A shuffled ramp: distinct values at least 0.1 apart, away from zero.
+      for (int64_t i = 0; i < n; ++i) v[i] = (double(i) - double(n) / 2 + 0.5) * 0.25 + 0.05;
+      std::shuffle(v.begin(), v.end(), rng);
+    } else {
+      for (auto& x : v) x = spec.init == Init::positive ? pos(rng) : u(rng);
+    }
+    out.push_back(from_vector(v, spec.shape));
+  }
+  return out;
+}
+
+namespace {
+using L = const TensorList&;
+const Shape S34{3, 4};
+}  // namespace
+
+const std::vector<OpCase>& op_cases() {
+  static const std::vector<OpCase> cases = {
+      // ---- binary, with broadcasting -------------------------------------------
+      {"add", {{{3, 4}}, {{4}}}, [](L x) { return add(x[0], x[1]); }},
+      {"add_bcast3", {{{2, 1, 3}}, {{4, 1}}}, [](L x) { return add(x[0], x[1]); }},
+      {"sub", {{{3, 4}}, {{3, 1}}}, [](L x) { return sub(x[0], x[1]); }},
+      {"mul", {{{2, 3, 4}}, {{3, 4}}}, [](L x) { return mul(x[0], x[1]); }},
+      {"div", {{{3, 4}}, {{3, 4}, Init::positive}}, [](L x) { return div(x[0], x[1]); }},
+      {"pow", {{S34, Init::positive}, {S34}}, [](L x) { return pow(x[0], x[1]); }},
+      {"maximum", {{S34, Init::separated}, {S34, Init::separated}}, [](L x) { return maximum(x[0], x[1]); }},
+      {"minimum", {{S34, Init::separated}, {{4}, Init::separated}}, [](L x) { return minimum(x[0], x[1]); }},
+      {"add_noncontig", {{{4, 3}}, {{3, 4}}}, [](L x) { return add(x[0].t(), x[1]); }},
+      {"where", {{S34}, {S34}}, [](L x) { return where(gt(x[0], 0.0), x[0], mul(x[1], x[1])); }},
+      // ---- scalar forms ------------------------------------------------------------
+      {"add_scalar", {{S34}}, [](L x) { return x[0] + 1.5; }},
+      {"mul_scalar", {{S34}}, [](L x) { return x[0] * -3.0; }},
+      {"pow_scalar", {{S34, Init::positive}}, [](L x) { return pow(x[0], 2.5); }},
+      {"rsub_scalar", {{S34}}, [](L x) { return 2.0 - x[0]; }},
+      {"rdiv_scalar", {{S34, Init::positive}}, [](L x) { return 2.0 / x[0]; }},
+      // ---- unary --------------------------------------------------------------------
+      {"neg", {{S34}}, [](L x) { return neg(x[0]); }},
+      {"abs", {{S34, Init::separated}}, [](L x) { return abs(x[0]); }},
+      {"exp", {{S34}}, [](L x) { return exp(x[0]); }},
+      {"log", {{S34, Init::positive}}, [](L x) { return log(x[0]); }},
+      {"sqrt", {{S34, Init::positive}}, [](L x) { return sqrt(x[0]); }},
+      {"rsqrt", {{S34, Init::positive}}, [](L x) { return rsqrt(x[0]); }},
+      {"tanh", {{S34}}, [](L x) { return tanh(x[0]); }},
+      {"sigmoid", {{S34}}, [](L x) { return sigmoid(x[0]); }},
+      {"relu", {{S34, Init::separated}}, [](L x) { return relu(x[0]); }},
+      {"gelu", {{S34}}, [](L x) { return gelu(x[0]); }},
+      {"unary_noncontig", {{{4, 3}}}, [](L x) { return tanh(x[0].t()); }},
+      // ---- reductions -------------------------------------------------------------
+      {"sum_all", {{{2, 3, 4}}}, [](L x) { return sum(x[0]); }},
+      {"sum_dim", {{{2, 3, 4}}}, [](L x) { return sum(x[0], {1}); }},
+      {"sum_dims_keep", {{{2, 3, 4}}}, [](L x) { return sum(x[0], {0, 2}, true); }},
+      {"sum_noncontig", {{{4, 3}}}, [](L x) { return sum(x[0].t(), {1}); }},
+      {"mean", {{{2, 3, 4}}}, [](L x) { return mean(x[0], {-1}); }},
+      {"var", {{{3, 5}}}, [](L x) { return var(x[0], {1}); }},
+      {"max_dim", {{{3, 5}, Init::separated}}, [](L x) { return max(x[0], 1).first; }},
+      {"min_dim0", {{{3, 5}, Init::separated}}, [](L x) { return min(x[0], 0, true).first; }},
+      {"max_all", {{{3, 5}, Init::separated}}, [](L x) { return max(x[0]); }},
+      // ---- matrix products --------------------------------------------------------
+      {"matmul", {{{3, 5}}, {{5, 4}}}, [](L x) { return matmul(x[0], x[1]); }},
+      {"matmul_batched", {{{2, 3, 5}}, {{2, 5, 4}}}, [](L x) { return matmul(x[0], x[1]); }},
+      {"matmul_bcast", {{{2, 3, 5}}, {{5, 4}}}, [](L x) { return matmul(x[0], x[1]); }},
+      {"matmul_transposed", {{{5, 3}}, {{4, 5}}}, [](L x) { return matmul(x[0].t(), x[1].t()); }},
+      {"matmul_vec", {{{5}}, {{5, 4}}}, [](L x) { return matmul(x[0], x[1]); }},
+      {"matmul_matvec", {{{3, 5}}, {{5}}}, [](L x) { return matmul(x[0], x[1]); }},
+      // ---- softmax and losses ------------------------------------------------------
+      {"softmax", {{{3, 7}}}, [](L x) { return softmax(x[0], -1); }},
+      {"softmax_dim0", {{{3, 4, 2}}}, [](L x) { return softmax(x[0], 1); }},
+      {"log_softmax", {{{3, 7}}}, [](L x) { return log_softmax(x[0], 1); }},
+      {"cross_entropy", {{{4, 5}}},
+       [](L x) { return cross_entropy(x[0], ids({1, 0, 4, 2}, {4}, x[0].device())); }},
+      {"cross_entropy_ignore_smooth", {{{4, 5}}},
+       [](L x) { return cross_entropy(x[0], ids({1, -100, 4, 3}, {4}, x[0].device()), -100, 0.1); }},
+      // ---- indexing ---------------------------------------------------------------
+      {"index_select", {{{5, 3}}}, [](L x) { return index_select(x[0], 0, ids({4, 0, 4, 2}, {4}, x[0].device())); }},
+      {"index_select_dim1", {{{2, 5, 3}}},
+       [](L x) { return index_select(x[0], 1, ids({1, 1, 3}, {3}, x[0].device())); }},
+      {"embedding", {{{6, 4}}}, [](L x) { return embedding(x[0], ids({5, 0, 5, 1, 2, 0}, {2, 3}, x[0].device())); }},
+      {"gather", {{{3, 4}}},
+       [](L x) { return gather(x[0], 1, ids({0, 3, 3, 1, 2, 2, 0, 0, 1}, {3, 3}, x[0].device())); }},
+      {"scatter_add", {{{3, 4}}, {{3, 2}}},
+       [](L x) { return scatter_add(x[0], 1, ids({0, 0, 3, 1, 2, 2}, {3, 2}, x[0].device()), x[1]); }},
+      // ---- shapes -----------------------------------------------------------------
+      {"reshape", {{{2, 6}}}, [](L x) { return x[0].reshape({3, -1}) * x[0].reshape({3, 4}); }},
+      {"permute", {{{2, 3, 4}}}, [](L x) { return x[0].permute({2, 0, 1}).contiguous(); }},
+      {"slice_step", {{{6, 4}}}, [](L x) { return x[0].slice(0, 1, 6, 2) * 2.0; }},
+      {"select", {{{3, 4}}}, [](L x) { return x[0].select(1, -1); }},
+      {"expand", {{{3, 1}}}, [](L x) { return x[0].expand({2, 3, 4}) * 1.0; }},
+      {"squeeze_unsqueeze", {{{3, 1, 4}}}, [](L x) { return x[0].squeeze(1).unsqueeze(0); }},
+      {"cat", {{{2, 3}}, {{4, 3}}}, [](L x) { return cat({x[0], x[1]}, 0); }},
+      {"stack", {{{2, 3}}, {{2, 3}}}, [](L x) { return stack({x[0], x[1]}, 1); }},
+      {"split", {{{5, 2}}}, [](L x) { return split(x[0], 2, 0)[2] * 3.0; }},
+      {"clone", {{S34}}, [](L x) { return x[0].clone(); }},
+  };
+  return cases;
+}
+
+}  // namespace loom::test

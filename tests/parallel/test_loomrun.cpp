@@ -1,0 +1,221 @@
+// loomrun end to end: it runs rank_echo (tests/parallel/rank_echo.cpp) as 3 ranks and the
+// tests read what came out. meson passes both programs' paths in LOOMRUN and RANK_ECHO.
+// Every run has a deadline, so a launcher that hangs fails the test instead of the suite.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "parallel/socket.h"
+
+namespace loom::dist {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+std::string program(const char* var) {
+  const char* path = std::getenv(var);
+  return path ? path : "";
+}
+
+struct Outcome {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+  Clock::duration took{};
+};
+
+// A running loomrun whose stdout and stderr come back through one pipe.
+class Loomrun {
+ public:
+  explicit Loomrun(std::vector<std::string> args) {
+    args.insert(args.begin(), program("LOOMRUN"));
+    int fds[2];
+    EXPECT_EQ(::pipe(fds), 0);
+    start_ = Clock::now();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(fds[1], 1);
+      ::dup2(fds[1], 2);
+      ::close(fds[0]);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(126);
+    }
+    ::close(fds[1]);
+    out_ = fds[0];
+  }
+  ~Loomrun() {
+    if (out_ >= 0) ::close(out_);
+  }
+  pid_t pid() const { return pid_; }
+
+  // Reads until `text` has appeared (true) or the deadline passes (false).
+  bool read_until(const std::string& text, Clock::duration limit = 60s) {
+    auto deadline = Clock::now() + limit;
+    while (output_.find(text) == std::string::npos) {
+      if (Clock::now() >= deadline || !read_some(deadline)) return false;
+    }
+    return true;
+  }
+
+  // Reads to the end and reaps loomrun; kills it if it outlives the limit.
+  Outcome finish(Clock::duration limit = 120s) {
+    auto deadline = Clock::now() + limit;
+    while (read_some(deadline)) {
+    }
+    Outcome run;
+    int status = 0;
+    if (Clock::now() >= deadline) {
+      ::kill(pid_, SIGKILL);
+      ADD_FAILURE() << "loomrun did not finish in time; output so far:\n" << output_;
+    }
+    ::waitpid(pid_, &status, 0);
+    run.took = Clock::now() - start_;
+    run.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    run.output = output_;
+    return run;
+  }
+
+ private:
+  bool read_some(Clock::time_point deadline) {
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{out_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left)) <= 0) return false;
+    char buf[4096];
+    ssize_t n = ::read(out_, buf, sizeof buf);
+    if (n <= 0) return false;
+    output_.append(buf, static_cast<size_t>(n));
+    return true;
+  }
+
+  pid_t pid_ = -1;
+  int out_ = -1;
+  std::string output_;
+  Clock::time_point start_;
+};
+
+Outcome loomrun(std::vector<std::string> args) { return Loomrun(std::move(args)).finish(); }
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+class LoomrunTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(program("LOOMRUN").empty()) << "set LOOMRUN to the loomrun binary (meson test does)";
+    ASSERT_FALSE(program("RANK_ECHO").empty()) << "set RANK_ECHO to the rank_echo binary (meson test does)";
+  }
+  std::string echo = program("RANK_ECHO");
+};
+
+TEST_F(LoomrunTest, PrefixesEachRanksOutputAndSetsTheEnvironment) {
+  Outcome run = loomrun({"--nproc-per-node", "3", echo});
+  EXPECT_EQ(run.code, 0) << run.output;
+  for (int r = 0; r < 3; ++r) {
+    std::string k = std::to_string(r);
+    EXPECT_TRUE(contains(run.output, "[rank " + k + "] rank=" + k + " world=3 local=" + k + "/3 master=127.0.0.1:"))
+        << run.output;
+    EXPECT_TRUE(contains(run.output, "[rank " + k + "] stderr of " + k + "\n")) << run.output;
+  }
+}
+
+TEST_F(LoomrunTest, RanksMeetThroughTheRendezvousStore) {
+  Outcome run = loomrun({"--nproc-per-node", "3", echo, "--store"});
+  EXPECT_EQ(run.code, 0) << run.output;
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(contains(run.output, "[rank " + std::to_string(r) + "] joined 3")) << run.output;
+}
+
+TEST_F(LoomrunTest, AFailingRankStopsTheOthersAndGivesItsExitCode) {
+  Outcome run = loomrun({"--nproc-per-node", "3", echo, "--fail-rank", "1", "--code", "3", "--sleep", "60"});
+  EXPECT_EQ(run.code, 3) << run.output;
+  EXPECT_TRUE(contains(run.output, "[rank 1] rank 1 failing now")) << run.output;
+  EXPECT_TRUE(contains(run.output, "loomrun: rank 1 (pid ")) << run.output;
+  EXPECT_TRUE(contains(run.output, ") exited with code 3; stopping the other 2 ranks")) << run.output;
+  EXPECT_LT(run.took, 20s) << "the others were not stopped promptly";
+}
+
+TEST_F(LoomrunTest, ARankKilledBySignalGives128PlusTheSignal) {
+  Outcome run = loomrun({"--nproc-per-node", "3", echo, "--kill-rank", "2", "--sleep", "60"});
+  EXPECT_EQ(run.code, 128 + SIGKILL) << run.output;
+  EXPECT_TRUE(contains(run.output, "was killed by signal 9")) << run.output;
+  EXPECT_LT(run.took, 20s);
+}
+
+TEST_F(LoomrunTest, RanksIgnoringSigtermAreKilledAfterTheGracePeriod) {
+  Outcome run = loomrun({"--nproc-per-node", "2", echo, "--fail-rank", "0", "--code", "5", "--ignore-term", "--sleep", "60"});
+  EXPECT_EQ(run.code, 5) << run.output;
+  EXPECT_TRUE(contains(run.output, "sending SIGKILL")) << run.output;
+  EXPECT_GE(run.took, 4s);
+  EXPECT_LT(run.took, 40s);
+}
+
+TEST_F(LoomrunTest, CtrlCIsPassedToTheRanks) {
+  Loomrun run({"--nproc-per-node", "3", echo, "--sleep", "60"});
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(run.read_until("[rank " + std::to_string(r) + "] rank="));
+  ::kill(run.pid(), SIGINT);
+  Outcome done = run.finish();
+  EXPECT_EQ(done.code, 128 + SIGINT) << done.output;
+  EXPECT_TRUE(contains(done.output, "passing it to 3 ranks")) << done.output;
+  EXPECT_FALSE(contains(done.output, "sending SIGKILL")) << done.output;
+}
+
+TEST_F(LoomrunTest, ABusyMasterPortIsNamedBeforeAnyRankStarts) {
+  net::Fd taken = net::listen_tcp(0, "127.0.0.1");
+  std::string port = std::to_string(net::bound_port(taken.get()));
+  Outcome run = loomrun({"--nproc-per-node", "3", "--master-port", port, echo});
+  EXPECT_EQ(run.code, 1) << run.output;
+  EXPECT_TRUE(contains(run.output, "MASTER_PORT " + port + " on 127.0.0.1 is already in use")) << run.output;
+  EXPECT_TRUE(contains(run.output, "pick another with --master-port")) << run.output;
+  EXPECT_FALSE(contains(run.output, "[rank ")) << run.output;
+}
+
+TEST_F(LoomrunTest, BadCommandLinesNameTheFlag) {
+  struct Case {
+    std::vector<std::string> args;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{"--nproc-per-node", "x", "prog"}, "--nproc-per-node expects a number of ranks >= 1 or 'auto', got 'x'"},
+      {{"--nproc-per-node", "0", "prog"}, "--nproc-per-node expects a number of ranks >= 1 or 'auto', got '0'"},
+      {{"--nproc-per-node"}, "--nproc-per-node expects a value, got nothing"},
+      {{"--bogus", "prog"}, "unknown flag '--bogus'"},
+      {{"--nnodes", "2", "prog"}, "--nnodes 2 needs --master-addr and --master-port"},
+      {{"--nnodes", "2", "--node-rank", "2", "prog"}, "--node-rank 2 is not below --nnodes 2"},
+      {{"--master-port", "99999", "prog"}, "--master-port expects a TCP port number 1-65535, got '99999'"},
+      {{}, "no program given"},
+  };
+  for (const auto& c : cases) {
+    Outcome run = loomrun(c.args);
+    EXPECT_EQ(run.code, 2) << c.message << "\n" << run.output;
+    EXPECT_TRUE(contains(run.output, c.message)) << "expected \"" << c.message << "\" in:\n" << run.output;
+    EXPECT_TRUE(contains(run.output, "loomrun --help")) << run.output;
+  }
+}
+
+TEST_F(LoomrunTest, AMissingProgramIsNamed) {
+  Outcome run = loomrun({"--nproc-per-node", "2", "no-such-program-loom"});
+  EXPECT_EQ(run.code, 127) << run.output;
+  EXPECT_TRUE(contains(run.output, "cannot run 'no-such-program-loom': not found in PATH")) << run.output;
+}
+
+TEST_F(LoomrunTest, HelpDocumentsTheFlagsAndTheEnvironment) {
+  Outcome run = loomrun({"--help"});
+  EXPECT_EQ(run.code, 0);
+  for (const char* text : {"--nproc-per-node N|auto", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                           "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "at most 4", "128+N"})
+    EXPECT_TRUE(contains(run.output, text)) << "--help does not mention " << text;
+}
+
+}  // namespace
+}  // namespace loom::dist
