@@ -91,7 +91,15 @@ void Event::wait_on(StreamHandle stream) const {
   LOOM_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_), 0));
 }
 void Event::synchronize() const { LOOM_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(event_))); }
-bool Event::query() const { return cudaEventQuery(static_cast<cudaEvent_t>(event_)) == cudaSuccess; }
+bool Event::query() const {
+  cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  if (status == cudaErrorNotReady) {
+    cudaGetLastError();  // "not ready" is an answer, not an error to leave behind
+    return false;
+  }
+  LOOM_CUDA(status);
+  return true;
+}
 float Event::elapsed_ms_since(const Event& start) const {
   float ms = 0;
   LOOM_CUDA(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start.event_), static_cast<cudaEvent_t>(event_)));

@@ -56,8 +56,14 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, Shape shape, Shape
   return Tensor(std::move(impl));
 }
 
-int64_t Tensor::size(int d) const { return shape()[wrap_dim(d, dim(), "size")]; }
-int64_t Tensor::stride(int d) const { return strides()[wrap_dim(d, dim(), "stride")]; }
+int64_t Tensor::size(int d) const {
+  LOOM_CHECK(dim() > 0, "size(", d, ") of a 0-d tensor: it has no dimensions");
+  return shape()[wrap_dim(d, dim(), "size")];
+}
+int64_t Tensor::stride(int d) const {
+  LOOM_CHECK(dim() > 0, "stride(", d, ") of a 0-d tensor: it has no dimensions");
+  return strides()[wrap_dim(d, dim(), "stride")];
+}
 int64_t Tensor::numel() const { return shape_numel(shape()); }
 
 bool Tensor::is_contiguous() const {

@@ -179,8 +179,10 @@ void Launcher::pump(Stream& s, const std::string& prefix) {
 }
 
 void Launcher::stop(int sig) {
+  // The whole group, so helpers a rank started stop too. Only groups of ranks not yet
+  // reaped: a reaped leader's number may already belong to some other process group.
   for (const Rank& r : ranks_)
-    if (r.pid > 0) ::kill(-r.pid, sig);  // the whole group: helpers the rank started, too
+    if (r.running) ::kill(-r.pid, sig);
   if (!stopping_) kill_at_ = Clock::now() + o_.grace;
   stopping_ = true;
 }

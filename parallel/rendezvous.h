@@ -5,7 +5,8 @@
 // and then Slurm's (SLURM_PROCID, ...) are read instead, so `mpirun` and `srun` launch
 // Loom programs unchanged (they do not give a master address and port: pass
 // `-x MASTER_ADDR=... -x MASTER_PORT=...` to mpirun; under srun MASTER_ADDR defaults to
-// SLURM_LAUNCH_NODE_IPADDR).
+// SLURM_LAUNCH_NODE_IPADDR, the node that ran srun, which hosts rank 0 under Slurm's default
+// block distribution; set MASTER_ADDR where that does not hold).
 //
 // The environment is read through an EnvLookup so tests can feed made-up environments.
 #pragma once

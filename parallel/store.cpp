@@ -36,7 +36,7 @@ Bytes Store::get(const std::string& key) { return get(key, timeout_); }
 
 Bytes Store::get(const std::string& key, Duration timeout) {
   check_key(key);
-  return get_impl(key, timeout);
+  return get_impl(key, bounded(timeout));
 }
 
 std::string Store::get_string(const std::string& key) {
@@ -53,7 +53,7 @@ void Store::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
 
 void Store::wait(const std::vector<std::string>& keys, Duration timeout) {
   check_keys(keys);
-  if (!keys.empty()) wait_impl(keys, timeout);
+  if (!keys.empty()) wait_impl(keys, bounded(timeout));
 }
 
 bool Store::check(const std::vector<std::string>& keys) {

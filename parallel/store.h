@@ -8,10 +8,14 @@
 //
 //   TcpStore  rank 0 serves the keys from a background thread; every rank, rank 0
 //             included, talks to it over one TCP connection. For jobs on several nodes.
+//             Like c10d's, it listens on every interface and has no authentication:
+//             anyone who reaches MASTER_PORT can read and write keys, so keep jobs on
+//             trusted networks.
 //   FileStore records appended, under flock, to a file every process can see (a local
 //             disk, or a shared file system). For single-node jobs and tests.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -38,7 +42,7 @@ class Store {
   // c10d's default: long enough for the slowest rank to load its data before a barrier.
   static constexpr Duration kDefaultTimeout = std::chrono::seconds(300);
 
-  explicit Store(Duration timeout) : timeout_(timeout) {}
+  explicit Store(Duration timeout) : timeout_(bounded(timeout)) {}
   virtual ~Store() = default;
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
@@ -61,7 +65,11 @@ class Store {
   bool delete_key(const std::string& key);
 
   Duration timeout() const { return timeout_; }
-  void set_timeout(Duration timeout) { timeout_ = timeout; }
+  void set_timeout(Duration timeout) { timeout_ = bounded(timeout); }
+  // Timeouts are kept within [0, one year], so deadlines computed from them cannot overflow.
+  static Duration bounded(Duration timeout) {
+    return std::clamp(timeout, Duration::zero(), Duration(std::chrono::hours(24 * 365)));
+  }
   // "TcpStore at 10.0.0.1:29500", "FileStore at /tmp/x": for messages.
   virtual std::string describe() const = 0;
 

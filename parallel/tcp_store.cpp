@@ -87,7 +87,7 @@ TcpStore::TcpStore(std::string host, int port, Role role, Duration timeout)
   }
   connection_ = std::make_unique<Connection>();
   connection_->name = describe();
-  connection_->fd = net::connect_tcp(host_, port_, timeout);
+  connection_->fd = net::connect_tcp(host_, port_, this->timeout());
 }
 
 TcpStore::~TcpStore() = default;

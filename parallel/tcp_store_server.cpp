@@ -210,7 +210,8 @@ void TcpStoreServer::handle(Client& client, std::string_view body) {
   wire::Writer out;
   auto park = [&](std::vector<std::string> keys, int64_t timeout_ms) {
     client.parked = true;
-    waiters_.push_back({client.fd.get(), op, std::move(keys), Clock::now() + std::chrono::milliseconds(timeout_ms)});
+    auto wait = Store::bounded(Duration(timeout_ms));  // a peer's number: keep the deadline finite
+    waiters_.push_back({client.fd.get(), op, std::move(keys), Clock::now() + wait});
   };
   switch (op) {
     case Op::set: {

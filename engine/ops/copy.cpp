@@ -50,6 +50,8 @@ void raw_copy(const Tensor& dst, const Tensor& src) {
 void copy_(const Tensor& dst, const Tensor& src) {
   ops::check_defined(dst, "copy_", "dst");
   ops::check_defined(src, "copy_", "src");
+  LOOM_CHECK(!(grad_enabled() && dst.requires_grad()),
+             "copy_ into a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
   Shape bshape = broadcast_shapes(dst.shape(), src.shape());
   LOOM_CHECK(bshape == dst.shape(), "copy_: source of shape ", shape_str(src.shape()),
              " does not broadcast to the destination's shape ", shape_str(dst.shape()));

@@ -83,6 +83,10 @@ Tensor Tensor::permute(const std::vector<int>& dims) const {
 }
 
 Tensor Tensor::transpose(int d0, int d1) const {
+  if (dim() == 0) {
+    wrap_dim(d0, 0, "transpose"), wrap_dim(d1, 0, "transpose");
+    return *this;
+  }
   std::vector<int> dims(dim());
   std::iota(dims.begin(), dims.end(), 0);
   std::swap(dims[wrap_dim(d0, dim(), "transpose")], dims[wrap_dim(d1, dim(), "transpose")]);
@@ -90,6 +94,7 @@ Tensor Tensor::transpose(int d0, int d1) const {
 }
 
 Tensor Tensor::slice(int d, int64_t start, int64_t end, int64_t step) const {
+  LOOM_CHECK(dim() > 0, "slice of a 0-d tensor: it has no dimension to slice");
   d = wrap_dim(d, dim(), "slice");
   int64_t n = shape()[d];
   LOOM_CHECK(step > 0, "slice: step must be positive, got ", step);
@@ -113,6 +118,7 @@ Tensor Tensor::slice(int d, int64_t start, int64_t end, int64_t step) const {
 }
 
 Tensor Tensor::select(int d, int64_t index) const {
+  LOOM_CHECK(dim() > 0, "select of a 0-d tensor: it has no dimension to index");
   d = wrap_dim(d, dim(), "select");
   int64_t n = shape()[d];
   LOOM_CHECK(index >= -n && index < n, "select: index ", index, " is out of range for dim ", d, " of size ", n);
@@ -147,6 +153,7 @@ Tensor Tensor::expand(const Shape& shape) const {
 
 Tensor Tensor::squeeze(int d) const {
   d = wrap_dim(d, dim(), "squeeze");
+  if (dim() == 0) return *this;
   if (shape()[d] != 1) return *this;
   Shape shape = this->shape(), strides = this->strides();
   shape.erase(shape.begin() + d);
@@ -188,6 +195,7 @@ Tensor Tensor::flatten(int start_dim, int end_dim) const {
 Tensor cat(const TensorList& tensors, int dim) {
   LOOM_CHECK(!tensors.empty(), "cat: needs at least one tensor");
   const Tensor& first = tensors[0];
+  LOOM_CHECK(first.dim() > 0, "cat of 0-d tensors: use stack to join scalars");
   int d = wrap_dim(dim, first.dim(), "cat");
   Shape shape = first.shape();
   DType dtype = first.dtype();
@@ -244,6 +252,7 @@ Tensor stack(const TensorList& tensors, int dim) {
 }
 
 TensorList split(const Tensor& t, int64_t split_size, int dim) {
+  LOOM_CHECK(t.dim() > 0, "split of a 0-d tensor: it has no dimension to split");
   int d = wrap_dim(dim, t.dim(), "split");
   LOOM_CHECK(split_size > 0, "split: split_size must be positive, got ", split_size);
   TensorList parts;

@@ -12,8 +12,9 @@
 //
 // Semantics the table leaves open, shared with the CUDA kernels:
 // - Integer arithmetic wraps (two's complement). Integer division truncates toward zero;
-//   x / 0 is defined as 0 and MIN / -1 as MIN. pow is not defined for integers.
-// - The *_scalar ops on integers take an integral scalar.
+//   x / 0 is defined as 0 and MIN / -1 as MIN; x^p for p < 0 is 1 / x^-p under that rule.
+// - The *_scalar ops on integers take an integral scalar, converted as an integer would be
+//   (it wraps: u8 x + -1 is x - 1).
 // - Float to integer truncates toward zero, saturates at the type's range, and maps NaN
 //   to 0; integer to integer wraps; f64 to bf16/f16 rounds once (nearest even), not via f32.
 // - maximum/minimum propagate NaN; relu and sign keep it.
@@ -168,13 +169,8 @@ void unary(UnaryOp op, const Strided& out, const Strided& in, double param, Stre
         const A p = A(param);
         apply<T, T>([p](T x) { return T(unary_float<o>(A(x), p)); }, out, in);
       } else if constexpr (integer_ok(o)) {
-        LOOM_CHECK(param == std::trunc(param), "unary ", op_name(o), " on ", dtype_name(in.dtype),
-                   " needs an integral scalar, got ", param);
-        const T p = convert<T>(param);
+        const T p = integer_scalar<T>(o, param, in.dtype);
         apply<T, T>([p](T x) { return unary_int<o>(x, p); }, out, in);
-      } else if constexpr (o == UnaryOp::pow_scalar) {
-        LOOM_FAIL("unary pow_scalar is not supported for integer dtype ", dtype_name(in.dtype),
-                  ": convert to a floating dtype first");
       } else {
         LOOM_FAIL("unary ", op_name(o), " needs a floating-point dtype, got ", dtype_name(in.dtype));
       }
@@ -204,10 +200,7 @@ void binary(BinaryOp op, const Strided& out, const Strided& a, const Strided& b,
     using A = acc_t<T>;
     with_op(op, [&](auto c) {
       constexpr BinaryOp o = decltype(c)::value;
-      if constexpr (o == BinaryOp::pow && std::is_integral_v<T>) {
-        LOOM_FAIL("binary pow is not supported for integer dtype ", dtype_name(a.dtype),
-                  ": convert to a floating dtype first");
-      } else if constexpr (is_comparison(o)) {
+      if constexpr (is_comparison(o)) {
         apply<uint8_t, T, T>([](T x, T y) { return binary_math<o>(A(x), A(y)); }, out, a, b);
       } else {
         apply<T, T, T>([](T x, T y) { return T(binary_math<o>(A(x), A(y))); }, out, a, b);

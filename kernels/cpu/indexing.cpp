@@ -42,7 +42,9 @@ void add_into(T& dst, T v) {
 }
 
 // Grain that gives each task at least ~32k elements of work.
-int64_t grain_for(int64_t work_per_item) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(work_per_item, 1)); }
+int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(work_per_item, 1));
+}
 
 }  // namespace
 

@@ -298,12 +298,7 @@ void unary(UnaryOp op, const Strided& out, const Strided& in, double param, Stre
       if constexpr (!std::is_integral_v<T>) {
         launch<T, T>(as_cuda(stream), UnaryFn<o, T>{acc_t<T>(param)}, out, in);
       } else if constexpr (integer_ok(o)) {
-        LOOM_CHECK(param == std::trunc(param), "unary ", op_name(o), " on ", dtype_name(in.dtype),
-                   " needs an integral scalar, got ", param);
-        launch<T, T>(as_cuda(stream), UnaryFn<o, T>{convert<T>(param)}, out, in);
-      } else if constexpr (o == UnaryOp::pow_scalar) {
-        LOOM_FAIL("unary pow_scalar is not supported for integer dtype ", dtype_name(in.dtype),
-                  ": convert to a floating dtype first");
+        launch<T, T>(as_cuda(stream), UnaryFn<o, T>{integer_scalar<T>(o, param, in.dtype)}, out, in);
       } else {
         LOOM_FAIL("unary ", op_name(o), " needs a floating-point dtype, got ", dtype_name(in.dtype));
       }
@@ -333,13 +328,8 @@ void binary(BinaryOp op, const Strided& out, const Strided& a, const Strided& b,
     using T = decltype(t);
     with_op(op, [&](auto c) {
       constexpr BinaryOp o = decltype(c)::value;
-      if constexpr (o == BinaryOp::pow && std::is_integral_v<T>) {
-        LOOM_FAIL("binary pow is not supported for integer dtype ", dtype_name(a.dtype),
-                  ": convert to a floating dtype first");
-      } else {
-        using O = std::conditional_t<is_comparison(o), uint8_t, T>;
-        launch<O, T, T>(as_cuda(stream), BinaryFn<o, T>{}, out, a, b);
-      }
+      using O = std::conditional_t<is_comparison(o), uint8_t, T>;
+      launch<O, T, T>(as_cuda(stream), BinaryFn<o, T>{}, out, a, b);
     });
   });
 }

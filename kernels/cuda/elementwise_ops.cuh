@@ -4,6 +4,7 @@
 // side by side; the semantics both follow are listed at the top of kernels/cpu/elementwise.cpp.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -74,6 +75,20 @@ __device__ __forceinline__ T int_div(T a, T b) {
   }
   return T(a / b);
 }
+// x^p by repeated squaring, wrapping. A negative p gives 1 / x^-p under the division
+// above: 1 or -1 for x = 1 or -1, else 0 (x = 0 included, as x / 0 is 0).
+template <class T>
+__device__ __forceinline__ T int_pow(T x, T p) {
+  if constexpr (std::is_signed_v<T>) {
+    if (p < 0) return x == 1 ? T(1) : (x == -1 ? T(p % 2 == 0 ? 1 : -1) : T(0));
+  }
+  T r = T(1);
+  for (; p != T(0); p /= T(2)) {
+    if (p % T(2) != T(0)) r = wrap_mul(r, x);
+    x = wrap_mul(x, x);
+  }
+  return r;
+}
 template <class T>
 __device__ __forceinline__ bool is_nan(T v) {
   if constexpr (std::is_integral_v<T>) return false;
@@ -89,9 +104,19 @@ inline const char* op_name(UnaryOp op) {
   return names[int(op)];
 }
 
+// The scalar of an integer *_scalar op: it must be whole, and converts as an integer
+// would (saturating to i64, then wrapping to T).
+template <class T>
+T integer_scalar(UnaryOp op, double param, DType dtype) {
+  LOOM_CHECK(param == std::trunc(param), "unary ", op_name(op), " on ", dtype_name(dtype),
+             " needs an integral scalar, got ", param);
+  return T(convert<int64_t>(param));
+}
+
 constexpr bool integer_ok(UnaryOp op) {
   return op == UnaryOp::neg || op == UnaryOp::abs || op == UnaryOp::sign || op == UnaryOp::add_scalar ||
-         op == UnaryOp::mul_scalar || op == UnaryOp::rsub_scalar || op == UnaryOp::rdiv_scalar;
+         op == UnaryOp::mul_scalar || op == UnaryOp::pow_scalar || op == UnaryOp::rsub_scalar ||
+         op == UnaryOp::rdiv_scalar;
 }
 
 template <UnaryOp O> using UnaryC = std::integral_constant<UnaryOp, O>;
@@ -177,6 +202,7 @@ __device__ __forceinline__ T unary_int(T x, T p) {
   else if constexpr (op == UnaryOp::sign) return x > T(0) ? T(1) : (x == T(0) ? T(0) : T(-1));
   else if constexpr (op == UnaryOp::add_scalar) return wrap_add(x, p);
   else if constexpr (op == UnaryOp::mul_scalar) return wrap_mul(x, p);
+  else if constexpr (op == UnaryOp::pow_scalar) return int_pow(x, p);
   else if constexpr (op == UnaryOp::rsub_scalar) return wrap_sub(p, x);
   else return int_div(p, x);  // rdiv_scalar
 }
@@ -212,6 +238,7 @@ __device__ __forceinline__ auto binary_math(T a, T b) {
   else if constexpr (std::is_integral_v<T> && op == BinaryOp::sub) return wrap_sub(a, b);
   else if constexpr (std::is_integral_v<T> && op == BinaryOp::mul) return wrap_mul(a, b);
   else if constexpr (std::is_integral_v<T> && op == BinaryOp::div) return int_div(a, b);
+  else if constexpr (std::is_integral_v<T> && op == BinaryOp::pow) return int_pow(a, b);
   else if constexpr (op == BinaryOp::add) return T(a + b);
   else if constexpr (op == BinaryOp::sub) return T(a - b);
   else if constexpr (op == BinaryOp::mul) return T(a * b);

@@ -13,9 +13,13 @@
 // kept for the life of the process (destroying them at exit would race the CUDA
 // runtime's own teardown). This is the one place kernels allocate device memory: cuBLAS
 // needs a workspace, and handing it a fixed one keeps cuBLAS from allocating behind our
-// back (which also keeps calls graph-capturable once the handle exists). The handle is shared by every host thread, so setting
-// its stream and workspace and issuing the product are done under a per-device lock;
-// cublasSetStream also resets the workspace, hence cublasSetWorkspace on every call.
+// back (which also keeps calls graph-capturable once the handle exists). The handle is
+// shared by every host thread, so setting its stream and workspace and issuing the
+// product happen under a per-device lock; cublasSetStream also resets the workspace,
+// hence cublasSetWorkspace on every call. The workspace is one per device, not one per
+// stream: two products running at once on two streams of one device could both use it,
+// so a device's products belong on one stream at a time (per-stream workspaces would be
+// the change to make here if that ever stops holding).
 #include <cublas_v2.h>
 
 #include <algorithm>

@@ -116,7 +116,8 @@ template <int kGroup, class V, class Op> __device__ __forceinline__ V group_redu
   return v;
 }
 
-template <ReduceOp op, class T, class A> __device__ __forceinline__ void store(void* out, int64_t j, State<A> s, int64_t R) {
+template <ReduceOp op, class T, class A>
+__device__ __forceinline__ void store(void* out, int64_t j, State<A> s, int64_t R) {
   if constexpr (is_arg(op)) static_cast<int64_t*>(out)[j] = s.i;
   else if constexpr (op == ReduceOp::mean) static_cast<T*>(out)[j] = from_acc<T>(s.v / A(R));
   else static_cast<T*>(out)[j] = from_acc<T>(s.v);
@@ -223,7 +224,8 @@ void reduce_typed(void* out, const T* in, int64_t outer, int64_t R, int64_t inne
     slot = int(g_next_slot.fetch_add(1, std::memory_order_relaxed) % kSlots);
   };
   if (inner == 1 && R > 32 && R <= kWarpRowMax) {
-    reduce_rows_kernel<T, op, 32><<<blocks_for(outer, kThreads / 32), kThreads, 0, stream>>>(out, in, outer, R, 1, R, 0);
+    reduce_rows_kernel<T, op, 32>
+        <<<blocks_for(outer, kThreads / 32), kThreads, 0, stream>>>(out, in, outer, R, 1, R, 0);
     LOOM_CUDA_LAUNCH();
     return;
   }

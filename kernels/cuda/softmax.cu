@@ -43,13 +43,14 @@ template <class A> __device__ __forceinline__ A log_acc(A x) {
 template <class A> __device__ __forceinline__ A neg_inf() { return -std::numeric_limits<A>::infinity(); }
 
 // Running max m and sum s of exp(x - m). A row of -inf keeps (-inf, 0) and its softmax is
-// NaN, as on the CPU; a NaN makes s NaN.
+// NaN, as on the CPU; a NaN or a +inf makes s NaN (a new maximum adds exp(x - x): 1, or NaN
+// for +inf), so such rows are NaN throughout, as on the CPU and in PyTorch.
 template <class A> struct MaxSum {
   A m, s;
 };
 
 template <class A> __device__ __forceinline__ MaxSum<A> push(MaxSum<A> a, A x) {
-  if (x > a.m) return {x, a.s * exp_acc(a.m - x) + A(1)};
+  if (x > a.m) return {x, a.s * exp_acc(a.m - x) + exp_acc(x - x)};
   if (x != neg_inf<A>()) a.s += exp_acc(x - a.m);
   return a;
 }
@@ -105,7 +106,8 @@ template <int kGroup, int kThreads> __device__ __forceinline__ int64_t row_step(
 }
 
 template <class T, int kGroup, int kThreads>
-__global__ void __launch_bounds__(kThreads) softmax_rows_kernel(T* out, const T* in, int64_t rows, int64_t R, bool log) {
+__global__ void __launch_bounds__(kThreads)
+    softmax_rows_kernel(T* out, const T* in, int64_t rows, int64_t R, bool log) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % kGroup;
   for (int64_t row = first_row<kGroup, kThreads>(); row < rows; row += row_step<kGroup, kThreads>()) {

@@ -133,15 +133,15 @@ TEST(AllocatorCuda, RecordStreamDelaysReuseUntilTheOtherStreamIsDone) {
     memory::record_stream(kGpu, p, side.handle());
     memory::release(kGpu, p);  // side may still be using p
     side_done.record(side.handle());
-    EXPECT_FALSE(side_done.query()) << "the gate should hold the side stream";
     MemoryStats s1 = memory::stats(kGpu);
     void* q = memory::allocate(kGpu, n);
     EXPECT_NE(q, p) << "a block must not be reused while another stream's work on it is pending";
     EXPECT_EQ(memory::stats(kGpu).num_allocs, s1.num_allocs + 1);
+    EXPECT_FALSE(side_done.query()) << "the gate should hold the side stream";
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a not-ready query must leave no error for the next launch check";
     gate.open();
     side_done.synchronize();
     EXPECT_TRUE(side_done.query());
-    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a not-ready query must leave no error for the next launch check";
     MemoryStats s2 = memory::stats(kGpu);
     void* r = memory::allocate(kGpu, n);
     EXPECT_EQ(r, p) << "once the side stream is done the block is reusable";

@@ -13,12 +13,12 @@
 namespace loom::test {
 namespace {
 
-struct Run {
+struct Result {
   Tensor out;
   TensorList grads;
 };
 
-Run run(const OpCase& c, const TensorList& base, DType dtype, Device device) {
+Result run(const OpCase& c, const TensorList& base, DType dtype, Device device) {
   TensorList inputs;
   for (const Tensor& b : base) {
     Tensor t = b.to(dtype).to(device);
@@ -29,7 +29,7 @@ Run run(const OpCase& c, const TensorList& base, DType dtype, Device device) {
   manual_seed(11);
   Tensor weight = randn(out.shape(), DType::f32).to(out.dtype()).to(device);
   sum(mul(out, weight)).backward();
-  Run r{out.to(Device::cpu()).to(DType::f64), {}};
+  Result r{out.to(Device::cpu()).to(DType::f64), {}};
   for (const Tensor& t : inputs) r.grads.push_back(t.grad().to(Device::cpu()).to(DType::f64));
   return r;
 }
@@ -57,8 +57,8 @@ TEST_P(OpsCuda, MatchesCpu) {
   // The CPU reference runs in f64 on inputs already rounded to the tested dtype.
   TensorList rounded;
   for (const Tensor& b : base) rounded.push_back(b.to(d.dtype).to(DType::f64));
-  Run want = run(c, rounded, DType::f64, Device::cpu());
-  Run got = run(c, base, d.dtype, Device::cuda(0));
+  Result want = run(c, rounded, DType::f64, Device::cpu());
+  Result got = run(c, base, d.dtype, Device::cuda(0));
   expect_close(got.out, want.out, d.tol, c.name + " output");
   for (size_t k = 0; k < got.grads.size(); ++k)
     expect_close(got.grads[k], want.grads[k], d.tol * 2, c.name + " grad of input " + std::to_string(k));

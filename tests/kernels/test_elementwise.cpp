@@ -203,6 +203,9 @@ TEST(ElementwiseCpu, UnaryOnIntegersWrapsAndDividesTowardZero) {
       {UnaryOp::mul_scalar, -2, {-7, 0, 5}, {14, 0, -10}},
       {UnaryOp::rsub_scalar, 1, {-7, 0, 5}, {8, 1, -4}},
       {UnaryOp::rdiv_scalar, 7, {-2, 0, 2, 8}, {-3, 0, 3, 0}},
+      {UnaryOp::pow_scalar, 3, {-3, 0, 2, 5}, {-27, 0, 8, 125}},
+      {UnaryOp::pow_scalar, 0, {-3, 0, 2}, {1, 1, 1}},
+      {UnaryOp::pow_scalar, -1, {-1, 1, 2, 0}, {-1, 1, 0, 0}},  // 1 / x^1, and x / 0 is 0
   };
   for (const Case& c : cases) {
     Buffer in(DType::i32, c.in), out(DType::i32, int64_t(c.in.size()));
@@ -213,13 +216,16 @@ TEST(ElementwiseCpu, UnaryOnIntegersWrapsAndDividesTowardZero) {
   cpu::unary(UnaryOp::neg, uo.flat(), u.flat(), 0, nullptr);
   EXPECT_EQ(uo.get(1), 255);
   EXPECT_EQ(uo.get(2), 56);
+  cpu::unary(UnaryOp::add_scalar, uo.flat(), u.flat(), -1, nullptr);  // the scalar wraps too
+  EXPECT_EQ(uo.get(0), 255);
+  EXPECT_EQ(uo.get(2), 199);
 }
 
-TEST(ElementwiseCpu, UnaryRejectsFloatingOnlyOpsAndBadScalarsOnIntegers) {
+TEST(ElementwiseCpu, UnaryRejectsFloatingOnlyOpsAndFractionalScalarsOnIntegers) {
   Buffer in(DType::i64, {1, 2}), out(DType::i64, 2);
   EXPECT_THROW(cpu::unary(UnaryOp::exp, out.flat(), in.flat(), 0, nullptr), Error);
-  EXPECT_THROW(cpu::unary(UnaryOp::pow_scalar, out.flat(), in.flat(), 2, nullptr), Error);
   EXPECT_THROW(cpu::unary(UnaryOp::add_scalar, out.flat(), in.flat(), 0.5, nullptr), Error);
+  EXPECT_THROW(cpu::unary_backward(UnaryOp::neg, out.flat(), in.flat(), in.flat(), in.flat(), 0, nullptr), Error);
 }
 
 // ---- binary -------------------------------------------------------------------------
@@ -266,7 +272,7 @@ TEST(ElementwiseCpu, BinaryMatchesFormula) {
 TEST(ElementwiseCpu, BinaryOnIntegersIsExact) {
   for (DType t : {DType::i32, DType::i64, DType::u8}) {
     for (const BinaryCase& c : kBinaryCases) {
-      if (c.op == BinaryOp::pow || c.op == BinaryOp::div) continue;
+      if (c.op == BinaryOp::pow || c.op == BinaryOp::div) continue;  // tested on their own below
       SCOPED_TRACE(::testing::Message() << c.name << " " << dtype_name(t));
       std::vector<double> av = {0, 1, 2, 3, 7, 9, 10}, bv = {0, 2, 2, 1, 9, 3, 10};
       Buffer a(t, av), b(t, bv), out(is_comparison(c.op) ? DType::u8 : t, 7);
@@ -291,8 +297,25 @@ TEST(ElementwiseCpu, IntegerDivisionTruncatesTowardZeroAndGivesZeroForZeroDiviso
     const double want[] = {3, -3, -3, 3, 0, t == DType::i32 ? kMin : -kMin, 0};
     for (int64_t i = 0; i < 7; ++i) EXPECT_EQ(out.get(i), want[i]) << dtype_name(t) << " element " << i;
   }
-  Buffer a(DType::i32, {1}), out(DType::i32, 1);
-  EXPECT_THROW(cpu::binary(BinaryOp::pow, out.flat(), a.flat(), a.flat(), nullptr), Error);
+}
+
+TEST(ElementwiseCpu, IntegerPowWrapsAndTakesNegativeExponentsAsReciprocals) {
+  struct Case {
+    DType dtype;
+    std::vector<double> a, b, want;
+  };
+  const Case cases[] = {
+      {DType::i32, {2, -3, 7, 0, 0, 1, -1, -1, 2, 10}, {10, 3, 0, 0, -1, -5, -3, -4, -1, 10},
+       {1024, -27, 1, 1, 0, 1, -1, 1, 0, 1410065408}},  // 10^10 wraps modulo 2^32
+      {DType::i64, {10, -2}, {10, 63}, {1e10, -9223372036854775808.0}},
+      {DType::u8, {2, 3, 0}, {8, 5, 0}, {0, 243, 1}},
+  };
+  for (const Case& c : cases) {
+    const int64_t n = int64_t(c.a.size());
+    Buffer a(c.dtype, c.a), b(c.dtype, c.b), out(c.dtype, n);
+    cpu::binary(BinaryOp::pow, out.flat(), a.flat(), b.flat(), nullptr);
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(out.get(i), c.want[size_t(i)]) << dtype_name(c.dtype) << " " << i;
+  }
 }
 
 TEST(ElementwiseCpu, MaximumAndMinimumPropagateNaN) {

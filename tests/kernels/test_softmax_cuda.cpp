@@ -1,1 +1,290 @@
+// The CUDA softmax, log-softmax and cross-entropy kernels (forward and backward) against the
+// CPU ones on the same random inputs, over every launch path: a thread per (o, i) for short
+// or strided rows, a warp per row, a block per row (up to 2^20 + 3 long), in every float
+// dtype. A bad cross-entropy target traps the GPU context, so it is tested on the CPU only.
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/table.h"
+#include "tests/common/device_buffer.h"
+#include "tests/common/gpu.h"
+
+namespace loom {
+namespace {
+
+using test::DeviceBuffer;
+
+constexpr DType kDtypes[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
+
+struct Shape {
+  int64_t outer, R, inner;
+  int64_t numel() const { return outer * R * inner; }
+  std::string str() const {
+    std::ostringstream os;
+    os << "(" << outer << ", " << R << ", " << inner << ")";
+    return os.str();
+  }
+};
+
+const Shape kShapes[] = {
+    {4097, 10, 1},          // short rows: a thread per row
+    {2, 17, 1},             // the shortest warp rows
+    {1000, 1000, 1},        // a warp per row
+    {513, 1025, 1},         // a block per row
+    {1, (1 << 20) + 3, 1},  // one very long row
+    {3, 513, 1025},         // strided: a thread per (o, i)
+    {1, 100003, 3},         // few long strided rows
+    {7, 1, 5},
+    {1, 1, 1},
+};
+
+// Floats as raw bytes of any float dtype, and back.
+std::vector<uint8_t> encode(const std::vector<double>& v, DType dt) {
+  const size_t es = dtype_size(dt);
+  std::vector<uint8_t> b(v.size() * es);
+  for (size_t k = 0; k < v.size(); ++k) {
+    uint8_t* p = b.data() + k * es;
+    const float f = float(v[k]);
+    const bf16 h(f);
+    const f16 g(f);
+    switch (dt) {
+      case DType::f32: std::memcpy(p, &f, 4); break;
+      case DType::f64: std::memcpy(p, &v[k], 8); break;
+      case DType::bf16: std::memcpy(p, &h.bits, 2); break;
+      case DType::f16: std::memcpy(p, &g.bits, 2); break;
+      default: ADD_FAILURE() << "not a float dtype";
+    }
+  }
+  return b;
+}
+std::vector<double> decode(const std::vector<uint8_t>& b, DType dt) {
+  const size_t es = dtype_size(dt);
+  std::vector<double> v(b.size() / es);
+  for (size_t k = 0; k < v.size(); ++k) {
+    const uint8_t* p = b.data() + k * es;
+    float f;
+    bf16 h;
+    f16 g;
+    switch (dt) {
+      case DType::f32: std::memcpy(&f, p, 4), v[k] = f; break;
+      case DType::f64: std::memcpy(&v[k], p, 8); break;
+      case DType::bf16: std::memcpy(&h.bits, p, 2), v[k] = float(h); break;
+      case DType::f16: std::memcpy(&g.bits, p, 2), v[k] = float(g); break;
+      default: ADD_FAILURE() << "not a float dtype";
+    }
+  }
+  return v;
+}
+
+std::vector<double> random_values(int64_t n, uint32_t seed, double lo, double hi) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  std::vector<double> x(n);
+  for (auto& v : x) v = dist(gen);
+  return x;
+}
+
+// Relative error allowed per dtype: one unit in the last place of 16-bit outputs (plus a
+// little), f32 and f64 accumulation differences; and an absolute floor for f16 subnormals.
+double rtol(DType dt) {
+  return dt == DType::bf16 ? 1.0 / 64 : dt == DType::f16 ? 1.0 / 512 : dt == DType::f32 ? 3e-5 : 1e-12;
+}
+double atol(DType dt) { return dt == DType::f16 ? 1.2e-7 : 1e-30; }
+
+// |got - want| <= rtol * scale + atol, element by element; NaN matches NaN.
+void expect_close(const std::vector<double>& got, const std::vector<double>& want, const std::vector<double>& scale,
+                  DType dt) {
+  ASSERT_EQ(got.size(), want.size());
+  int bad = 0;
+  for (size_t k = 0; k < got.size() && bad < 5; ++k) {
+    if (std::isnan(got[k]) && std::isnan(want[k])) continue;
+    double tol = rtol(dt) * scale[k] + atol(dt);
+    if (!(std::abs(got[k] - want[k]) <= tol)) {
+      ++bad;
+      ADD_FAILURE() << "element " << k << ": cuda " << got[k] << ", cpu " << want[k] << " (tol " << tol << ")";
+    }
+  }
+}
+
+std::vector<double> abs_plus(const std::vector<double>& v, double c) {
+  std::vector<double> s(v.size());
+  for (size_t k = 0; k < v.size(); ++k) s[k] = std::abs(v[k]) + c;
+  return s;
+}
+
+TEST(SoftmaxCuda, ForwardMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  uint32_t seed = 1;
+  for (Shape s : kShapes)
+    for (DType dt : kDtypes)
+      for (bool log : {false, true}) {
+        SCOPED_TRACE(std::string(log ? "log_softmax " : "softmax ") + s.str() + " " + std::string(dtype_name(dt)));
+        auto in = encode(random_values(s.numel(), seed++, -4, 4), dt);
+        std::vector<uint8_t> cpu_out(in.size());
+        cpu_kernel_table().softmax(cpu_out.data(), in.data(), dt, s.outer, s.R, s.inner, log, nullptr);
+        DeviceBuffer<uint8_t> d_in(in), d_out(in.size());
+        cuda_kernel_table().softmax(d_out.get(), d_in.get(), dt, s.outer, s.R, s.inner, log, nullptr);
+        auto want = decode(cpu_out, dt);
+        // log_softmax values near 0 come from log(sum) near 0: an absolute term for them.
+        expect_close(decode(d_out.to_host(), dt), want, abs_plus(want, log ? 1.0 : 0.0), dt);
+      }
+}
+
+// Five rows of R: huge logits, masked (-inf) entries, fully masked (NaN on both devices),
+// all equal, and one +inf (NaN throughout on both devices).
+std::vector<double> extreme_rows(int64_t R) {
+  std::vector<double> x(5 * R);
+  for (int64_t r = 0; r < R; ++r) {
+    x[r] = 1000 + double(r % 7);
+    x[R + r] = r % 3 ? -INFINITY : double(r % 5);
+    x[2 * R + r] = -INFINITY;
+    x[3 * R + r] = 3;
+    x[4 * R + r] = r == R / 2 ? INFINITY : 1;
+  }
+  return x;
+}
+
+TEST(SoftmaxCuda, MaskedAndHugeLogitsMatchCpu) {
+  LOOM_REQUIRE_CUDA();
+  for (int64_t R : {int64_t(4), int64_t(40), int64_t(2000)}) {
+    // As (5, R, 1) rows, and the same bytes as (1, R, 5) columns.
+    for (Shape s : {Shape{5, R, 1}, Shape{1, R, 5}})
+      for (DType dt : kDtypes)
+        for (bool log : {false, true}) {
+          SCOPED_TRACE(s.str() + " " + std::string(dtype_name(dt)) + (log ? " log" : ""));
+          auto in = encode(extreme_rows(R), dt);
+          std::vector<uint8_t> cpu_out(in.size());
+          cpu_kernel_table().softmax(cpu_out.data(), in.data(), dt, s.outer, s.R, s.inner, log, nullptr);
+          DeviceBuffer<uint8_t> d_in(in), d_out(in.size());
+          cuda_kernel_table().softmax(d_out.get(), d_in.get(), dt, s.outer, s.R, s.inner, log, nullptr);
+          auto want = decode(cpu_out, dt), got = decode(d_out.to_host(), dt);
+          int bad = 0;
+          for (size_t k = 0; k < want.size() && bad < 5; ++k) {
+            bool ok = std::isnan(want[k]) ? std::isnan(got[k])
+                      : std::isinf(want[k]) ? got[k] == want[k]
+                                            : std::abs(got[k] - want[k]) <= rtol(dt) * (std::abs(want[k]) + 1);
+            if (!ok) ++bad, ADD_FAILURE() << "element " << k << ": cuda " << got[k] << ", cpu " << want[k];
+          }
+        }
+  }
+}
+
+TEST(SoftmaxCuda, BackwardMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  uint32_t seed = 100;
+  for (Shape s : kShapes)
+    for (DType dt : kDtypes)
+      for (bool log : {false, true}) {
+        SCOPED_TRACE(std::string(log ? "log_softmax " : "softmax ") + s.str() + " " + std::string(dtype_name(dt)));
+        auto x = encode(random_values(s.numel(), seed++, -4, 4), dt);
+        auto go = encode(random_values(s.numel(), seed++, -1, 1), dt);
+        std::vector<uint8_t> y(x.size()), cpu_gi(x.size());
+        cpu_kernel_table().softmax(y.data(), x.data(), dt, s.outer, s.R, s.inner, log, nullptr);
+        cpu_kernel_table().softmax_backward(cpu_gi.data(), go.data(), y.data(), dt, s.outer, s.R, s.inner, log,
+                                            nullptr);
+        DeviceBuffer<uint8_t> d_go(go), d_y(y), d_gi(x.size());
+        cuda_kernel_table().softmax_backward(d_gi.get(), d_go.get(), d_y.get(), dt, s.outer, s.R, s.inner, log,
+                                             nullptr);
+        // Scale: the sizes of the terms, so cancellation in go - sum(...) is not held
+        // against the kernel. softmax: |y| (|go| + sum |go y|); log: |go| + e^y sum |go|.
+        auto yd = decode(y, dt), god = decode(go, dt);
+        std::vector<double> scale(yd.size());
+        for (int64_t o = 0; o < s.outer; ++o)
+          for (int64_t i = 0; i < s.inner; ++i) {
+            auto at = [&](int64_t r) { return (o * s.R + r) * s.inner + i; };
+            double row = 0;
+            for (int64_t r = 0; r < s.R; ++r) row += std::abs(god[at(r)] * (log ? 1.0 : yd[at(r)]));
+            for (int64_t r = 0; r < s.R; ++r) {
+              int64_t k = at(r);
+              scale[k] = log ? std::abs(god[k]) + std::exp(yd[k]) * row : std::abs(yd[k]) * (std::abs(god[k]) + row);
+            }
+          }
+        expect_close(decode(d_gi.to_host(), dt), decode(cpu_gi, dt), scale, dt);
+      }
+}
+
+struct CeCase {
+  int64_t N, C;
+};
+const CeCase kCeCases[] = {{1031, 10}, {5, 1}, {64, 1024}, {33, 1025}, {257, 50257}, {1, 100003}};
+
+// Targets in [0, C), about one row in eight set to ignore_index (-100).
+std::vector<int64_t> random_targets(int64_t N, int64_t C, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<int64_t> t(N);
+  for (auto& v : t) v = gen() % 8 == 0 ? -100 : int64_t(gen() % uint64_t(C));
+  return t;
+}
+
+TEST(CrossEntropyCuda, ForwardMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  uint32_t seed = 7;
+  for (CeCase c : kCeCases)
+    for (DType dt : kDtypes)
+      for (double eps : {0.0, 0.1}) {
+        SCOPED_TRACE((Shape{c.N, c.C, 1}.str()) + " " + std::string(dtype_name(dt)) + " label_smoothing " +
+                     std::to_string(eps));
+        auto x = encode(random_values(c.N * c.C, seed++, -4, 4), dt);
+        auto t = random_targets(c.N, c.C, seed++);
+        std::vector<float> loss(c.N), lse(c.N);
+        cpu_kernel_table().cross_entropy(loss.data(), lse.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps, nullptr);
+        DeviceBuffer<uint8_t> d_x(x);
+        DeviceBuffer<int64_t> d_t(t);
+        DeviceBuffer<float> d_loss(c.N), d_lse(c.N);
+        cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps,
+                                          nullptr);
+        // Outputs are f32 whatever the logits: f32 accumulation differences, or for f64
+        // logits one f32 rounding of the same f64 result.
+        const double rel = dt == DType::f64 ? 1e-6 : rtol(DType::f32);
+        auto got_loss = d_loss.to_host(), got_lse = d_lse.to_host();
+        for (int64_t n = 0; n < c.N; ++n) {
+          double tol = rel * (std::abs(lse[n]) + 1);
+          EXPECT_NEAR(got_lse[n], lse[n], tol) << "row " << n;
+          EXPECT_NEAR(got_loss[n], loss[n], tol) << "row " << n;
+          if (t[n] == -100) {
+            EXPECT_EQ(got_loss[n], 0.f) << "ignored row " << n;
+          }
+        }
+      }
+}
+
+TEST(CrossEntropyCuda, BackwardMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  uint32_t seed = 70;
+  for (CeCase c : kCeCases)
+    for (DType dt : kDtypes)
+      for (double eps : {0.0, 0.1}) {
+        SCOPED_TRACE((Shape{c.N, c.C, 1}.str()) + " " + std::string(dtype_name(dt)) + " label_smoothing " +
+                     std::to_string(eps));
+        auto xd = random_values(c.N * c.C, seed++, -4, 4);
+        auto x = encode(xd, dt);
+        xd = decode(x, dt);
+        auto t = random_targets(c.N, c.C, seed++);
+        auto gr = random_values(c.N, seed++, 0.5, 1.5);
+        std::vector<float> grad_row(gr.begin(), gr.end()), loss(c.N), lse(c.N);
+        cpu_kernel_table().cross_entropy(loss.data(), lse.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps, nullptr);
+        std::vector<uint8_t> cpu_g(x.size());
+        cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse.data(), t.data(), grad_row.data(), dt,
+                                                  c.N, c.C, -100, eps, nullptr);
+        DeviceBuffer<uint8_t> d_x(x), d_g(x.size());
+        DeviceBuffer<int64_t> d_t(t);
+        DeviceBuffer<float> d_lse(lse), d_gr(grad_row);
+        cuda_kernel_table().cross_entropy_backward(d_g.get(), d_x.get(), d_lse.get(), d_t.get(), d_gr.get(), dt, c.N,
+                                                   c.C, -100, eps, nullptr);
+        // Scale: |g| (p + [c == t] + eps / C), the sizes of the terms before they cancel.
+        std::vector<double> scale(xd.size());
+        for (int64_t n = 0; n < c.N; ++n)
+          for (int64_t k = 0; k < c.C; ++k)
+            scale[n * c.C + k] = grad_row[n] * (std::exp(xd[n * c.C + k] - lse[n]) + (k == t[n]) + eps / double(c.C));
+        expect_close(decode(d_g.to_host(), dt), decode(cpu_g, dt), scale, dt);
+      }
+}
+
+}  // namespace
+}  // namespace loom
