@@ -10,6 +10,7 @@
 // gradient and refuse a tensor that requires one while grad mode is on.
 #pragma once
 
+#include <array>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -151,5 +152,27 @@ inline Tensor operator+(double a, const Tensor& b) { return add(b, a); }
 inline Tensor operator-(double a, const Tensor& b) { return rsub(b, a); }
 inline Tensor operator*(double a, const Tensor& b) { return mul(b, a); }
 inline Tensor operator/(double a, const Tensor& b) { return rdiv(b, a); }
+
+// ---- convolution and pooling (ops/conv.cpp) -------------------------------------
+// Over NCHW tensors; pairs are (height, width). As torch.nn.functional's, with
+// OH = (H + 2 padding - dilation (KH - 1) - 1) / stride + 1 (rounding down), likewise OW.
+//
+// 2-d convolution (cross-correlation) of x (N, C_in, H, W) with weight
+// (C_out, C_in / groups, KH, KW), plus bias (C_out) when it is defined: (N, C_out, OH, OW).
+// Differentiable in x, weight and bias; CUDA runs cuDNN (f32 on TF32).
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(), std::array<int, 2> stride = {1, 1},
+              std::array<int, 2> padding = {0, 0}, std::array<int, 2> dilation = {1, 1}, int groups = 1);
+// Maximum over each (KH, KW) window; padding (at most half the kernel) never wins. The
+// gradient goes to the first maximum of each window. Without a stride, stride = kernel.
+Tensor max_pool2d(const Tensor& x, std::array<int, 2> kernel, std::array<int, 2> stride,
+                  std::array<int, 2> padding = {0, 0});
+Tensor max_pool2d(const Tensor& x, std::array<int, 2> kernel);
+// Mean over each window, padding counted as zeros (PyTorch's count_include_pad = true).
+Tensor avg_pool2d(const Tensor& x, std::array<int, 2> kernel, std::array<int, 2> stride,
+                  std::array<int, 2> padding = {0, 0});
+Tensor avg_pool2d(const Tensor& x, std::array<int, 2> kernel);
+// Mean down to (OH, OW): (1, 1) is the mean over H and W; otherwise OH and OW must divide
+// H and W (equal windows, an avg_pool2d).
+Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int, 2> output_size);
 
 }  // namespace loom

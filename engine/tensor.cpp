@@ -67,6 +67,7 @@ int64_t Tensor::stride(int d) const {
 int64_t Tensor::numel() const { return shape_numel(shape()); }
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;  // an empty tensor has no layout to get wrong
   int64_t expected = 1;
   for (int i = dim() - 1; i >= 0; --i) {
     if (shape()[i] != 1 && strides()[i] != expected) return false;

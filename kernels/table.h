@@ -64,6 +64,37 @@ struct GemmArgs {
   float alpha = 1.f, beta = 0.f;
 };
 
+// A 2-d convolution (cross-correlation, as in PyTorch) over NCHW contiguous buffers:
+//   x (N, C_in, H, W), w (C_out, C_in / groups, KH, KW), y (N, C_out, OH, OW), with
+//   OH = (H + 2 pad_h - dilation_h (KH - 1) - 1) / stride_h + 1 (likewise OW).
+// Groups split C_in and C_out into `groups` equal slices, slice g of y seeing only slice g
+// of x. Bias is not the kernel's business: the engine adds it with a broadcast add.
+// `workspace` is device scratch of at least conv2d_workspace_size(args, pass) bytes for the
+// pass being run, allocated by the caller (kernels never allocate device memory).
+enum class ConvPass : uint8_t { forward, backward_data, backward_filter };
+
+struct Conv2dArgs {
+  DType dtype = DType::f32;
+  int64_t n = 0, c_in = 0, h = 0, w = 0;  // input (N, C_in, H, W)
+  int64_t c_out = 0, kh = 0, kw = 0;      // weight (C_out, C_in / groups, KH, KW)
+  int64_t out_h = 0, out_w = 0;           // output (N, C_out, OH, OW)
+  int64_t stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0, dilation_h = 1, dilation_w = 1;
+  int64_t groups = 1;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// A 2-d pooling window over NCHW contiguous buffers: x (N, C, H, W), y (N, C, OH, OW),
+// window (KH, KW) at stride (stride_h, stride_w), with pad on each side, and
+// OH = (H + 2 pad_h - KH) / stride_h + 1 (floor, as PyTorch's ceil_mode=False), likewise OW.
+// The engine guarantees pad <= kernel / 2, so every window holds at least one input element.
+struct Pool2dArgs {
+  DType dtype = DType::f32;
+  int64_t n = 0, c = 0, h = 0, w = 0;  // input (N, C, H, W)
+  int64_t out_h = 0, out_w = 0;        // output (N, C, OH, OW)
+  int64_t kh = 1, kw = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
+};
+
 struct KernelTable {
   // out[i] = value, out of any dtype and strides.
   void (*fill)(const Strided& out, double value, StreamHandle stream);
@@ -104,15 +135,16 @@ struct KernelTable {
   // Fused cross-entropy over logits (N, C) contiguous of `dtype`, targets i64 (N).
   // For each row n: lse[n] = logsumexp(logits[n]);
   //   loss[n] = (1 - eps) * (lse - logits[n, t]) + eps * (lse - mean_c logits[n, c])
-  // and loss[n] = 0 where target[n] == ignore_index. loss and lse are f32 (N).
+  // and loss[n] = 0 where target[n] == ignore_index. loss and lse (N) are in the accumulation
+  // type: f64 for f64 logits, f32 for the others.
   // A target outside [0, C) that is not ignore_index is a user error: the CPU kernel
   // throws; the CUDA kernel traps (the engine checks targets before calling where it can).
-  void (*cross_entropy)(float* loss, float* lse, const void* logits, DType dtype, const int64_t* target,
+  void (*cross_entropy)(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target,
                         int64_t N, int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream);
   // grad_logits[n, c] = grad_row[n] * (softmax(logits[n])[c] - (1 - eps) * [c == t] - eps / C),
-  // zero on ignored rows. grad_row is f32 (N), lse from the forward.
-  void (*cross_entropy_backward)(void* grad_logits, const void* logits, const float* lse, const int64_t* target,
-                                 const float* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
+  // zero on ignored rows. grad_row (N) and lse (from the forward) are in the accumulation type.
+  void (*cross_entropy_backward)(void* grad_logits, const void* logits, const void* lse, const int64_t* target,
+                                 const void* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
                                  double label_smoothing, StreamHandle stream);
 
   void (*gemm)(const GemmArgs& args, StreamHandle stream);
@@ -139,6 +171,34 @@ struct KernelTable {
   // The exact arithmetic is kernels/core/philox.h, shared by both devices.
   void (*uniform)(const Strided& out, uint64_t seed, uint64_t offset, double lo, double hi, StreamHandle stream);
   void (*normal)(const Strided& out, uint64_t seed, uint64_t offset, double mean, double std, StreamHandle stream);
+
+  // ---- convolution and pooling (NCHW contiguous, floating dtypes) ------------------
+  // Bytes of device scratch the pass needs for these shapes on the current device: 0 on
+  // the CPU (which keeps its own host scratch); on CUDA it also fixes the cuDNN algorithm
+  // for (shapes, dtype, pass), cached, so the pass then runs with exactly this much.
+  size_t (*conv2d_workspace_size)(const Conv2dArgs& args, ConvPass pass);
+  // y = conv(x, w), y written (not accumulated). f32 may run on TF32 on CUDA.
+  void (*conv2d_forward)(const Conv2dArgs& args, void* y, const void* x, const void* w, StreamHandle stream);
+  // dx = dL/dx given dy = dL/dy: the transposed convolution of dy with w; dx written.
+  void (*conv2d_backward_data)(const Conv2dArgs& args, void* dx, const void* dy, const void* w,
+                               StreamHandle stream);
+  // dw = dL/dw given x and dy, summed over the batch; dw written.
+  void (*conv2d_backward_filter)(const Conv2dArgs& args, void* dw, const void* x, const void* dy,
+                                 StreamHandle stream);
+  // y = max over each window (padding never wins); indices (N, C, OH, OW) i64 = ih * W + iw,
+  // the position within its input plane of the first maximum in row-major window order
+  // (a NaN counts as the maximum, the last NaN seen wins, as PyTorch).
+  void (*max_pool2d_forward)(const Pool2dArgs& args, void* y, int64_t* indices, const void* x,
+                             StreamHandle stream);
+  // dx (N, C, H, W) = sum of dy over the outputs whose index points at each input element;
+  // dx written in full (zeros where nothing points). Deterministic: no atomics.
+  void (*max_pool2d_backward)(const Pool2dArgs& args, void* dx, const void* dy, const int64_t* indices,
+                              StreamHandle stream);
+  // y = mean over each window, padding counted as zeros (count_include_pad = true, so the
+  // divisor is always KH * KW).
+  void (*avg_pool2d_forward)(const Pool2dArgs& args, void* y, const void* x, StreamHandle stream);
+  // dx = sum over the windows covering each input element of dy / (KH * KW); dx written.
+  void (*avg_pool2d_backward)(const Pool2dArgs& args, void* dx, const void* dy, StreamHandle stream);
 };
 
 const KernelTable& cpu_kernel_table();

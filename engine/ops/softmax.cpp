@@ -56,26 +56,28 @@ Tensor cross_entropy(const Tensor& logits0, const Tensor& target0, int64_t ignor
   Tensor target = target0.to(DType::i64).contiguous();
   int64_t N = logits.size(0), C = logits.size(1);
   Device dev = logits.device();
-  Tensor loss_rows = Tensor::empty({N}, DType::f32, dev), lse = Tensor::empty({N}, DType::f32, dev);
+  // Per-row losses and log-sum-exps in the accumulation type: f64 for f64 logits, else f32.
+  DType acc = logits.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  Tensor loss_rows = Tensor::empty({N}, acc, dev), lse = Tensor::empty({N}, acc, dev);
   if (N > 0)
-    kernels(dev).cross_entropy(loss_rows.data<float>(), lse.data<float>(), logits.data_ptr(), logits.dtype(),
+    kernels(dev).cross_entropy(loss_rows.data_ptr(), lse.data_ptr(), logits.data_ptr(), logits.dtype(),
                                target.data<int64_t>(), N, C, ignore_index, label_smoothing, ops::stream(logits));
   // Mean over the rows that count; the count is a tensor, so nothing waits for the GPU.
   Tensor counted, loss;
   {
     NoGradGuard no_grad;
-    counted = ne(target, full({}, double(ignore_index), DType::i64, dev)).to(DType::f32);
-    Tensor denom = maximum(sum(counted), ones({}, DType::f32, dev));
+    counted = ne(target, full({}, double(ignore_index), DType::i64, dev)).to(acc);
+    Tensor denom = maximum(sum(counted), ones({}, acc, dev));
     loss = div(sum(loss_rows), denom).to(logits.dtype());
     counted = div(counted, denom);  // per-row weight of the mean: 1/count or 0
   }
   if (any_requires_grad({logits})) {
     Tensor sl = logits.detach();
-    record("cross_entropy", {logits}, {loss}, [sl, target, lse, counted, ignore_index, label_smoothing, N, C](const TensorList& g) {
-      Tensor grad_row = mul(counted, g[0].to(DType::f32)).contiguous();
+    record("cross_entropy", {logits}, {loss}, [sl, target, lse, counted, ignore_index, label_smoothing, N, C, acc](const TensorList& g) {
+      Tensor grad_row = mul(counted, g[0].to(acc)).contiguous();
       Tensor gi = Tensor::empty(sl.shape(), sl.dtype(), sl.device());
-      kernels(sl.device()).cross_entropy_backward(gi.data_ptr(), sl.data_ptr(), lse.data<float>(),
-                                                  target.data<int64_t>(), grad_row.data<float>(), sl.dtype(), N, C,
+      kernels(sl.device()).cross_entropy_backward(gi.data_ptr(), sl.data_ptr(), lse.data_ptr(),
+                                                  target.data<int64_t>(), grad_row.data_ptr(), sl.dtype(), N, C,
                                                   ignore_index, label_smoothing, ops::stream(sl));
       return TensorList{gi};
     });

@@ -3,9 +3,12 @@
 // kernels these plain descriptors, which keeps every kernel testable on its own.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 
 #include "kernels/core/dtype.h"
+#include "kernels/core/error.h"
 
 namespace loom {
 
@@ -36,5 +39,35 @@ struct Strided {
     return true;
   }
 };
+
+// K operands of one shape (the output first), coalesced: size-1 dimensions dropped and
+// neighbours merged where every operand is contiguous across them. The CPU and CUDA
+// elementwise kernels both walk this form, so it is built in one place, on the host.
+template <int K>
+struct Walk {
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t strides[K][kMaxDims] = {};
+};
+
+template <int K>
+Walk<K> coalesce(const std::array<const Strided*, K>& ops) {
+  const Strided& ref = *ops[0];
+  for (const Strided* s : ops) {
+    LOOM_ASSERT(s->ndim == ref.ndim && std::equal(ref.shape, ref.shape + ref.ndim, s->shape),
+                "elementwise operands must have the output's shape");
+  }
+  Walk<K> w;
+  for (int d = 0; d < ref.ndim; ++d) {
+    if (ref.shape[d] == 1) continue;
+    bool merge = w.ndim > 0;
+    for (int k = 0; k < K && merge; ++k) merge = w.strides[k][w.ndim - 1] == ops[k]->strides[d] * ref.shape[d];
+    if (!merge) w.shape[w.ndim++] = 1;
+    w.shape[w.ndim - 1] *= ref.shape[d];
+    for (int k = 0; k < K; ++k) w.strides[k][w.ndim - 1] = ops[k]->strides[d];
+  }
+  if (w.ndim == 0) w.shape[w.ndim++] = 1;  // a scalar: one row of one element
+  return w;
+}
 
 }  // namespace loom

@@ -37,34 +37,6 @@ constexpr int64_t kGrain = 1 << 15;  // elements per thread hand-off
 
 // ---- the walker ---------------------------------------------------------------------
 
-// K operands of one shape (the output first), coalesced.
-template <int K>
-struct Walk {
-  int ndim = 0;
-  int64_t shape[kMaxDims] = {};
-  int64_t strides[K][kMaxDims] = {};
-};
-
-template <int K>
-Walk<K> coalesce(const std::array<const Strided*, K>& ops) {
-  const Strided& ref = *ops[0];
-  for (const Strided* s : ops) {
-    LOOM_ASSERT(s->ndim == ref.ndim && std::equal(ref.shape, ref.shape + ref.ndim, s->shape),
-                "elementwise operands must have the output's shape");
-  }
-  Walk<K> w;
-  for (int d = 0; d < ref.ndim; ++d) {
-    if (ref.shape[d] == 1) continue;
-    bool merge = w.ndim > 0;
-    for (int k = 0; k < K && merge; ++k) merge = w.strides[k][w.ndim - 1] == ops[k]->strides[d] * ref.shape[d];
-    if (!merge) w.shape[w.ndim++] = 1;
-    w.shape[w.ndim - 1] *= ref.shape[d];
-    for (int k = 0; k < K; ++k) w.strides[k][w.ndim - 1] = ops[k]->strides[d];
-  }
-  if (w.ndim == 0) w.shape[w.ndim++] = 1;  // a scalar: one row of one element
-  return w;
-}
-
 // Calls row(len, at, step) for runs along the innermost dimension, in parallel; at[k] is
 // operand k's element offset at the start of the run, step[k] its innermost stride.
 template <int K, class Row>

@@ -18,13 +18,13 @@
 
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pairwise.h"
 #include "kernels/cpu/parallel_for.h"
 
 namespace loom::cpu {
 namespace {
 
 constexpr int kTile = 64;                   // columns per work item when inner > 1
-constexpr int64_t kLeaf = 32;               // pairwise sums add up to this many rows directly
 constexpr int64_t kChunk = int64_t(1) << 16;  // elements per chunk of a split row
 constexpr int64_t kMaxChunks = 64;
 
@@ -71,21 +71,6 @@ template <ReduceOp op, class A> State<A> combine(State<A> a, State<A> b) {
   }
 }
 
-// out[c] = sum over r in [r0, r1) of f(r, c), for c < cols: pairwise over r.
-template <class A, class Cols, class F> void pairwise_cols(int64_t r0, int64_t r1, Cols cols, A* out, const F& f) {
-  if (r1 - r0 <= kLeaf) {
-    std::fill(out, out + cols, A(0));
-    for (int64_t r = r0; r < r1; ++r)
-      for (int c = 0; c < cols; ++c) out[c] += f(r, c);
-    return;
-  }
-  int64_t mid = r0 + (r1 - r0) / 2;
-  A rest[kTile];
-  pairwise_cols(r0, mid, cols, out, f);
-  pairwise_cols(mid, r1, cols, rest, f);
-  for (int c = 0; c < cols; ++c) out[c] += rest[c];
-}
-
 using One = std::integral_constant<int, 1>;
 
 // Reduces rows [r0, r1) (r1 > r0) of `cols` columns that start at x and lie `stride` apart.
@@ -93,7 +78,7 @@ template <ReduceOp op, class T, class Stride, class Cols, class A = racc_t<T>>
 void reduce_tile(const T* x, Stride stride, int64_t r0, int64_t r1, Cols cols, State<A>* out) {
   if constexpr (is_sum(op)) {
     A sum[kTile];
-    pairwise_cols(r0, r1, cols, sum, [&](int64_t r, int c) { return A(x[r * stride + c]); });
+    pairwise_cols<kTile>(r0, r1, cols, sum, [&](int64_t r, int c) { return A(x[r * stride + c]); });
     for (int c = 0; c < cols; ++c) out[c] = {sum[c], 0};
   } else {
     for (int c = 0; c < cols; ++c) out[c] = {A(x[r0 * stride + c]), r0};

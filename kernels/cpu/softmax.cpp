@@ -14,29 +14,14 @@
 
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pairwise.h"
 #include "kernels/cpu/parallel_for.h"
 
 namespace loom::cpu {
 namespace {
 
 constexpr int kTile = 64;
-constexpr int64_t kLeaf = 32;
 constexpr int64_t kWorkPerItem = int64_t(1) << 14;  // elements a parallel chunk should at least cover
-
-// out[c] = sum over r in [r0, r1) of f(r, c), for c < cols: pairwise over r.
-template <class A, class Cols, class F> void pairwise_cols(int64_t r0, int64_t r1, Cols cols, A* out, const F& f) {
-  if (r1 - r0 <= kLeaf) {
-    std::fill(out, out + cols, A(0));
-    for (int64_t r = r0; r < r1; ++r)
-      for (int c = 0; c < cols; ++c) out[c] += f(r, c);
-    return;
-  }
-  int64_t mid = r0 + (r1 - r0) / 2;
-  A rest[kTile];
-  pairwise_cols(r0, mid, cols, out, f);
-  pairwise_cols(mid, r1, cols, rest, f);
-  for (int c = 0; c < cols; ++c) out[c] += rest[c];
-}
 
 using One = std::integral_constant<int, 1>;
 
@@ -69,7 +54,7 @@ void softmax_tile(T* y, const T* x, int64_t R, Stride stride, Cols cols, bool lo
   std::fill(m, m + cols, -std::numeric_limits<A>::infinity());
   for (int64_t r = 0; r < R; ++r)
     for (int c = 0; c < cols; ++c) m[c] = std::max(m[c], A(x[r * stride + c]));
-  pairwise_cols(0, R, cols, s, [&](int64_t r, int c) {
+  pairwise_cols<kTile>(0, R, cols, s, [&](int64_t r, int c) {
     A e = std::exp(A(x[r * stride + c]) - m[c]);
     if (kKeepExp && !log) y[r * stride + c] = T(e);
     return e;
@@ -88,7 +73,7 @@ template <class T, class Stride, class Cols>
 void softmax_backward_tile(T* gi, const T* go, const T* y, int64_t R, Stride stride, Cols cols, bool log) {
   using A = acc_t<T>;
   A dot[kTile];
-  pairwise_cols(0, R, cols, dot, [&](int64_t r, int c) {
+  pairwise_cols<kTile>(0, R, cols, dot, [&](int64_t r, int c) {
     int64_t k = r * stride + c;
     return log ? A(go[k]) : A(go[k]) * A(y[k]);
   });
@@ -111,7 +96,7 @@ bool ignored_row(const int64_t* target, int64_t n, int64_t C, int64_t ignore_ind
 }
 
 template <class T>
-void cross_entropy_typed(float* loss, float* lse, const T* logits, const int64_t* target, int64_t N, int64_t C,
+void cross_entropy_typed(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const int64_t* target, int64_t N, int64_t C,
                          int64_t ignore_index, double eps) {
   using A = acc_t<T>;
   parallel_for(N, std::max<int64_t>(1, kWorkPerItem / C), [&](int64_t b, int64_t e) {
@@ -121,18 +106,18 @@ void cross_entropy_typed(float* loss, float* lse, const T* logits, const int64_t
       A m = -std::numeric_limits<A>::infinity();
       for (int64_t c = 0; c < C; ++c) m = std::max(m, A(x[c]));
       A s, sum_x = 0;
-      pairwise_cols(0, C, One{}, &s, [&](int64_t c, int) { return std::exp(A(x[c]) - m); });
-      if (eps != 0) pairwise_cols(0, C, One{}, &sum_x, [&](int64_t c, int) { return A(x[c]); });
+      pairwise_cols<kTile>(0, C, One{}, &s, [&](int64_t c, int) { return std::exp(A(x[c]) - m); });
+      if (eps != 0) pairwise_cols<kTile>(0, C, One{}, &sum_x, [&](int64_t c, int) { return A(x[c]); });
       A l = m + std::log(s);
-      lse[n] = float(l);
-      loss[n] = ignored ? 0.f : float(A(1 - eps) * (l - A(x[target[n]])) + A(eps) * (l - sum_x / A(C)));
+      lse[n] = l;
+      loss[n] = ignored ? A(0) : A(1 - eps) * (l - A(x[target[n]])) + A(eps) * (l - sum_x / A(C));
     }
   });
 }
 
 template <class T>
-void cross_entropy_backward_typed(T* grad, const T* logits, const float* lse, const int64_t* target,
-                                  const float* grad_row, int64_t N, int64_t C, int64_t ignore_index, double eps) {
+void cross_entropy_backward_typed(T* grad, const T* logits, const acc_t<T>* lse, const int64_t* target,
+                                  const acc_t<T>* grad_row, int64_t N, int64_t C, int64_t ignore_index, double eps) {
   using A = acc_t<T>;
   parallel_for(N, std::max<int64_t>(1, kWorkPerItem / C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
@@ -178,22 +163,24 @@ void softmax_backward(void* grad_in, const void* grad_out, const void* out, DTyp
   });
 }
 
-void cross_entropy(float* loss, float* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
+void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
                    int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream) {
   LOOM_CHECK(C > 0 || N == 0, "cross_entropy needs at least one class, got logits of shape (", N, ", 0)");
   dispatch_floating(dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
-    cross_entropy_typed(loss, lse, static_cast<const T*>(logits), target, N, C, ignore_index, label_smoothing);
+    using A = acc_t<T>;
+    cross_entropy_typed(static_cast<A*>(loss), static_cast<A*>(lse), static_cast<const T*>(logits), target, N, C, ignore_index, label_smoothing);
   });
 }
 
-void cross_entropy_backward(void* grad_logits, const void* logits, const float* lse, const int64_t* target,
-                            const float* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
+void cross_entropy_backward(void* grad_logits, const void* logits, const void* lse, const int64_t* target,
+                            const void* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
                             double label_smoothing, StreamHandle stream) {
   dispatch_floating(dtype, "cross_entropy backward", [&](auto tag) {
     using T = decltype(tag);
-    cross_entropy_backward_typed(static_cast<T*>(grad_logits), static_cast<const T*>(logits), lse, target,
-                                 grad_row, N, C, ignore_index, label_smoothing);
+    using A = acc_t<T>;
+    cross_entropy_backward_typed(static_cast<T*>(grad_logits), static_cast<const T*>(logits),
+                                 static_cast<const A*>(lse), target, static_cast<const A*>(grad_row), N, C, ignore_index, label_smoothing);
   });
 }
 

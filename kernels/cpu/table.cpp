@@ -24,6 +24,14 @@ const KernelTable& cpu_kernel_table() {
       .scatter_add = cpu::scatter_add,
       .uniform = cpu::uniform,
       .normal = cpu::normal,
+      .conv2d_workspace_size = cpu::conv2d_workspace_size,
+      .conv2d_forward = cpu::conv2d_forward,
+      .conv2d_backward_data = cpu::conv2d_backward_data,
+      .conv2d_backward_filter = cpu::conv2d_backward_filter,
+      .max_pool2d_forward = cpu::max_pool2d_forward,
+      .max_pool2d_backward = cpu::max_pool2d_backward,
+      .avg_pool2d_forward = cpu::avg_pool2d_forward,
+      .avg_pool2d_backward = cpu::avg_pool2d_backward,
   };
   return table;
 }

@@ -107,35 +107,6 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- the strided kernel -------------------------------------------------------------
 
-// K operands of one shape (the output first), coalesced: size-1 dimensions dropped and
-// neighbours merged where every operand is contiguous across them.
-template <int K>
-struct Walk {
-  int ndim = 0;
-  int64_t shape[kMaxDims] = {};
-  int64_t strides[K][kMaxDims] = {};
-};
-
-template <int K>
-Walk<K> coalesce(const std::array<const Strided*, K>& ops) {
-  const Strided& ref = *ops[0];
-  for (const Strided* s : ops) {
-    LOOM_ASSERT(s->ndim == ref.ndim && std::equal(ref.shape, ref.shape + ref.ndim, s->shape),
-                "elementwise operands must have the output's shape");
-  }
-  Walk<K> w;
-  for (int d = 0; d < ref.ndim; ++d) {
-    if (ref.shape[d] == 1) continue;
-    bool merge = w.ndim > 0;
-    for (int k = 0; k < K && merge; ++k) merge = w.strides[k][w.ndim - 1] == ops[k]->strides[d] * ref.shape[d];
-    if (!merge) w.shape[w.ndim++] = 1;
-    w.shape[w.ndim - 1] *= ref.shape[d];
-    for (int k = 0; k < K; ++k) w.strides[k][w.ndim - 1] = ops[k]->strides[d];
-  }
-  if (w.ndim == 0) w.shape[w.ndim++] = 1;
-  return w;
-}
-
 // Per-operand offsets of a linear index; Ix is uint32_t or uint64_t.
 template <class Ix, int K>
 struct Offsets {

@@ -26,10 +26,10 @@ void softmax(void* out, const void* in, DType dtype, int64_t outer, int64_t R, i
              StreamHandle stream);
 void softmax_backward(void* grad_in, const void* grad_out, const void* out, DType dtype, int64_t outer,
                       int64_t R, int64_t inner, bool log, StreamHandle stream);
-void cross_entropy(float* loss, float* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
+void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
                    int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream);
-void cross_entropy_backward(void* grad_logits, const void* logits, const float* lse, const int64_t* target,
-                            const float* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
+void cross_entropy_backward(void* grad_logits, const void* logits, const void* lse, const int64_t* target,
+                            const void* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
                             double label_smoothing, StreamHandle stream);
 
 // matmul.cu
@@ -48,5 +48,16 @@ void scatter_add(void* out, const void* src, const int64_t* index, int64_t J, DT
 // random.cu
 void uniform(const Strided& out, uint64_t seed, uint64_t offset, double lo, double hi, StreamHandle stream);
 void normal(const Strided& out, uint64_t seed, uint64_t offset, double mean, double std, StreamHandle stream);
+
+// conv.cu (cuDNN; no_cudnn.cpp throws when built without it), pool.cu
+size_t conv2d_workspace_size(const Conv2dArgs& args, ConvPass pass);
+void conv2d_forward(const Conv2dArgs& args, void* y, const void* x, const void* w, StreamHandle stream);
+void conv2d_backward_data(const Conv2dArgs& args, void* dx, const void* dy, const void* w, StreamHandle stream);
+void conv2d_backward_filter(const Conv2dArgs& args, void* dw, const void* x, const void* dy, StreamHandle stream);
+void max_pool2d_forward(const Pool2dArgs& args, void* y, int64_t* indices, const void* x, StreamHandle stream);
+void max_pool2d_backward(const Pool2dArgs& args, void* dx, const void* dy, const int64_t* indices,
+                         StreamHandle stream);
+void avg_pool2d_forward(const Pool2dArgs& args, void* y, const void* x, StreamHandle stream);
+void avg_pool2d_backward(const Pool2dArgs& args, void* dx, const void* dy, StreamHandle stream);
 
 }  // namespace loom::cuda

@@ -16,12 +16,12 @@
 // error state (cudaErrorLaunchFailure on the next synchronising call). It never reads
 // logits[n, target] out of bounds.
 #include <cstdio>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
+#include "kernels/cuda/reduce_common.cuh"
 
 namespace loom::cuda {
 namespace {
@@ -66,35 +66,6 @@ struct Merge {
 struct Add {
   template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
 };
-
-// Any trivially copyable value, moved across a warp word by word.
-template <class V> __device__ __forceinline__ V shfl_xor(V v, int mask) {
-  static_assert(sizeof(V) % 4 == 0, "shuffled values must be whole 32-bit words");
-  uint32_t w[sizeof(V) / 4];
-  memcpy(w, &v, sizeof(V));
-#pragma unroll
-  for (int k = 0; k < int(sizeof(V) / 4); ++k) w[k] = __shfl_xor_sync(0xffffffffu, w[k], mask);
-  memcpy(&v, w, sizeof(V));
-  return v;
-}
-
-// Reduces v over a group of kGroup threads (a warp, or the whole block when kGroup > 32);
-// every thread of the group gets the result. Block groups share one array, hence the
-// barrier before it is written.
-template <int kGroup, class V, class Op> __device__ __forceinline__ V group_reduce(V v, Op op) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = op(v, shfl_xor(v, m));
-  if constexpr (kGroup > 32) {
-    __shared__ V partial[kGroup / 32];
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
-    __syncthreads();
-    v = partial[0];
-#pragma unroll
-    for (int w = 1; w < kGroup / 32; ++w) v = op(v, partial[w]);
-  }
-  return v;
-}
 
 // A group of kGroup threads per row (a warp, or the whole block): the first row of this
 // thread's group, and the step to its next one.
@@ -207,7 +178,7 @@ struct CeMerge {
 };
 
 template <class T, int kGroup, int kThreads>
-__global__ void __launch_bounds__(kThreads) cross_entropy_kernel(float* loss, float* lse, const T* logits,
+__global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss, acc_t<T>* lse, const T* logits,
                                                                  const int64_t* target, int64_t N, int64_t C,
                                                                  int64_t ignore_index, double eps) {
   using A = acc_t<T>;
@@ -224,16 +195,15 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(float* loss, fl
     st = group_reduce<kGroup>(st, CeMerge{});
     if (lane == 0) {
       const A l = st.ms.m + log_acc(st.ms.s);
-      lse[row] = float(l);
-      loss[row] = ignored ? 0.f
-                          : float(A(1 - eps) * (l - to_acc(x[target[row]])) + A(eps) * (l - st.sum / A(C)));
+      lse[row] = l;
+      loss[row] = ignored ? A(0) : A(1 - eps) * (l - to_acc(x[target[row]])) + A(eps) * (l - st.sum / A(C));
     }
   }
 }
 
 template <class T, int kGroup, int kThreads>
-__global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(T* grad, const T* logits, const float* lse,
-                                                                          const int64_t* target, const float* grad_row,
+__global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(T* grad, const T* logits, const acc_t<T>* lse,
+                                                                          const int64_t* target, const acc_t<T>* grad_row,
                                                                           int64_t N, int64_t C, int64_t ignore_index,
                                                                           double eps) {
   using A = acc_t<T>;
@@ -304,7 +274,7 @@ void softmax_backward(void* grad_in, const void* grad_out, const void* out, DTyp
   });
 }
 
-void cross_entropy(float* loss, float* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
+void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
                    int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream) {
   LOOM_CHECK(C > 0 || N == 0, "cross_entropy needs at least one class, got logits of shape (", N, ", 0)");
   if (N == 0) return;
@@ -313,13 +283,14 @@ void cross_entropy(float* loss, float* lse, const void* logits, DType dtype, con
     launch_rows(C, [&](auto group, auto threads) {
       constexpr int G = decltype(group)::value, kN = decltype(threads)::value;
       cross_entropy_kernel<T, G, kN><<<blocks_for(N, kN / G), kN, 0, as_cuda(stream)>>>(
-          loss, lse, static_cast<const T*>(logits), target, N, C, ignore_index, label_smoothing);
+          static_cast<acc_t<T>*>(loss), static_cast<acc_t<T>*>(lse), static_cast<const T*>(logits), target, N, C,
+          ignore_index, label_smoothing);
     });
   });
 }
 
-void cross_entropy_backward(void* grad_logits, const void* logits, const float* lse, const int64_t* target,
-                            const float* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
+void cross_entropy_backward(void* grad_logits, const void* logits, const void* lse, const int64_t* target,
+                            const void* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
                             double label_smoothing, StreamHandle stream) {
   if (N * C == 0) return;
   dispatch_floating(dtype, "cross_entropy backward", [&](auto tag) {
@@ -327,7 +298,8 @@ void cross_entropy_backward(void* grad_logits, const void* logits, const float* 
     launch_rows(C, [&](auto group, auto threads) {
       constexpr int G = decltype(group)::value, kN = decltype(threads)::value;
       cross_entropy_backward_kernel<T, G, kN><<<blocks_for(N, kN / G), kN, 0, as_cuda(stream)>>>(
-          static_cast<T*>(grad_logits), static_cast<const T*>(logits), lse, target, grad_row, N, C, ignore_index,
+          static_cast<T*>(grad_logits), static_cast<const T*>(logits), static_cast<const acc_t<T>*>(lse), target,
+          static_cast<const acc_t<T>*>(grad_row), N, C, ignore_index,
           label_smoothing);
     });
   });

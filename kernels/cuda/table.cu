@@ -24,6 +24,14 @@ const KernelTable& cuda_kernel_table() {
       .scatter_add = cuda::scatter_add,
       .uniform = cuda::uniform,
       .normal = cuda::normal,
+      .conv2d_workspace_size = cuda::conv2d_workspace_size,
+      .conv2d_forward = cuda::conv2d_forward,
+      .conv2d_backward_data = cuda::conv2d_backward_data,
+      .conv2d_backward_filter = cuda::conv2d_backward_filter,
+      .max_pool2d_forward = cuda::max_pool2d_forward,
+      .max_pool2d_backward = cuda::max_pool2d_backward,
+      .avg_pool2d_forward = cuda::avg_pool2d_forward,
+      .avg_pool2d_backward = cuda::avg_pool2d_backward,
   };
   return table;
 }

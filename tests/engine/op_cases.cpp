@@ -109,6 +109,28 @@ const std::vector<OpCase>& op_cases() {
       {"stack", {{{2, 3}}, {{2, 3}}}, [](L x) { return stack({x[0], x[1]}, 1); }},
       {"split", {{{5, 2}}}, [](L x) { return split(x[0], 2, 0)[2] * 3.0; }},
       {"clone", {{S34}}, [](L x) { return x[0].clone(); }},
+      // ---- convolution and pooling
+      {"conv3x3_pad1_bias", {{{2, 3, 5, 5}}, {{4, 3, 3, 3}}, {{4}}},
+       [](L x) { return conv2d(x[0], x[1], x[2], {1, 1}, {1, 1}); }},
+      {"conv3x3_stride2", {{{2, 2, 7, 6}}, {{3, 2, 3, 3}}},
+       [](L x) { return conv2d(x[0], x[1], Tensor(), {2, 2}, {1, 0}); }},
+      {"conv3x3_dilation2", {{{1, 2, 7, 7}}, {{2, 2, 3, 3}}},
+       [](L x) { return conv2d(x[0], x[1], Tensor(), {1, 1}, {2, 1}, {2, 2}); }},
+      {"conv3x3_groups2_bias", {{{2, 4, 5, 5}}, {{6, 2, 3, 3}}, {{6}}},
+       [](L x) { return conv2d(x[0], x[1], x[2], {1, 1}, {1, 1}, {1, 1}, 2); }},
+      {"conv1x1_bias", {{{2, 3, 4, 4}}, {{5, 3, 1, 1}}, {{5}}}, [](L x) { return conv2d(x[0], x[1], x[2]); }},
+      {"conv_rect_kernel_stride", {{{1, 2, 5, 7}}, {{3, 2, 2, 3}}},
+       [](L x) { return conv2d(x[0], x[1], Tensor(), {1, 2}, {0, 1}); }},
+      {"conv_noncontig", {{{2, 5, 5, 3}}, {{4, 3, 3, 3}}},
+       [](L x) { return conv2d(x[0].permute({0, 3, 1, 2}), x[1], Tensor(), {1, 1}, {1, 1}); }},
+      {"max_pool2x2", {{{2, 3, 4, 6}, Init::separated}}, [](L x) { return max_pool2d(x[0], {2, 2}); }},
+      {"max_pool3x3_stride2_pad1", {{{1, 2, 7, 7}, Init::separated}},
+       [](L x) { return max_pool2d(x[0], {3, 3}, {2, 2}, {1, 1}); }},
+      {"avg_pool2x2", {{{2, 3, 4, 6}}}, [](L x) { return avg_pool2d(x[0], {2, 2}); }},
+      {"avg_pool3x3_stride2_pad1", {{{1, 2, 7, 6}}},
+       [](L x) { return avg_pool2d(x[0], {3, 3}, {2, 2}, {1, 1}); }},
+      {"adaptive_avg_pool_1x1", {{{2, 3, 4, 4}}}, [](L x) { return adaptive_avg_pool2d(x[0], {1, 1}); }},
+      {"adaptive_avg_pool_2x3", {{{1, 2, 4, 6}}}, [](L x) { return adaptive_avg_pool2d(x[0], {2, 3}); }},
   };
   return cases;
 }

@@ -232,23 +232,25 @@ TEST(CrossEntropyCuda, ForwardMatchesCpu) {
                      std::to_string(eps));
         auto x = encode(random_values(c.N * c.C, seed++, -4, 4), dt);
         auto t = random_targets(c.N, c.C, seed++);
-        std::vector<float> loss(c.N), lse(c.N);
-        cpu_kernel_table().cross_entropy(loss.data(), lse.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps, nullptr);
+        // Per-row results come in the accumulation type: f64 for f64 logits, else f32.
+        const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
+        std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
+        cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
+                                         nullptr);
+        auto loss = decode(loss_b, acc), lse = decode(lse_b, acc);
         DeviceBuffer<uint8_t> d_x(x);
         DeviceBuffer<int64_t> d_t(t);
-        DeviceBuffer<float> d_loss(c.N), d_lse(c.N);
+        DeviceBuffer<uint8_t> d_loss(loss_b.size()), d_lse(lse_b.size());
         cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps,
                                           nullptr);
-        // Outputs are f32 whatever the logits: f32 accumulation differences, or for f64
-        // logits one f32 rounding of the same f64 result.
-        const double rel = dt == DType::f64 ? 1e-6 : rtol(DType::f32);
-        auto got_loss = d_loss.to_host(), got_lse = d_lse.to_host();
+        const double rel = dt == DType::f64 ? 1e-9 : rtol(DType::f32);
+        auto got_loss = decode(d_loss.to_host(), acc), got_lse = decode(d_lse.to_host(), acc);
         for (int64_t n = 0; n < c.N; ++n) {
           double tol = rel * (std::abs(lse[n]) + 1);
           EXPECT_NEAR(got_lse[n], lse[n], tol) << "row " << n;
           EXPECT_NEAR(got_loss[n], loss[n], tol) << "row " << n;
           if (t[n] == -100) {
-            EXPECT_EQ(got_loss[n], 0.f) << "ignored row " << n;
+            EXPECT_EQ(got_loss[n], 0.0) << "ignored row " << n;
           }
         }
       }
@@ -266,15 +268,18 @@ TEST(CrossEntropyCuda, BackwardMatchesCpu) {
         auto x = encode(xd, dt);
         xd = decode(x, dt);
         auto t = random_targets(c.N, c.C, seed++);
-        auto gr = random_values(c.N, seed++, 0.5, 1.5);
-        std::vector<float> grad_row(gr.begin(), gr.end()), loss(c.N), lse(c.N);
-        cpu_kernel_table().cross_entropy(loss.data(), lse.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps, nullptr);
+        const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
+        auto grad_row_b = encode(random_values(c.N, seed++, 0.5, 1.5), acc);
+        std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
+        cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
+                                         nullptr);
+        auto grad_row = decode(grad_row_b, acc), lse = decode(lse_b, acc);
         std::vector<uint8_t> cpu_g(x.size());
-        cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse.data(), t.data(), grad_row.data(), dt,
-                                                  c.N, c.C, -100, eps, nullptr);
+        cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse_b.data(), t.data(), grad_row_b.data(),
+                                                  dt, c.N, c.C, -100, eps, nullptr);
         DeviceBuffer<uint8_t> d_x(x), d_g(x.size());
         DeviceBuffer<int64_t> d_t(t);
-        DeviceBuffer<float> d_lse(lse), d_gr(grad_row);
+        DeviceBuffer<uint8_t> d_lse(lse_b), d_gr(grad_row_b);
         cuda_kernel_table().cross_entropy_backward(d_g.get(), d_x.get(), d_lse.get(), d_t.get(), d_gr.get(), dt, c.N,
                                                    c.C, -100, eps, nullptr);
         // Scale: |g| (p + [c == t] + eps / C), the sizes of the terms before they cancel.

@@ -1,0 +1,254 @@
+// CPU convolution: im2col + the CPU gemm, the textbook lowering, and the reference the
+// cuDNN path is tested against.
+//
+// For one sample and one group, im2col lays the input windows out as a column matrix
+// col (C_in/g * KH * KW, OH * OW), so that
+//   forward:          y_g  (C_out/g, OH*OW)        = w_g (C_out/g, rows) @ col
+//   backward data:    dcol (rows, OH*OW)           = w_g^T @ dy_g, then col2im adds dcol back
+//   backward filter:  dw_g (C_out/g, rows)        += dy_g @ col^T, summed over samples
+// A 1x1 convolution with stride 1 and no padding needs no im2col: x is already col.
+//
+// Everything runs in the accumulation type (f32 for bf16/f16): 16-bit buffers are
+// converted once on the way in and the result once on the way out, so sums over the
+// batch never round to 16 bits. Threads split the batch (the gemm then runs inline, as
+// parallel_for nests inline); a batch of one leaves the threads to the gemm instead.
+// The filter gradient sums over samples in a fixed number of partial buffers reduced in
+// order, so its bits do not depend on the thread count.
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/common.h"
+#include "kernels/cpu/kernels.h"
+#include "kernels/cpu/parallel_for.h"
+
+namespace loom::cpu {
+namespace {
+
+// Partial sums of the filter gradient: at most this many copies of dw are held at once.
+constexpr int64_t kFilterPartials = 8;
+
+struct Geometry {
+  int64_t cg = 0, kg = 0;  // input and output channels per group
+  int64_t rows = 0;        // cg * KH * KW: rows of the column matrix
+  int64_t hw = 0, ohw = 0; // input and output plane sizes
+  bool direct = false;     // 1x1, stride 1, no padding: x is its own column matrix
+};
+
+Geometry geometry(const Conv2dArgs& a) {
+  Geometry g;
+  g.cg = a.c_in / a.groups;
+  g.kg = a.c_out / a.groups;
+  g.rows = g.cg * a.kh * a.kw;
+  g.hw = a.h * a.w;
+  g.ohw = a.out_h * a.out_w;
+  g.direct = a.kh == 1 && a.kw == 1 && a.stride_h == 1 && a.stride_w == 1 && a.pad_h == 0 && a.pad_w == 0;
+  return g;
+}
+
+// col (cg * KH * KW, OH * OW) from one group's input planes x (cg, H, W); zeros where a
+// window reads padding.
+template <class A>
+void im2col(const Conv2dArgs& a, const Geometry& g, const A* x, A* col) {
+  for (int64_t c = 0; c < g.cg; ++c)
+    for (int64_t i = 0; i < a.kh; ++i)
+      for (int64_t j = 0; j < a.kw; ++j) {
+        A* row = col + ((c * a.kh + i) * a.kw + j) * g.ohw;
+        for (int64_t oh = 0; oh < a.out_h; ++oh) {
+          A* out = row + oh * a.out_w;
+          const int64_t ih = oh * a.stride_h - a.pad_h + i * a.dilation_h;
+          if (ih < 0 || ih >= a.h) {
+            std::fill_n(out, a.out_w, A(0));
+            continue;
+          }
+          const A* in = x + c * g.hw + ih * a.w;
+          for (int64_t ow = 0; ow < a.out_w; ++ow) {
+            const int64_t iw = ow * a.stride_w - a.pad_w + j * a.dilation_w;
+            out[ow] = iw >= 0 && iw < a.w ? in[iw] : A(0);
+          }
+        }
+      }
+}
+
+// The adjoint of im2col: x (cg, H, W) += every entry of col at the input it was read from.
+template <class A>
+void col2im(const Conv2dArgs& a, const Geometry& g, const A* col, A* x) {
+  for (int64_t c = 0; c < g.cg; ++c)
+    for (int64_t i = 0; i < a.kh; ++i)
+      for (int64_t j = 0; j < a.kw; ++j) {
+        const A* row = col + ((c * a.kh + i) * a.kw + j) * g.ohw;
+        for (int64_t oh = 0; oh < a.out_h; ++oh) {
+          const int64_t ih = oh * a.stride_h - a.pad_h + i * a.dilation_h;
+          if (ih < 0 || ih >= a.h) continue;
+          const A* in = row + oh * a.out_w;
+          A* out = x + c * g.hw + ih * a.w;
+          for (int64_t ow = 0; ow < a.out_w; ++ow) {
+            const int64_t iw = ow * a.stride_w - a.pad_w + j * a.dilation_w;
+            if (iw >= 0 && iw < a.w) out[iw] += in[ow];
+          }
+        }
+      }
+}
+
+// c (m, n) = op(a) (m, k) @ op(b) (k, n) + beta * c, row-major, on the CPU gemm.
+template <class A>
+void matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const A* a, int64_t lda, const A* b, int64_t ldb,
+            A* c, int64_t ldc, float beta) {
+  GemmArgs g;
+  g.dtype = std::is_same_v<A, double> ? DType::f64 : DType::f32;
+  g.trans_a = ta, g.trans_b = tb;
+  g.m = m, g.n = n, g.k = k;
+  g.a = a, g.lda = lda, g.b = b, g.ldb = ldb, g.c = c, g.ldc = ldc;
+  g.beta = beta;
+  gemm(g, nullptr);
+}
+
+template <class A>
+void forward_acc(const Conv2dArgs& a, A* y, const A* x, const A* w) {
+  const Geometry g = geometry(a);
+  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t grp = 0; grp < a.groups; ++grp) {
+        const A* xg = x + (n * a.c_in + grp * g.cg) * g.hw;
+        if (!g.direct) im2col(a, g, xg, col.data());
+        matmul<A>(false, false, g.kg, g.ohw, g.rows, w + grp * g.kg * g.rows, g.rows, g.direct ? xg : col.data(),
+                  g.ohw, y + (n * a.c_out + grp * g.kg) * g.ohw, g.ohw, 0.f);
+      }
+  });
+}
+
+template <class A>
+void backward_data_acc(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
+  const Geometry g = geometry(a);
+  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t grp = 0; grp < a.groups; ++grp) {
+        A* dxg = dx + (n * a.c_in + grp * g.cg) * g.hw;
+        const A* dyg = dy + (n * a.c_out + grp * g.kg) * g.ohw;
+        const A* wg = w + grp * g.kg * g.rows;  // (kg, rows), read transposed
+        if (g.direct) {
+          matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, dxg, g.ohw, 0.f);
+          continue;
+        }
+        matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, col.data(), g.ohw, 0.f);
+        std::fill_n(dxg, g.cg * g.hw, A(0));
+        col2im(a, g, col.data(), dxg);
+      }
+  });
+}
+
+template <class A>
+void backward_filter_acc(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
+  const Geometry g = geometry(a);
+  const int64_t w_size = a.c_out * g.rows;
+  if (a.n == 0) {
+    std::fill_n(dw, w_size, A(0));
+    return;
+  }
+  // Task t sums samples [n * t / tasks, n * (t + 1) / tasks) into its partial (task 0 into dw).
+  const int64_t tasks = std::min(a.n, kFilterPartials);
+  std::vector<A> partial(size_t((tasks - 1) * w_size));
+  parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
+    for (int64_t t = t0; t < t1; ++t) {
+      A* acc = t == 0 ? dw : partial.data() + (t - 1) * w_size;
+      const int64_t first = a.n * t / tasks, last = a.n * (t + 1) / tasks;
+      for (int64_t n = first; n < last; ++n)
+        for (int64_t grp = 0; grp < a.groups; ++grp) {
+          const A* xg = x + (n * a.c_in + grp * g.cg) * g.hw;
+          if (!g.direct) im2col(a, g, xg, col.data());
+          matmul<A>(false, true, g.kg, g.rows, g.ohw, dy + (n * a.c_out + grp * g.kg) * g.ohw, g.ohw,
+                    g.direct ? xg : col.data(), g.ohw, acc + grp * g.kg * g.rows, g.rows, n == first ? 0.f : 1.f);
+        }
+    }
+  });
+  parallel_for(w_size, 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t t = 1; t < tasks; ++t) {
+      const A* p = partial.data() + (t - 1) * w_size;
+      for (int64_t i = i0; i < i1; ++i) dw[i] += p[i];
+    }
+  });
+}
+
+// A buffer of T seen as A: the buffer itself when T is A, else a converted copy in `store`.
+template <class T, class A>
+const A* input_as(const void* p, int64_t n, std::vector<A>& store) {
+  if constexpr (std::is_same_v<T, A>) {
+    return static_cast<const A*>(p);
+  } else {
+    const T* src = static_cast<const T*>(p);
+    store.resize(size_t(n));
+    parallel_for(n, 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) store[size_t(i)] = A(float(src[i]));
+    });
+    return store.data();
+  }
+}
+
+// Where an output of T is computed as A: in place when T is A, else in `store`;
+// finish_output converts it back.
+template <class T, class A>
+A* output_as(void* p, int64_t n, std::vector<A>& store) {
+  if constexpr (std::is_same_v<T, A>) {
+    return static_cast<A*>(p);
+  } else {
+    store.resize(size_t(n));
+    return store.data();
+  }
+}
+
+template <class T, class A>
+void finish_output(void* p, int64_t n, const std::vector<A>& store) {
+  if constexpr (!std::is_same_v<T, A>) {
+    T* dst = static_cast<T*>(p);
+    parallel_for(n, 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) dst[i] = T(float(store[size_t(i)]));
+    });
+  }
+}
+
+// Runs `core(out, in0, in1)` in the accumulation type of args.dtype.
+template <class Core>
+void run_acc(const Conv2dArgs& a, const char* what, void* out, int64_t out_n, const void* in0, int64_t in0_n,
+             const void* in1, int64_t in1_n, Core&& core) {
+  dispatch_floating(a.dtype, what, [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    std::vector<A> s0, s1, so;
+    const A* p0 = input_as<T>(in0, in0_n, s0);
+    const A* p1 = input_as<T>(in1, in1_n, s1);
+    A* po = output_as<T>(out, out_n, so);
+    core(po, p0, p1);
+    finish_output<T>(out, out_n, so);
+  });
+}
+
+int64_t x_numel(const Conv2dArgs& a) { return a.n * a.c_in * a.h * a.w; }
+int64_t y_numel(const Conv2dArgs& a) { return a.n * a.c_out * a.out_h * a.out_w; }
+int64_t w_numel(const Conv2dArgs& a) { return a.c_out * (a.c_in / a.groups) * a.kh * a.kw; }
+
+}  // namespace
+
+size_t conv2d_workspace_size(const Conv2dArgs&, ConvPass) { return 0; }
+
+void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, StreamHandle) {
+  if (y_numel(a) == 0) return;
+  run_acc(a, "conv2d", y, y_numel(a), x, x_numel(a), w, w_numel(a),
+          [&](auto* out, const auto* xa, const auto* wa) { forward_acc(a, out, xa, wa); });
+}
+
+void conv2d_backward_data(const Conv2dArgs& a, void* dx, const void* dy, const void* w, StreamHandle) {
+  if (x_numel(a) == 0) return;
+  run_acc(a, "conv2d backward", dx, x_numel(a), dy, y_numel(a), w, w_numel(a),
+          [&](auto* out, const auto* dya, const auto* wa) { backward_data_acc(a, out, dya, wa); });
+}
+
+void conv2d_backward_filter(const Conv2dArgs& a, void* dw, const void* x, const void* dy, StreamHandle) {
+  if (w_numel(a) == 0) return;
+  run_acc(a, "conv2d backward", dw, w_numel(a), x, x_numel(a), dy, y_numel(a),
+          [&](auto* out, const auto* xa, const auto* dya) { backward_filter_acc(a, out, xa, dya); });
+}
+
+}  // namespace loom::cpu

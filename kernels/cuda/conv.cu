@@ -1,0 +1,343 @@
+// CUDA convolution: cuDNN's convolution API (cudnnConvolutionForward, ...BackwardData,
+// ...BackwardFilter), which cuDNN 9 still ships beside its graph API and which covers
+// every case Loom needs (NCHW, stride, padding, dilation, groups) in a few calls.
+//
+// Plans. For each (device, dtype, shapes, stride, padding, dilation, groups) a Plan holds
+// the tensor, filter and convolution descriptors, built once. The algorithm of each pass
+// is chosen the first time that pass's workspace size is asked for, with cuDNN's
+// heuristics (cudnnGet*Algorithm_v7: no trial runs, so no memory of its own and no
+// synchronisation, and capturable in a CUDA graph), and cached; the candidates are kept
+// in the heuristics' order with their math type and workspace size.
+//
+// Workspace. Kernels never allocate device memory, so the engine asks
+// conv2d_workspace_size for the pass, takes that many bytes from its caching allocator and
+// passes them in Conv2dArgs. Candidates needing more than kMaxWorkspace are dropped.
+//
+// Precision. bf16 and f16 data compute in f32 (CUDNN_DATA_FLOAT) with tensor-core math;
+// f32 uses CUDNN_DEFAULT_MATH, under which cuDNN runs TF32 tensor cores on Ampere and
+// later, as PyTorch's allow_tf32 does. (CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION would convert
+// f32 down to f16, which is not TF32: candidates with it are refused for f32.) cuDNN
+// returns the math type each algorithm wants, and it is set on the descriptor before the
+// algorithm runs (each pass has its own convolution descriptor for that reason).
+//
+// Robustness. The heuristics can name an algorithm that then refuses these shapes at run
+// time (as PyTorch's "try_all" knows); a failing call moves on to the next candidate that
+// fits the workspace given, and remembers the one that worked.
+//
+// One cuDNN handle per device, created on first use and kept for the process (like the
+// cuBLAS handle); it is shared by host threads, so setting its stream, choosing an
+// algorithm and issuing the call happen under a per-device lock.
+#include <cudnn.h>
+
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace loom::cuda {
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kMaxWorkspace = size_t(1) << 30;
+
+struct Dnn {
+  cudnnHandle_t handle = nullptr;
+  std::mutex mu;
+};
+
+Dnn& dnn_for_device(int device) {
+  LOOM_ASSERT(device >= 0 && device < kMaxDevices, "device ", device, " is past the ", kMaxDevices,
+              " cuDNN handles Loom keeps");
+  static std::once_flag created[kMaxDevices];
+  static Dnn dnn[kMaxDevices];
+  std::call_once(created[device], [&] { LOOM_CUDNN(cudnnCreate(&dnn[device].handle)); });
+  return dnn[device];
+}
+
+struct Types {
+  cudnnDataType_t data, compute;
+  cudnnMathType_t math;
+};
+
+Types types_for(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return {CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, CUDNN_DEFAULT_MATH};
+    case DType::f64: return {CUDNN_DATA_DOUBLE, CUDNN_DATA_DOUBLE, CUDNN_DEFAULT_MATH};
+    case DType::bf16: return {CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
+    case DType::f16: return {CUDNN_DATA_HALF, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
+    default: LOOM_FAIL("conv2d needs a floating-point dtype, got ", dtype_name(dtype));
+  }
+}
+
+const char* pass_name(ConvPass pass) {
+  switch (pass) {
+    case ConvPass::forward: return "forward";
+    case ConvPass::backward_data: return "backward data";
+    case ConvPass::backward_filter: return "backward filter";
+  }
+  return "?";
+}
+
+std::string describe(const Conv2dArgs& a) {
+  return detail::str("x (", a.n, ", ", a.c_in, ", ", a.h, ", ", a.w, "), weight (", a.c_out, ", ", a.c_in / a.groups,
+                     ", ", a.kh, ", ", a.kw, "), stride (", a.stride_h, ", ", a.stride_w, "), padding (", a.pad_h,
+                     ", ", a.pad_w, "), dilation (", a.dilation_h, ", ", a.dilation_w, "), groups ", a.groups, ", ",
+                     dtype_name(a.dtype));
+}
+
+struct Candidate {
+  int algo;  // a cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t
+  cudnnMathType_t math;
+  size_t workspace;
+};
+
+struct Plan {
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+  cudnnFilterDescriptor_t w = nullptr;
+  std::array<cudnnConvolutionDescriptor_t, 3> conv{};  // one per pass
+  std::array<std::vector<Candidate>, 3> candidates;    // empty until the pass is first planned
+  std::array<size_t, 3> current{};                      // index of the candidate in use
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  // Runs only when building a plan fails part-way: plans in the cache live for the process.
+  ~Plan() {
+    if (x) cudnnDestroyTensorDescriptor(x);
+    if (y) cudnnDestroyTensorDescriptor(y);
+    if (w) cudnnDestroyFilterDescriptor(w);
+    for (auto c : conv)
+      if (c) cudnnDestroyConvolutionDescriptor(c);
+  }
+};
+
+int to_int(int64_t v) { return int(v); }
+
+std::unique_ptr<Plan> make_plan(const Conv2dArgs& a) {
+  const Types t = types_for(a.dtype);
+  auto p = std::make_unique<Plan>();
+  LOOM_CUDNN(cudnnCreateTensorDescriptor(&p->x));
+  LOOM_CUDNN(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, t.data, to_int(a.n), to_int(a.c_in), to_int(a.h),
+                                        to_int(a.w)));
+  LOOM_CUDNN(cudnnCreateTensorDescriptor(&p->y));
+  LOOM_CUDNN(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, t.data, to_int(a.n), to_int(a.c_out),
+                                        to_int(a.out_h), to_int(a.out_w)));
+  LOOM_CUDNN(cudnnCreateFilterDescriptor(&p->w));
+  LOOM_CUDNN(cudnnSetFilter4dDescriptor(p->w, t.data, CUDNN_TENSOR_NCHW, to_int(a.c_out), to_int(a.c_in / a.groups),
+                                        to_int(a.kh), to_int(a.kw)));
+  for (auto& c : p->conv) {
+    LOOM_CUDNN(cudnnCreateConvolutionDescriptor(&c));
+    LOOM_CUDNN(cudnnSetConvolution2dDescriptor(c, to_int(a.pad_h), to_int(a.pad_w), to_int(a.stride_h),
+                                               to_int(a.stride_w), to_int(a.dilation_h), to_int(a.dilation_w),
+                                               CUDNN_CROSS_CORRELATION, t.compute));
+    LOOM_CUDNN(cudnnSetConvolutionGroupCount(c, to_int(a.groups)));
+    // The math type the heuristics may choose from (see the top of the file).
+    LOOM_CUDNN(cudnnSetConvolutionMathType(c, t.math));
+  }
+  int n = 0, c = 0, h = 0, w = 0;
+  LOOM_CUDNN(cudnnGetConvolution2dForwardOutputDim(p->conv[0], p->x, p->w, &n, &c, &h, &w));
+  LOOM_ASSERT(n == a.n && c == a.c_out && h == a.out_h && w == a.out_w, "cuDNN's output shape (", n, ", ", c, ", ",
+              h, ", ", w, ") differs from Loom's (", a.n, ", ", a.c_out, ", ", a.out_h, ", ", a.out_w,
+              ") for ", describe(a));
+  return p;
+}
+
+// The plan for these shapes on `device`, built on first use. Plans are never freed.
+Plan& plan_for(const Conv2dArgs& a, int device) {
+  using Key = std::array<int64_t, 18>;
+  struct Cache {
+    std::mutex mu;
+    std::map<Key, std::unique_ptr<Plan>> plans;
+  };
+  static Cache* cache = new Cache;
+  const Key key{device,     int64_t(a.dtype), a.n,        a.c_in,     a.h,        a.w,
+                a.c_out,    a.kh,             a.kw,       a.out_h,    a.out_w,    a.stride_h,
+                a.stride_w, a.pad_h,          a.pad_w,    a.dilation_h, a.dilation_w, a.groups};
+  std::lock_guard lock(cache->mu);
+  auto& slot = cache->plans[key];
+  if (!slot) slot = make_plan(a);
+  return *slot;
+}
+
+// The heuristics' ranking for one pass, each candidate with its workspace size for the
+// math type it asks for. Called under the device lock.
+template <class Perf, class GetAlgos, class GetWorkspace>
+std::vector<Candidate> rank(const Conv2dArgs& a, cudnnConvolutionDescriptor_t conv, int max_count, GetAlgos get_algos,
+                            GetWorkspace get_workspace) {
+  std::vector<Perf> perf(size_t(std::max(max_count, 1)));
+  int count = 0;
+  LOOM_CUDNN(get_algos(int(perf.size()), &count, perf.data()));
+  std::vector<Candidate> out;
+  for (int i = 0; i < count; ++i) {
+    const Perf& p = perf[size_t(i)];
+    if (p.status != CUDNN_STATUS_SUCCESS) continue;
+    if (a.dtype == DType::f32 && p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+    size_t bytes = 0;
+    if (cudnnSetConvolutionMathType(conv, p.mathType) != CUDNN_STATUS_SUCCESS) continue;
+    if (get_workspace(p.algo, &bytes) != CUDNN_STATUS_SUCCESS) continue;
+    bytes = std::max(bytes, p.memory);
+    if (bytes > kMaxWorkspace) continue;
+    out.push_back({int(p.algo), p.mathType, bytes});
+  }
+  return out;
+}
+
+// Plans one pass (once): fills plan.candidates[pass]. Called under the device lock.
+void plan_pass(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
+  auto& list = p.candidates[size_t(pass)];
+  if (!list.empty()) return;
+  cudnnConvolutionDescriptor_t conv = p.conv[size_t(pass)];
+  int max_count = 0;
+  switch (pass) {
+    case ConvPass::forward:
+      LOOM_CUDNN(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
+      list = rank<cudnnConvolutionFwdAlgoPerf_t>(
+          a, conv, max_count,
+          [&](int n, int* count, cudnnConvolutionFwdAlgoPerf_t* perf) {
+            return cudnnGetConvolutionForwardAlgorithm_v7(h, p.x, p.w, conv, p.y, n, count, perf);
+          },
+          [&](cudnnConvolutionFwdAlgo_t algo, size_t* bytes) {
+            return cudnnGetConvolutionForwardWorkspaceSize(h, p.x, p.w, conv, p.y, algo, bytes);
+          });
+      break;
+    case ConvPass::backward_data:
+      LOOM_CUDNN(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
+      list = rank<cudnnConvolutionBwdDataAlgoPerf_t>(
+          a, conv, max_count,
+          [&](int n, int* count, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+            return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p.w, p.y, conv, p.x, n, count, perf);
+          },
+          [&](cudnnConvolutionBwdDataAlgo_t algo, size_t* bytes) {
+            return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.w, p.y, conv, p.x, algo, bytes);
+          });
+      break;
+    case ConvPass::backward_filter:
+      LOOM_CUDNN(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
+      list = rank<cudnnConvolutionBwdFilterAlgoPerf_t>(
+          a, conv, max_count,
+          [&](int n, int* count, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+            return cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p.x, p.y, conv, p.w, n, count, perf);
+          },
+          [&](cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) {
+            return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.x, p.y, conv, p.w, algo, bytes);
+          });
+      break;
+  }
+  LOOM_CHECK(!list.empty(), "conv2d ", pass_name(pass), ": cuDNN offers no algorithm for ", describe(a),
+             " within a ", kMaxWorkspace >> 20, " MiB workspace");
+}
+
+// Checks the sizes cuDNN's int-based descriptors can hold.
+void check_sizes(const Conv2dArgs& a) {
+  constexpr int64_t kMax = std::numeric_limits<int>::max();
+  const int64_t dims[] = {a.n,     a.c_in,  a.h,        a.w,        a.c_out,      a.kh,         a.kw,
+                          a.out_h, a.out_w, a.stride_h, a.stride_w, a.dilation_h, a.dilation_w, a.groups};
+  for (int64_t d : dims) LOOM_CHECK(d <= kMax, "conv2d: a size of ", describe(a), " is past cuDNN's 32-bit limit");
+  LOOM_CHECK(a.n * a.c_in * a.h * a.w <= kMax && a.n * a.c_out * a.out_h * a.out_w <= kMax, "conv2d: ", describe(a),
+             " has more than 2^31 elements in its input or output, past cuDNN's limit: split the batch");
+}
+
+int current_device() {
+  int device = 0;
+  LOOM_CUDA(cudaGetDevice(&device));
+  return device;
+}
+
+// Runs `call(plan, handle, conv, algo, workspace, bytes)` for one pass: the candidate in
+// use first, then any later one that fits the workspace given, remembering the first that
+// succeeds.
+template <class Call>
+void run_pass(const Conv2dArgs& a, ConvPass pass, StreamHandle stream, Call call) {
+  check_sizes(a);
+  const int device = current_device();
+  Plan& p = plan_for(a, device);
+  Dnn& dnn = dnn_for_device(device);
+  std::lock_guard lock(dnn.mu);
+  plan_pass(p, a, pass, dnn.handle);
+  LOOM_CUDNN(cudnnSetStream(dnn.handle, as_cuda(stream)));
+  const auto& list = p.candidates[size_t(pass)];
+  size_t& current = p.current[size_t(pass)];
+  LOOM_ASSERT(a.workspace_bytes >= list[current].workspace, "conv2d ", pass_name(pass), ": workspace of ",
+              a.workspace_bytes, " bytes given, ", list[current].workspace, " needed (ask conv2d_workspace_size)");
+  cudnnConvolutionDescriptor_t conv = p.conv[size_t(pass)];
+  void* workspace = a.workspace_bytes ? a.workspace : nullptr;
+  cudnnStatus_t first_error = CUDNN_STATUS_SUCCESS;
+  for (size_t i = current; i < list.size(); ++i) {
+    if (list[i].workspace > a.workspace_bytes) continue;
+    LOOM_CUDNN(cudnnSetConvolutionMathType(conv, list[i].math));
+    const cudnnStatus_t status = call(p, dnn.handle, conv, list[i].algo, workspace, a.workspace_bytes);
+    if (status == CUDNN_STATUS_SUCCESS) {
+      current = i;
+      return;
+    }
+    if (first_error == CUDNN_STATUS_SUCCESS) first_error = status;
+  }
+  LOOM_FAIL("conv2d ", pass_name(pass), ": cuDNN error ", int(first_error), " (", cudnnGetErrorString(first_error),
+            ") for ", describe(a), ", and no other algorithm fitting the workspace ran either");
+}
+
+// The scaling factors cuDNN reads: double for f64 data, float otherwise.
+struct Scale {
+  float f1 = 1.f, f0 = 0.f;
+  double d1 = 1.0, d0 = 0.0;
+  const void* one(DType t) const { return t == DType::f64 ? static_cast<const void*>(&d1) : &f1; }
+  const void* zero(DType t) const { return t == DType::f64 ? static_cast<const void*>(&d0) : &f0; }
+};
+
+}  // namespace
+
+size_t conv2d_workspace_size(const Conv2dArgs& a, ConvPass pass) {
+  if (a.n == 0) return 0;
+  check_sizes(a);
+  const int device = current_device();
+  Plan& p = plan_for(a, device);
+  Dnn& dnn = dnn_for_device(device);
+  std::lock_guard lock(dnn.mu);
+  plan_pass(p, a, pass, dnn.handle);
+  return p.candidates[size_t(pass)][p.current[size_t(pass)]].workspace;
+}
+
+void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, StreamHandle stream) {
+  if (a.n == 0) return;
+  const Scale s;
+  run_pass(a, ConvPass::forward, stream,
+           [&](const Plan& p, cudnnHandle_t h, cudnnConvolutionDescriptor_t conv, int algo, void* ws, size_t bytes) {
+             return cudnnConvolutionForward(h, s.one(a.dtype), p.x, x, p.w, w, conv, cudnnConvolutionFwdAlgo_t(algo),
+                                            ws, bytes, s.zero(a.dtype), p.y, y);
+           });
+}
+
+void conv2d_backward_data(const Conv2dArgs& a, void* dx, const void* dy, const void* w, StreamHandle stream) {
+  if (a.n == 0) return;
+  const Scale s;
+  run_pass(a, ConvPass::backward_data, stream,
+           [&](const Plan& p, cudnnHandle_t h, cudnnConvolutionDescriptor_t conv, int algo, void* ws, size_t bytes) {
+             return cudnnConvolutionBackwardData(h, s.one(a.dtype), p.w, w, p.y, dy, conv,
+                                                 cudnnConvolutionBwdDataAlgo_t(algo), ws, bytes, s.zero(a.dtype), p.x,
+                                                 dx);
+           });
+}
+
+void conv2d_backward_filter(const Conv2dArgs& a, void* dw, const void* x, const void* dy, StreamHandle stream) {
+  if (a.n == 0) {  // nothing to sum: the gradient is zero
+    const size_t bytes = size_t(a.c_out * (a.c_in / a.groups) * a.kh * a.kw) * dtype_size(a.dtype);
+    if (bytes) LOOM_CUDA(cudaMemsetAsync(dw, 0, bytes, as_cuda(stream)));
+    return;
+  }
+  const Scale s;
+  run_pass(a, ConvPass::backward_filter, stream,
+           [&](const Plan& p, cudnnHandle_t h, cudnnConvolutionDescriptor_t conv, int algo, void* ws, size_t bytes) {
+             return cudnnConvolutionBackwardFilter(h, s.one(a.dtype), p.x, x, p.y, dy, conv,
+                                                   cudnnConvolutionBwdFilterAlgo_t(algo), ws, bytes, s.zero(a.dtype),
+                                                   p.w, dw);
+           });
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,134 @@
+// Optimizer base: parameter groups, per-parameter state, and the state dict a training
+// checkpoint saves (named tensors for the buffers, scalars for steps and hyper-parameters).
+#include "layers/optim/optimizer.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+
+namespace loom::optim {
+
+void Optimizer::add_group(ParamGroup group) {
+  LOOM_CHECK(!group.params.empty(), type_name(), ": a parameter group needs at least one parameter");
+  LOOM_CHECK(group.lr >= 0, type_name(), ": learning rate must not be negative, got ", group.lr);
+  LOOM_CHECK(group.weight_decay >= 0, type_name(), ": weight_decay must not be negative, got ", group.weight_decay);
+  std::unordered_set<const TensorImpl*> seen;
+  for (const ParamGroup& g : groups_)
+    for (const Tensor& p : g.params) seen.insert(p.impl());
+  for (size_t i = 0; i < group.params.size(); ++i) {
+    const Tensor& p = group.params[i];
+    LOOM_CHECK(p.defined(), type_name(), ": parameter ", i, " of the group is undefined");
+    LOOM_CHECK(is_floating(p.dtype()), type_name(), ": parameter ", i, " is ", dtype_name(p.dtype()),
+               "; only floating-point tensors can be optimised");
+    LOOM_CHECK(p.is_leaf(), type_name(), ": parameter ", i,
+               " is the result of an op, not a leaf; optimise the tensors a module registered");
+    LOOM_CHECK(seen.insert(p.impl()).second, type_name(), ": parameter ", i,
+               " appears in more than one place in the parameter groups");
+  }
+  groups_.push_back(std::move(group));
+}
+
+void Optimizer::zero_grad() {
+  for (ParamGroup& g : groups_)
+    for (Tensor& p : g.params) p.zero_grad();
+}
+
+void Optimizer::set_lr(double lr) {
+  for (ParamGroup& g : groups_) g.lr = lr;
+}
+
+const ParamState* Optimizer::state(const Tensor& param) const {
+  auto it = state_.find(param.impl());
+  return it == state_.end() ? nullptr : &it->second;
+}
+
+ParamState& Optimizer::state_of(const Tensor& param) {
+  ParamState& s = state_[param.impl()];
+  for (auto& [_, b] : s.buffers)
+    if (b.device() != param.device() || b.dtype() != param.dtype()) b = b.to(param.device()).to(param.dtype());
+  return s;
+}
+
+namespace {
+// The group fields as named scalars: one list for saving and loading.
+std::vector<std::pair<std::string, double*>> fields(ParamGroup& g, double* nesterov) {
+  *nesterov = g.nesterov == Nesterov::yes ? 1 : 0;
+  return {{"lr", &g.lr},       {"weight_decay", &g.weight_decay}, {"momentum", &g.momentum},
+          {"dampening", &g.dampening}, {"nesterov", nesterov},    {"beta1", &g.beta1},
+          {"beta2", &g.beta2}, {"eps", &g.eps}};
+}
+}  // namespace
+
+OptimizerState Optimizer::state_dict() const {
+  OptimizerState out;
+  int64_t index = 0;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    ParamGroup g = groups_[gi];
+    std::string prefix = "param_groups." + std::to_string(gi) + ".";
+    double nesterov;
+    for (auto& [name, value] : fields(g, &nesterov)) out.scalars[prefix + name] = *value;
+    out.scalars[prefix + "size"] = double(g.params.size());
+    for (const Tensor& p : g.params) {
+      std::string key = "state." + std::to_string(index++) + ".";
+      const ParamState* s = state(p);
+      if (!s) continue;
+      out.scalars[key + "step"] = double(s->step);
+      for (const auto& [name, b] : s->buffers) out.tensors.emplace_back(key + name, b);
+    }
+  }
+  return out;
+}
+
+void Optimizer::load_state_dict(const OptimizerState& saved) {
+  const std::string what = type_name() + " load_state_dict: ";
+  auto scalar = [&](const std::string& key) {
+    auto it = saved.scalars.find(key);
+    LOOM_CHECK(it != saved.scalars.end(), what, "the checkpoint has no ", key,
+               " (is it the state of a different optimizer or of other parameter groups?)");
+    return it->second;
+  };
+  LOOM_CHECK(!saved.scalars.count("param_groups." + std::to_string(groups_.size()) + ".size"), what,
+             "the checkpoint has more parameter groups than this optimizer's ", groups_.size());
+  std::map<std::string, Tensor> tensors;
+  for (const auto& [name, t] : saved.tensors) tensors.emplace(name, t);
+  const std::vector<std::string> known = buffer_names();
+
+  // Check everything before changing anything.
+  std::unordered_map<const TensorImpl*, ParamState> loaded;
+  int64_t index = 0;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    double size = scalar("param_groups." + std::to_string(gi) + ".size");
+    LOOM_CHECK(size == double(groups_[gi].params.size()), what, "group ", gi, " has ", size,
+               " parameters in the checkpoint but ", groups_[gi].params.size(), " here");
+    for (const Tensor& p : groups_[gi].params) {
+      std::string key = "state." + std::to_string(index++) + ".";
+      auto step = saved.scalars.find(key + "step");
+      if (step == saved.scalars.end()) continue;
+      ParamState s;
+      s.step = int64_t(step->second);
+      for (auto it = tensors.lower_bound(key); it != tensors.end() && it->first.starts_with(key); ++it) {
+        std::string name = it->first.substr(key.size());
+        LOOM_CHECK(std::find(known.begin(), known.end(), name) != known.end(), what, "the checkpoint's ", it->first,
+                   " is not a buffer of ", type_name());
+        LOOM_CHECK(it->second.shape() == p.shape(), what, it->first, " has shape ", shape_str(it->second.shape()),
+                   " in the checkpoint but its parameter has shape ", shape_str(p.shape()));
+        NoGradGuard no_grad;
+        s.buffers[name] = it->second.to(p.device()).to(p.dtype()).clone();
+      }
+      loaded[p.impl()] = std::move(s);
+    }
+  }
+  std::vector<ParamGroup> groups = groups_;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    std::string prefix = "param_groups." + std::to_string(gi) + ".";
+    double nesterov;
+    for (auto& [name, value] : fields(groups[gi], &nesterov)) *value = scalar(prefix + name);
+    groups[gi].nesterov = nesterov != 0 ? Nesterov::yes : Nesterov::no;
+  }
+  groups_ = std::move(groups);
+  state_ = std::move(loaded);
+}
+
+}  // namespace loom::optim

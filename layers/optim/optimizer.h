@@ -1,0 +1,90 @@
+// Optimizer: the base of SGD, Adam and AdamW. It holds parameter groups (torch.optim's
+// param_groups: parameters sharing hyper-parameters) and per-parameter state (step count
+// and named buffers such as "exp_avg"), and turns both into named tensors plus scalars
+// for a training checkpoint.
+//
+// State is keyed by the parameter's identity (its TensorImpl), not its data, so it
+// survives Module::to() and FSDP's storage swaps; buffers follow the parameter's device
+// and dtype at each step. Each optimizer's arithmetic lives in one free function per
+// group (sgd_update, adam_update) over lists of tensors: a fused multi-tensor CUDA kernel
+// replaces that function's body and nothing else.
+#pragma once
+
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "layers/module.h"
+
+namespace loom::optim {
+
+enum class Nesterov : bool { no = false, yes = true };
+
+// One parameter group. The fields are the union of what Loom's optimizers read, as
+// torch's group dicts are: SGD reads lr, weight_decay, momentum, dampening, nesterov;
+// Adam and AdamW read lr, weight_decay, beta1, beta2, eps. Schedules write lr.
+struct ParamGroup {
+  TensorList params;
+  double lr = 1e-3;
+  double weight_decay = 0;
+  double momentum = 0, dampening = 0;
+  Nesterov nesterov = Nesterov::no;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+};
+
+// A parameter's state: how many updates it has had and its named buffers (torch's names:
+// "momentum_buffer", "exp_avg", "exp_avg_sq"), each of the parameter's shape.
+struct ParamState {
+  int64_t step = 0;
+  std::map<std::string, Tensor> buffers;
+};
+
+// The optimizer's state for a checkpoint. Parameters are numbered across the groups in
+// order, as in torch's optimizer.state_dict(): tensors "state.<i>.<buffer>", scalars
+// "state.<i>.step" and "param_groups.<g>.<field>" (and "param_groups.<g>.size").
+struct OptimizerState {
+  nn::NamedTensors tensors;
+  std::map<std::string, double> scalars;
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // One update of every parameter that has a gradient; the others are skipped untouched.
+  virtual void step() = 0;
+  virtual std::string type_name() const = 0;
+  // Drops every parameter's gradient (torch's set_to_none=True).
+  void zero_grad();
+
+  std::vector<ParamGroup>& param_groups() { return groups_; }
+  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  // Sets the learning rate of every group.
+  void set_lr(double lr);
+  // The state of `param`; nullptr before its first update.
+  const ParamState* state(const Tensor& param) const;
+
+  // The state shares the optimizer's buffers (save it before the next step).
+  OptimizerState state_dict() const;
+  // Restores state and group hyper-parameters saved from an optimizer of the same kind over
+  // the same parameter groups; the buffers are copied onto each parameter's device and dtype.
+  void load_state_dict(const OptimizerState& state);
+
+ protected:
+  Optimizer() = default;
+  // Checks that the group's parameters are floating-point leaves not already in a group.
+  void add_group(ParamGroup group);
+  // The state of `param`, created empty on first use, its buffers on param's device/dtype.
+  ParamState& state_of(const Tensor& param);
+  // The buffer names this optimizer keeps per parameter (checked on load).
+  virtual std::vector<std::string> buffer_names() const = 0;
+
+ private:
+  std::vector<ParamGroup> groups_;
+  std::unordered_map<const TensorImpl*, ParamState> state_;
+};
+
+}  // namespace loom::optim

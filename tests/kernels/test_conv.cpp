@@ -1,0 +1,207 @@
+// The CPU convolution (im2col + gemm) and pooling kernels against the plain loops of
+// conv_reference.h, on random data, over a table of shapes that covers padding, stride,
+// dilation, groups (depthwise too), 1x1 (the no-im2col path), rectangular kernels, one
+// sample (threads inside the gemm) and more samples than the filter gradient's partials.
+// Errors are measured against sum |a||b| (the f64 loop over magnitudes), the scale that
+// bounds rounding in any summation order.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/kernels.h"
+#include "tests/kernels/conv_reference.h"
+
+namespace loom {
+namespace {
+
+using test::ConvCase;
+using test::PoolCase;
+
+const std::vector<ConvCase>& conv_cases() {
+  static const std::vector<ConvCase> table = {
+      {"3x3_pad1", 2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1},
+      {"3x3_stride2", 3, 4, 9, 7, 6, 3, 3, 2, 2, 1, 1},
+      {"3x3_dilation2", 2, 3, 9, 9, 5, 3, 3, 1, 1, 2, 2, 2, 2},
+      {"groups2", 2, 4, 6, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1, 2},
+      {"depthwise", 2, 4, 6, 6, 4, 3, 3, 1, 1, 1, 1, 1, 1, 4},
+      {"1x1", 3, 5, 4, 4, 7, 1, 1},
+      {"1x1_stride2", 2, 3, 5, 5, 4, 1, 1, 2, 2},
+      {"rect_kernel_stride", 1, 2, 5, 9, 3, 2, 3, 1, 2, 0, 1},
+      {"stride_past_kernel", 2, 2, 9, 9, 3, 2, 2, 3, 3},
+      {"one_sample_wide", 1, 16, 12, 12, 24, 3, 3, 1, 1, 1, 1},
+      {"many_samples", 19, 3, 6, 6, 4, 3, 3, 1, 1, 1, 1},
+      {"7x7_stride2_pad3", 2, 3, 16, 16, 8, 7, 7, 2, 2, 3, 3},
+  };
+  return table;
+}
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+template <> constexpr DType dtype_of<bf16>() { return DType::bf16; }
+template <> constexpr DType dtype_of<f16>() { return DType::f16; }
+
+template <class T>
+double as_double(T v) {
+  if constexpr (std::is_same_v<T, double>) return v;
+  else return double(float(v));
+}
+
+// Random values of T and the same values (after rounding to T) in f64.
+template <class T>
+std::vector<T> random_values(int64_t n, std::mt19937& rng, std::vector<double>& exact) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<T> v(static_cast<size_t>(n));
+  exact.resize(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) {
+    v[i] = T(dist(rng));
+    exact[i] = as_double(v[i]);
+  }
+  return v;
+}
+
+template <class T>
+void expect_near_scaled(const std::vector<T>& got, const std::vector<double>& want, const std::vector<double>& scale,
+                        double tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(as_double(got[i]), want[i], tol * scale[i] + 1e-300) << what << " element " << i;
+}
+
+template <class T>
+void check_conv(const ConvCase& c, double tol) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(17);
+  const Conv2dArgs a = test::conv_args(c, dtype_of<T>());
+  std::vector<double> xe, we, dye;
+  const auto x = random_values<T>(test::x_numel(a), rng, xe);
+  const auto w = random_values<T>(test::w_numel(a), rng, we);
+  const auto dy = random_values<T>(test::y_numel(a), rng, dye);
+  const test::ConvReference want = test::conv_reference(a, xe, we, dye);
+  const test::ConvReference scale = test::conv_reference(a, xe, we, dye, true);
+
+  EXPECT_EQ(cpu::conv2d_workspace_size(a, ConvPass::forward), 0u);
+  std::vector<T> y(size_t(test::y_numel(a))), dx(size_t(test::x_numel(a))), dw(size_t(test::w_numel(a)));
+  cpu::conv2d_forward(a, y.data(), x.data(), w.data(), nullptr);
+  cpu::conv2d_backward_data(a, dx.data(), dy.data(), w.data(), nullptr);
+  cpu::conv2d_backward_filter(a, dw.data(), x.data(), dy.data(), nullptr);
+  expect_near_scaled(y, want.y, scale.y, tol, "y");
+  expect_near_scaled(dx, want.dx, scale.dx, tol, "dx");
+  expect_near_scaled(dw, want.dw, scale.dw, tol, "dw");
+}
+
+TEST(ConvCpu, MatchesDirectLoopF64) {
+  for (const auto& c : conv_cases()) check_conv<double>(c, 1e-12);
+}
+TEST(ConvCpu, MatchesDirectLoopF32) {
+  for (const auto& c : conv_cases()) check_conv<float>(c, 1e-5);
+}
+// 16-bit buffers are computed in f32 and rounded once: within a 16-bit rounding of the scale.
+TEST(ConvCpu, MatchesDirectLoopBf16) {
+  for (const auto& c : conv_cases()) check_conv<bf16>(c, 1e-2);
+}
+TEST(ConvCpu, MatchesDirectLoopF16) {
+  for (const auto& c : conv_cases()) check_conv<f16>(c, 2e-3);
+}
+
+TEST(ConvCpu, FilterGradientOfAnEmptyBatchIsZero) {
+  Conv2dArgs a = test::conv_args({"empty", 0, 2, 4, 4, 3, 3, 3, 1, 1, 1, 1}, DType::f32);
+  std::vector<float> dw(size_t(test::w_numel(a)), 7.f);
+  cpu::conv2d_backward_filter(a, dw.data(), nullptr, nullptr, nullptr);
+  for (float v : dw) ASSERT_EQ(v, 0.f);
+}
+
+TEST(ConvCpu, FilterGradientIsBitwiseReproducible) {
+  const Conv2dArgs a = test::conv_args({"repro", 13, 3, 7, 7, 5, 3, 3, 1, 1, 1, 1}, DType::f32);
+  std::mt19937 rng(3);
+  std::vector<double> unused;
+  const auto x = random_values<float>(test::x_numel(a), rng, unused);
+  const auto dy = random_values<float>(test::y_numel(a), rng, unused);
+  std::vector<float> first(size_t(test::w_numel(a))), second(first.size());
+  cpu::conv2d_backward_filter(a, first.data(), x.data(), dy.data(), nullptr);
+  cpu::conv2d_backward_filter(a, second.data(), x.data(), dy.data(), nullptr);
+  EXPECT_EQ(first, second);
+}
+
+// ---- pooling --------------------------------------------------------------------------
+
+const std::vector<PoolCase>& pool_cases() {
+  static const std::vector<PoolCase> table = {
+      {"2x2", 2, 3, 8, 6, 2, 2, 2, 2},
+      {"3x3_stride2_pad1", 2, 2, 9, 8, 3, 3, 2, 2, 1, 1},
+      {"3x3_stride1_pad1", 1, 3, 5, 6, 3, 3, 1, 1, 1, 1},
+      {"rect_2x3_pad", 2, 2, 7, 9, 2, 3, 1, 2, 1, 1},
+      {"odd_input_floor", 1, 2, 7, 7, 2, 2, 2, 2},
+      {"stride_past_kernel", 1, 2, 10, 10, 2, 2, 3, 3},
+  };
+  return table;
+}
+
+template <class T>
+void check_pools(const PoolCase& p, double tol) {
+  SCOPED_TRACE(p.name);
+  std::mt19937 rng(5);
+  const Pool2dArgs a = test::pool_args(p, dtype_of<T>());
+  const int64_t nx = a.n * a.c * a.h * a.w, ny = a.n * a.c * a.out_h * a.out_w;
+  std::vector<double> xe, dye;
+  const auto x = random_values<T>(nx, rng, xe);
+  const auto dy = random_values<T>(ny, rng, dye);
+  std::vector<double> ones_y(static_cast<size_t>(ny), 1.0), ones_x(static_cast<size_t>(nx), 1.0);
+
+  const test::MaxPoolReference mref = test::max_pool_reference(a, xe, dye);
+  std::vector<T> y(static_cast<size_t>(ny)), dx(static_cast<size_t>(nx), T(123.f));
+  std::vector<int64_t> idx(static_cast<size_t>(ny));
+  cpu::max_pool2d_forward(a, y.data(), idx.data(), x.data(), nullptr);
+  cpu::max_pool2d_backward(a, dx.data(), dy.data(), idx.data(), nullptr);
+  EXPECT_EQ(idx, mref.indices);
+  expect_near_scaled(y, mref.y, ones_y, 0.0, "max y");
+  expect_near_scaled(dx, mref.dx, ones_x, tol, "max dx");
+
+  const test::AvgPoolReference aref = test::avg_pool_reference(a, xe, dye);
+  std::fill(dx.begin(), dx.end(), T(123.f));
+  cpu::avg_pool2d_forward(a, y.data(), x.data(), nullptr);
+  cpu::avg_pool2d_backward(a, dx.data(), dy.data(), nullptr);
+  expect_near_scaled(y, aref.y, ones_y, tol, "avg y");
+  expect_near_scaled(dx, aref.dx, ones_x, tol, "avg dx");
+}
+
+TEST(PoolCpu, MatchesLoopsF64) {
+  for (const auto& p : pool_cases()) check_pools<double>(p, 1e-14);
+}
+TEST(PoolCpu, MatchesLoopsF32) {
+  for (const auto& p : pool_cases()) check_pools<float>(p, 1e-6);
+}
+TEST(PoolCpu, MatchesLoopsBf16) {
+  for (const auto& p : pool_cases()) check_pools<bf16>(p, 1e-2);
+}
+
+TEST(PoolCpu, MaxPoolPropagatesNan) {
+  const Pool2dArgs a = test::pool_args({"nan", 1, 1, 2, 4, 2, 2, 2, 2}, DType::f32);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> x = {1, nan, 5, 6, 3, 4, 7, 8};
+  std::vector<float> y(2);
+  std::vector<int64_t> idx(2);
+  cpu::max_pool2d_forward(a, y.data(), idx.data(), x.data(), nullptr);
+  EXPECT_TRUE(std::isnan(y[0]));
+  EXPECT_EQ(idx[0], 1);
+  EXPECT_EQ(y[1], 8.f);
+  EXPECT_EQ(idx[1], 7);
+}
+
+TEST(PoolCpu, MaxPoolTiesGoToTheFirstInWindowOrder) {
+  const Pool2dArgs a = test::pool_args({"ties", 1, 1, 2, 2, 2, 2, 2, 2}, DType::f32);
+  const std::vector<float> x = {1, 3, 3, 3};
+  std::vector<float> y(1), dx(4), dy = {2};
+  std::vector<int64_t> idx(1);
+  cpu::max_pool2d_forward(a, y.data(), idx.data(), x.data(), nullptr);
+  cpu::max_pool2d_backward(a, dx.data(), dy.data(), idx.data(), nullptr);
+  EXPECT_EQ(idx[0], 1);
+  EXPECT_EQ(dx, (std::vector<float>{0, 2, 0, 0}));
+}
+
+}  // namespace
+}  // namespace loom

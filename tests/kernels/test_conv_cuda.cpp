@@ -1,0 +1,223 @@
+// The cuDNN convolution and the CUDA pooling kernels against the CPU kernels on the same
+// inputs. Convolution errors are measured against sum |a||b| (the CPU convolution of the
+// magnitudes, in f64), which bounds rounding in any summation order: TF32 keeps 10 bits
+// of each f32 input, bf16 and f16 round their outputs to 8 and 11 bits. Pooling must
+// agree exactly on values and argmax indices, and closely on gradients.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/config.h"
+#include "kernels/cpu/kernels.h"
+#include "kernels/cuda/kernels.h"
+#include "tests/common/device_buffer.h"
+#include "tests/common/gpu.h"
+#include "tests/kernels/conv_reference.h"
+
+namespace loom {
+namespace {
+
+using test::ConvCase;
+using test::DeviceBuffer;
+using test::PoolCase;
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+template <> constexpr DType dtype_of<bf16>() { return DType::bf16; }
+template <> constexpr DType dtype_of<f16>() { return DType::f16; }
+
+template <class T>
+double as_double(T v) {
+  if constexpr (std::is_same_v<T, double>) return v;
+  else return double(float(v));
+}
+
+template <class T>
+std::vector<T> random_values(int64_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<T> v(static_cast<size_t>(n));
+  for (auto& x : v) x = T(dist(rng));
+  return v;
+}
+
+template <class T>
+std::vector<double> magnitudes(const std::vector<T>& v) {
+  std::vector<double> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = std::abs(as_double(v[i]));
+  return out;
+}
+
+template <class T>
+void expect_near_scaled(const std::vector<T>& got, const std::vector<T>& want, const std::vector<double>& scale,
+                        double tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(as_double(got[i]), as_double(want[i]), tol * scale[i] + 1e-30) << what << " element " << i;
+}
+
+const std::vector<ConvCase>& conv_cases() {
+  static const std::vector<ConvCase> table = {
+      {"3x3_pad1", 2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1},
+      {"3x3_stride2", 3, 4, 9, 7, 6, 3, 3, 2, 2, 1, 1},
+      {"3x3_dilation2", 2, 3, 9, 9, 5, 3, 3, 1, 1, 2, 2, 2, 2},
+      {"groups2", 2, 4, 6, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1, 2},
+      {"depthwise", 2, 8, 6, 6, 8, 3, 3, 1, 1, 1, 1, 1, 1, 8},
+      {"1x1", 3, 5, 4, 4, 7, 1, 1},
+      {"rect_kernel_stride", 1, 2, 5, 9, 3, 2, 3, 1, 2, 0, 1},
+      // The guide's SimpleCNN, first and second layers, at training batch size.
+      {"simple_cnn_conv1_batch64", 64, 3, 32, 32, 32, 3, 3, 1, 1, 1, 1},
+      {"simple_cnn_conv2", 16, 32, 16, 16, 64, 3, 3, 1, 1, 1, 1},
+      // ResNet-18 for 32x32: a strided 3x3 and its 1x1 downsample shortcut.
+      {"resnet_stride2", 8, 64, 16, 16, 128, 3, 3, 2, 2, 1, 1},
+      {"resnet_downsample_1x1", 8, 64, 16, 16, 128, 1, 1, 2, 2},
+  };
+  return table;
+}
+
+// Device scratch for one pass, as the engine gets it from its allocator.
+std::unique_ptr<DeviceBuffer<uint8_t>> workspace(Conv2dArgs& a, ConvPass pass) {
+  auto ws = std::make_unique<DeviceBuffer<uint8_t>>(cuda::conv2d_workspace_size(a, pass));
+  a.workspace = ws->size() ? ws->get() : nullptr;
+  a.workspace_bytes = ws->size();
+  return ws;
+}
+
+template <class T>
+void check_conv(const ConvCase& c, double tol) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(23);
+  Conv2dArgs a = test::conv_args(c, dtype_of<T>());
+  const auto x = random_values<T>(test::x_numel(a), rng);
+  const auto w = random_values<T>(test::w_numel(a), rng);
+  const auto dy = random_values<T>(test::y_numel(a), rng);
+
+  // The CPU kernels give the expected values; the f64 CPU convolution of magnitudes the scale.
+  std::vector<T> y(size_t(test::y_numel(a))), dx(size_t(test::x_numel(a))), dw(size_t(test::w_numel(a)));
+  cpu::conv2d_forward(a, y.data(), x.data(), w.data(), nullptr);
+  cpu::conv2d_backward_data(a, dx.data(), dy.data(), w.data(), nullptr);
+  cpu::conv2d_backward_filter(a, dw.data(), x.data(), dy.data(), nullptr);
+  Conv2dArgs sa = a;
+  sa.dtype = DType::f64;
+  const auto ax = magnitudes(x), aw = magnitudes(w), ady = magnitudes(dy);
+  std::vector<double> sy(y.size()), sdx(dx.size()), sdw(dw.size());
+  cpu::conv2d_forward(sa, sy.data(), ax.data(), aw.data(), nullptr);
+  cpu::conv2d_backward_data(sa, sdx.data(), ady.data(), aw.data(), nullptr);
+  cpu::conv2d_backward_filter(sa, sdw.data(), ax.data(), ady.data(), nullptr);
+
+  DeviceBuffer<T> gx(x), gw(w), gdy(dy), gy(y.size()), gdx(dx.size()), gdw(dw.size());
+  for (int rep = 0; rep < 2; ++rep) {  // the second round runs on the cached plans
+    {
+      auto ws = workspace(a, ConvPass::forward);
+      cuda::conv2d_forward(a, gy.get(), gx.get(), gw.get(), nullptr);
+      expect_near_scaled(gy.to_host(), y, sy, tol, "y");
+    }
+    {
+      auto ws = workspace(a, ConvPass::backward_data);
+      cuda::conv2d_backward_data(a, gdx.get(), gdy.get(), gw.get(), nullptr);
+      expect_near_scaled(gdx.to_host(), dx, sdx, tol, "dx");
+    }
+    {
+      auto ws = workspace(a, ConvPass::backward_filter);
+      cuda::conv2d_backward_filter(a, gdw.get(), gx.get(), gdy.get(), nullptr);
+      expect_near_scaled(gdw.to_host(), dw, sdw, tol, "dw");
+    }
+  }
+}
+
+#if LOOM_WITH_CUDNN
+
+TEST(ConvCuda, CudnnMatchesCpuF32OnTf32) {
+  LOOM_REQUIRE_CUDA();
+  for (const auto& c : conv_cases()) check_conv<float>(c, 5e-3);
+}
+TEST(ConvCuda, CudnnMatchesCpuBf16) {
+  LOOM_REQUIRE_CUDA();
+  for (const auto& c : conv_cases()) check_conv<bf16>(c, 2e-2);
+}
+TEST(ConvCuda, CudnnMatchesCpuF16) {
+  LOOM_REQUIRE_CUDA();
+  for (const auto& c : conv_cases()) check_conv<f16>(c, 5e-3);
+}
+TEST(ConvCuda, CudnnMatchesCpuF64) {
+  LOOM_REQUIRE_CUDA();
+  for (const auto& c : conv_cases()) check_conv<double>(c, 1e-10);
+}
+
+#else
+
+TEST(ConvCuda, WithoutCudnnSaysSo) {
+  LOOM_REQUIRE_CUDA();
+  Conv2dArgs a = test::conv_args({"any", 1, 1, 3, 3, 1, 3, 3}, DType::f32);
+  try {
+    cuda::conv2d_workspace_size(a, ConvPass::forward);
+    FAIL() << "expected loom::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cuDNN"), std::string::npos) << e.what();
+  }
+}
+
+#endif
+
+// ---- pooling --------------------------------------------------------------------------
+
+const std::vector<PoolCase>& pool_cases() {
+  static const std::vector<PoolCase> table = {
+      {"2x2", 64, 32, 32, 32, 2, 2, 2, 2},
+      {"3x3_stride2_pad1", 4, 8, 33, 30, 3, 3, 2, 2, 1, 1},
+      {"3x3_stride1_pad1", 2, 3, 9, 10, 3, 3, 1, 1, 1, 1},
+      {"rect_2x3_pad", 2, 2, 7, 9, 2, 3, 1, 2, 1, 1},
+      {"stride_past_kernel", 1, 2, 10, 10, 2, 2, 3, 3},
+  };
+  return table;
+}
+
+template <class T>
+void check_pools(const PoolCase& p, double tol) {
+  SCOPED_TRACE(p.name);
+  std::mt19937 rng(29);
+  const Pool2dArgs a = test::pool_args(p, dtype_of<T>());
+  const int64_t nx = a.n * a.c * a.h * a.w, ny = a.n * a.c * a.out_h * a.out_w;
+  const auto x = random_values<T>(nx, rng), dy = random_values<T>(ny, rng);
+  const std::vector<double> ones_y(static_cast<size_t>(ny), 1.0), ones_x(static_cast<size_t>(nx), 1.0);
+  std::vector<T> y(static_cast<size_t>(ny)), dx(static_cast<size_t>(nx));
+  std::vector<int64_t> idx(static_cast<size_t>(ny));
+  DeviceBuffer<T> gx(x), gdy(dy), gy(static_cast<size_t>(ny)), gdx(static_cast<size_t>(nx));
+  DeviceBuffer<int64_t> gidx(static_cast<size_t>(ny));
+
+  cpu::max_pool2d_forward(a, y.data(), idx.data(), x.data(), nullptr);
+  cpu::max_pool2d_backward(a, dx.data(), dy.data(), idx.data(), nullptr);
+  cuda::max_pool2d_forward(a, gy.get(), gidx.get(), gx.get(), nullptr);
+  cuda::max_pool2d_backward(a, gdx.get(), gdy.get(), gidx.get(), nullptr);
+  EXPECT_EQ(gidx.to_host(), idx);
+  expect_near_scaled(gy.to_host(), y, ones_y, 0.0, "max y");
+  expect_near_scaled(gdx.to_host(), dx, ones_x, tol, "max dx");
+
+  cpu::avg_pool2d_forward(a, y.data(), x.data(), nullptr);
+  cpu::avg_pool2d_backward(a, dx.data(), dy.data(), nullptr);
+  cuda::avg_pool2d_forward(a, gy.get(), gx.get(), nullptr);
+  cuda::avg_pool2d_backward(a, gdx.get(), gdy.get(), nullptr);
+  expect_near_scaled(gy.to_host(), y, ones_y, tol, "avg y");
+  expect_near_scaled(gdx.to_host(), dx, ones_x, tol, "avg dx");
+}
+
+TEST(PoolCuda, MatchesCpuF32) {
+  LOOM_REQUIRE_CUDA();
+  for (const auto& p : pool_cases()) check_pools<float>(p, 1e-6);
+}
+TEST(PoolCuda, MatchesCpuBf16) {
+  LOOM_REQUIRE_CUDA();
+  for (const auto& p : pool_cases()) check_pools<bf16>(p, 1e-2);
+}
+TEST(PoolCuda, MatchesCpuF16) {
+  LOOM_REQUIRE_CUDA();
+  for (const auto& p : pool_cases()) check_pools<f16>(p, 2e-3);
+}
+
+}  // namespace
+}  // namespace loom
