@@ -23,12 +23,12 @@ struct Options {
   uint64_t seed = 0;
 };
 
+constexpr const char* kUsage =
+    "usage: demo [--device cpu|cuda|cuda:N] [--steps N] [--lr X] [--seed N]\n"
+    "  trains a small MLP on three spirals and prints its loss\n";
+
 [[noreturn]] void usage(const std::string& problem) {
-  std::fprintf(stderr,
-               "demo: %s\n"
-               "usage: demo [--device cpu|cuda|cuda:N] [--steps N] [--lr X] [--seed N]\n"
-               "  trains a small MLP on three spirals and prints its loss\n",
-               problem.c_str());
+  std::fprintf(stderr, "demo: %s\n%s", problem.c_str(), kUsage);
   std::exit(2);
 }
 
@@ -43,7 +43,10 @@ Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") usage("help");
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
     if (i + 1 >= argc) usage(flag + " needs a value");
     const char* value = argv[++i];
     if (flag == "--device") o.device = Device::parse(value);
