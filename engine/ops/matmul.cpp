@@ -9,7 +9,25 @@ namespace loom {
 
 namespace {
 
-bool batch_stride(const Tensor& t, int64_t* stride);
+// Batch stride of an operand already expanded to the batch shape: the batch dims must
+// collapse to one stride (contiguous batch or fully broadcast), else it is packed.
+bool batch_stride(const Tensor& t, int64_t* stride) {
+  int nb = t.dim() - 2;
+  int64_t expected = -1;  // a fully broadcast batch (all strides 0) collapses to stride 0
+  *stride = 0;
+  for (int i = nb - 1; i >= 0; --i) {
+    if (t.shape()[i] == 1) continue;
+    if (expected < 0) {
+      *stride = t.strides()[i];
+      expected = t.strides()[i] * t.shape()[i];
+    } else if (t.strides()[i] != expected) {
+      return false;
+    } else {
+      expected *= t.shape()[i];
+    }
+  }
+  return true;
+}
 
 // How gemm can read the last two dims of t (rows, cols): directly (row stride ld),
 // transposed (column-major storage), or not at all (needs packing).
@@ -39,32 +57,6 @@ Operand batched_operand(const Tensor& t, int64_t* stride) {
     batch_stride(o.t, stride);
   }
   return o;
-}
-
-// Batch stride of an operand already expanded to the batch shape: the batch dims must
-// collapse to one stride (contiguous batch or fully broadcast), else it is packed.
-bool batch_stride(const Tensor& t, int64_t* stride) {
-  int nb = t.dim() - 2;
-  int64_t expected = -1;
-  *stride = 0;
-  bool all_zero = true;
-  for (int i = nb - 1; i >= 0; --i) {
-    if (t.shape()[i] == 1) continue;
-    if (t.strides()[i] != 0) all_zero = false;
-  }
-  if (all_zero) return true;
-  for (int i = nb - 1; i >= 0; --i) {
-    if (t.shape()[i] == 1) continue;
-    if (expected < 0) {
-      *stride = t.strides()[i];
-      expected = t.strides()[i] * t.shape()[i];
-    } else if (t.strides()[i] != expected) {
-      return false;
-    } else {
-      expected *= t.shape()[i];
-    }
-  }
-  return true;
 }
 
 Tensor matmul_nd(const Tensor& a, const Tensor& b) {
