@@ -1,6 +1,7 @@
 // ImageSet: what every image reader (IDX, CIFAR, image folders) returns. Plain host data, no
-// tensors: the data layer must not depend on the engine's types, and the engine wraps these
-// vectors into tensors (or copies them to the GPU whole) later.
+// tensors: the readers need nothing of the engine, and an ImageDataset (data/dataset.h) with
+// the DataLoader (data/loader.h) turns these vectors into batches of tensors later (or copies
+// them to the GPU whole).
 #pragma once
 
 #include <cstdint>

@@ -175,4 +175,30 @@ Tensor avg_pool2d(const Tensor& x, std::array<int, 2> kernel);
 // H and W (equal windows, an avg_pool2d).
 Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int, 2> output_size);
 
+
+// ---- normalisation (ops/norm.cpp) -----------------------------------------------
+// Batch normalisation, PyTorch's F.batch_norm: x (N, C, *) normalised per channel (axis 1)
+// over every other axis. training: batch statistics (biased variance), and running_mean /
+// running_var (C, when defined) updated in place with `momentum` and the unbiased variance;
+// otherwise the running statistics normalise. weight and bias (C) may be undefined (1 and 0).
+// Differentiable in x, weight and bias. Statistics and affine parameters are f32 (f64 for f64
+// x), so bf16 activations keep f32 parameters.
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
+
+// ---- fused optimizer updates (ops/optim.cpp) ------------------------------------
+// In-place multi-tensor updates with torch.optim's arithmetic (kernels/table.h gives the
+// formulas): every tensor of a call on one device, contiguous, one floating dtype per call;
+// on CUDA one kernel launch covers all of them. Not recorded by autograd.
+//
+// SGD: a momentum buffer that is undefined on entry is created (as the gradient) and stored
+// back into `momentum_buffers`; with momentum 0 the buffers are not used.
+void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorList& momentum_buffers, double lr,
+                      double momentum, double dampening, double weight_decay, bool nesterov);
+// Adam (decoupled = false: L2 decay added to the gradient) and AdamW (decoupled = true);
+// steps[i] is tensor i's step count including this update (>= 1).
+void adam_update_fused(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                       const TensorList& exp_avg_sqs, const std::vector<int64_t>& steps, double lr, double beta1,
+                       double beta2, double eps, double weight_decay, bool decoupled);
+
 }  // namespace loom

@@ -95,6 +95,56 @@ struct Pool2dArgs {
   int64_t kh = 1, kw = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
 };
 
+// Batch normalisation over the channel axis of a contiguous (N, C, S) buffer (NCHW with
+// S = H * W; S = 1 for (N, C) inputs). x, y, dx, dy have `dtype`; every per-channel vector
+// (gamma, beta, running_mean, running_var, save_mean, save_invstd, dgamma, dbeta) is in the
+// accumulation type (f64 for f64, f32 otherwise), so bf16 activations keep f32 statistics
+// and f32 affine parameters, as cuDNN and PyTorch do.
+struct BatchNormArgs {
+  DType dtype = DType::f32;
+  int64_t n = 0, c = 0, s = 1;
+  double eps = 1e-5;
+  double momentum = 0.1;  // running = (1 - momentum) * running + momentum * batch statistic
+};
+
+// Multi-tensor optimizer updates: one call updates `count` tensors of any sizes (on CUDA in
+// one launch where the pointer lists fit a launch's parameters). Parameters, gradients and
+// state buffers of tensor i are contiguous with numel[i] elements, all of `dtype` (f32, f64,
+// bf16 or f16; 16-bit tensors compute in f32 and round once at the store). The lists
+// themselves are host arrays. state1/state2 are the optimizer's buffers: SGD's
+// momentum_buffer (state1); Adam's exp_avg (state1) and exp_avg_sq (state2).
+struct MultiTensorArgs {
+  DType dtype = DType::f32;
+  int64_t count = 0;
+  void* const* params = nullptr;
+  const void* const* grads = nullptr;
+  void* const* state1 = nullptr;
+  void* const* state2 = nullptr;
+  const int64_t* numel = nullptr;
+};
+
+// torch.optim.SGD's update for every element (g the gradient, p the parameter, b the buffer):
+//   g += weight_decay * p;  if momentum != 0: b = first[i] ? g : momentum * b + (1 - dampening) * g,
+//   g = nesterov ? g + momentum * b : b;  p -= lr * g.
+// first[i] (host array, count entries) says tensor i's buffer is new; unused when momentum == 0
+// (state1 may then be null).
+struct SgdHyper {
+  double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false;
+  const uint8_t* first = nullptr;
+};
+
+// torch.optim.Adam / AdamW's update, step[i] >= 1 being tensor i's step count after this one:
+//   decoupled (AdamW): p *= 1 - lr * weight_decay;  else (Adam): g += weight_decay * p;
+//   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2;
+//   p -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps).
+// Arithmetic in the accumulation type (scalars computed in double on the host).
+struct AdamHyper {
+  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  bool decoupled = false;
+  const int64_t* step = nullptr;
+};
+
 struct KernelTable {
   // out[i] = value, out of any dtype and strides.
   void (*fill)(const Strided& out, double value, StreamHandle stream);
@@ -199,6 +249,29 @@ struct KernelTable {
   void (*avg_pool2d_forward)(const Pool2dArgs& args, void* y, const void* x, StreamHandle stream);
   // dx = sum over the windows covering each input element of dy / (KH * KW); dx written.
   void (*avg_pool2d_backward)(const Pool2dArgs& args, void* dx, const void* dy, StreamHandle stream);
+
+  // ---- batch normalisation (BatchNormArgs) ---------------------------------------------
+  // Training: per channel, mean and biased variance over (N, S); invstd = 1 / sqrt(var + eps);
+  // y = (x - mean) * invstd * gamma + beta; save_mean and save_invstd written; the running
+  // statistics (when not null) updated with the unbiased variance (var * M / (M - 1), M = N S).
+  // gamma/beta null mean 1 and 0 (affine = false).
+  void (*batch_norm_forward_train)(const BatchNormArgs& args, void* y, void* save_mean, void* save_invstd,
+                                   void* running_mean, void* running_var, const void* x, const void* gamma,
+                                   const void* beta, StreamHandle stream);
+  // Inference: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta.
+  void (*batch_norm_forward_eval)(const BatchNormArgs& args, void* y, const void* x, const void* gamma,
+                                  const void* beta, const void* running_mean, const void* running_var,
+                                  StreamHandle stream);
+  // Backward of the training forward, xhat = (x - save_mean) * save_invstd:
+  //   dbeta = sum dy, dgamma = sum dy * xhat (over N, S; both written, never null);
+  //   dx = gamma * invstd / M * (M dy - dbeta - xhat * dgamma)   (gamma null means 1).
+  void (*batch_norm_backward)(const BatchNormArgs& args, void* dx, void* dgamma, void* dbeta, const void* dy,
+                              const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
+                              StreamHandle stream);
+
+  // ---- optimizers (MultiTensorArgs) ----------------------------------------------------
+  void (*sgd_step)(const MultiTensorArgs& args, const SgdHyper& hyper, StreamHandle stream);
+  void (*adam_step)(const MultiTensorArgs& args, const AdamHyper& hyper, StreamHandle stream);
 };
 
 const KernelTable& cpu_kernel_table();

@@ -28,7 +28,8 @@ Tensor Linear::forward(const Tensor& input) {
   LOOM_CHECK(input.dim() >= 1 && input.size(-1) == in_features_, "Linear(", in_features_, ", ", out_features_,
              "): expected input of shape (..., ", in_features_, "), got ", shape_str(input.shape()));
   Tensor y = matmul(input, weight.t());
-  return bias.defined() ? add(y, bias) : y;
+  // The bias follows the product's dtype, so under autocast the output stays 16-bit.
+  return bias.defined() ? add(y, bias.to(y.dtype())) : y;
 }
 
 }  // namespace loom::nn

@@ -15,6 +15,7 @@
 // adaptive_avg_pool2d is a composite (a mean, or an avg_pool2d) with no backward of its own.
 #include <string>
 
+#include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
 
 namespace loom {
@@ -134,6 +135,7 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
                shape_str(w0.shape()), ", got ", shape_str(bias.shape()));
     t = ops::promote(t, bias.dtype());
   }
+  t = autocast_compute_dtype(t);
   Tensor x = x0.to(t).contiguous(), w = w0.to(t).contiguous();
 
   Conv2dArgs a;

@@ -3,6 +3,7 @@
 // kernel reads transposed operands through its trans flags, so a transposed view (as in
 // every backward) costs no copy; only operands whose last two dims are both strided are
 // packed first.
+#include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
 
 namespace loom {
@@ -102,6 +103,7 @@ Tensor matmul(const Tensor& a0, const Tensor& b0) {
              shape_str(a0.shape()), " and ", shape_str(b0.shape()));
   DType t = ops::promote(a0.dtype(), b0.dtype());
   LOOM_CHECK(is_floating(t), "matmul needs floating-point tensors, got ", dtype_name(t));
+  t = autocast_compute_dtype(t);
   Tensor a = a0.to(t), b = b0.to(t);
   // 1-d operands: a vector on the left is a row, on the right a column; dropped after.
   bool a_vec = a.dim() == 1, b_vec = b.dim() == 1;

@@ -32,6 +32,11 @@ const KernelTable& cpu_kernel_table() {
       .max_pool2d_backward = cpu::max_pool2d_backward,
       .avg_pool2d_forward = cpu::avg_pool2d_forward,
       .avg_pool2d_backward = cpu::avg_pool2d_backward,
+      .batch_norm_forward_train = cpu::batch_norm_forward_train,
+      .batch_norm_forward_eval = cpu::batch_norm_forward_eval,
+      .batch_norm_backward = cpu::batch_norm_backward,
+      .sgd_step = cpu::sgd_step,
+      .adam_step = cpu::adam_step,
   };
   return table;
 }

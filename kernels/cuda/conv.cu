@@ -15,7 +15,8 @@
 //
 // Precision. bf16 and f16 data compute in f32 (CUDNN_DATA_FLOAT) with tensor-core math;
 // f32 uses CUDNN_DEFAULT_MATH, under which cuDNN runs TF32 tensor cores on Ampere and
-// later, as PyTorch's allow_tf32 does. (CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION would convert
+// later, as PyTorch's allow_tf32 does, or CUDNN_FMA_MATH (plain f32) when
+// kernels/core/precision.h says TF32 is not allowed. (CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION would convert
 // f32 down to f16, which is not TF32: candidates with it are refused for f32.) cuDNN
 // returns the math type each algorithm wants, and it is set on the descriptor before the
 // algorithm runs (each pass has its own convolution descriptor for that reason).
@@ -38,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/core/precision.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 
@@ -68,7 +70,7 @@ struct Types {
 
 Types types_for(DType dtype) {
   switch (dtype) {
-    case DType::f32: return {CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, CUDNN_DEFAULT_MATH};
+    case DType::f32: return {CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, tf32_allowed() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH};
     case DType::f64: return {CUDNN_DATA_DOUBLE, CUDNN_DATA_DOUBLE, CUDNN_DEFAULT_MATH};
     case DType::bf16: return {CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
     case DType::f16: return {CUDNN_DATA_HALF, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
@@ -151,7 +153,7 @@ std::unique_ptr<Plan> make_plan(const Conv2dArgs& a) {
 
 // The plan for these shapes on `device`, built on first use. Plans are never freed.
 Plan& plan_for(const Conv2dArgs& a, int device) {
-  using Key = std::array<int64_t, 18>;
+  using Key = std::array<int64_t, 19>;
   struct Cache {
     std::mutex mu;
     std::map<Key, std::unique_ptr<Plan>> plans;
@@ -159,7 +161,8 @@ Plan& plan_for(const Conv2dArgs& a, int device) {
   static Cache* cache = new Cache;
   const Key key{device,     int64_t(a.dtype), a.n,        a.c_in,     a.h,        a.w,
                 a.c_out,    a.kh,             a.kw,       a.out_h,    a.out_w,    a.stride_h,
-                a.stride_w, a.pad_h,          a.pad_w,    a.dilation_h, a.dilation_w, a.groups};
+                a.stride_w, a.pad_h,          a.pad_w,    a.dilation_h, a.dilation_w, a.groups,
+                int64_t(a.dtype == DType::f32 && tf32_allowed())};
   std::lock_guard lock(cache->mu);
   auto& slot = cache->plans[key];
   if (!slot) slot = make_plan(a);
@@ -179,6 +182,7 @@ std::vector<Candidate> rank(const Conv2dArgs& a, cudnnConvolutionDescriptor_t co
     const Perf& p = perf[size_t(i)];
     if (p.status != CUDNN_STATUS_SUCCESS) continue;
     if (a.dtype == DType::f32 && p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+    if (a.dtype == DType::f32 && !tf32_allowed() && p.mathType != CUDNN_FMA_MATH) continue;
     size_t bytes = 0;
     if (cudnnSetConvolutionMathType(conv, p.mathType) != CUDNN_STATUS_SUCCESS) continue;
     if (get_workspace(p.algo, &bytes) != CUDNN_STATUS_SUCCESS) continue;

@@ -60,4 +60,19 @@ void max_pool2d_backward(const Pool2dArgs& args, void* dx, const void* dy, const
 void avg_pool2d_forward(const Pool2dArgs& args, void* y, const void* x, StreamHandle stream);
 void avg_pool2d_backward(const Pool2dArgs& args, void* dx, const void* dy, StreamHandle stream);
 
+
+// batch_norm.cu
+void batch_norm_forward_train(const BatchNormArgs& args, void* y, void* save_mean, void* save_invstd,
+                              void* running_mean, void* running_var, const void* x, const void* gamma,
+                              const void* beta, StreamHandle stream);
+void batch_norm_forward_eval(const BatchNormArgs& args, void* y, const void* x, const void* gamma, const void* beta,
+                             const void* running_mean, const void* running_var, StreamHandle stream);
+void batch_norm_backward(const BatchNormArgs& args, void* dx, void* dgamma, void* dbeta, const void* dy,
+                         const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
+                         StreamHandle stream);
+
+// optim.cu
+void sgd_step(const MultiTensorArgs& args, const SgdHyper& hyper, StreamHandle stream);
+void adam_step(const MultiTensorArgs& args, const AdamHyper& hyper, StreamHandle stream);
+
 }  // namespace loom::cuda

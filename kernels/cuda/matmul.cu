@@ -28,6 +28,7 @@
 #include <mutex>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/core/precision.h"
 #include "kernels/cuda/kernels.h"
 
 namespace loom::cuda {
@@ -66,7 +67,7 @@ struct Types {
 
 Types types_for(DType dtype) {
   switch (dtype) {
-    case DType::f32: return {CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32};
+    case DType::f32: return {CUDA_R_32F, tf32_allowed() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F};
     case DType::f64: return {CUDA_R_64F, CUBLAS_COMPUTE_64F};
     case DType::bf16: return {CUDA_R_16BF, CUBLAS_COMPUTE_32F};
     case DType::f16: return {CUDA_R_16F, CUBLAS_COMPUTE_32F};

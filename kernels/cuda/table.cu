@@ -32,6 +32,11 @@ const KernelTable& cuda_kernel_table() {
       .max_pool2d_backward = cuda::max_pool2d_backward,
       .avg_pool2d_forward = cuda::avg_pool2d_forward,
       .avg_pool2d_backward = cuda::avg_pool2d_backward,
+      .batch_norm_forward_train = cuda::batch_norm_forward_train,
+      .batch_norm_forward_eval = cuda::batch_norm_forward_eval,
+      .batch_norm_backward = cuda::batch_norm_backward,
+      .sgd_step = cuda::sgd_step,
+      .adam_step = cuda::adam_step,
   };
   return table;
 }

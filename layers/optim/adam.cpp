@@ -1,8 +1,8 @@
 // Adam and AdamW: state creation (zero moments on a parameter's first step), then
 // adam_update over each group's parameters that have a gradient, under NoGradGuard.
+// adam_update splits a group by device and dtype and calls the fused op on each part;
+// non-contiguous tensors are updated through contiguous copies written back afterwards.
 #include "layers/optim/adam.h"
-
-#include <cmath>
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
@@ -65,22 +65,27 @@ void Adam::step() {
 void adam_update(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                  const TensorList& exp_avg_sqs, const std::vector<int64_t>& steps, const ParamGroup& h,
                  WeightDecay decay) {
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Tensor &p = params[i], &m = exp_avgs[i], &v = exp_avg_sqs[i];
-    Tensor g = grads[i];
-    if (h.weight_decay != 0) {
-      if (decay == WeightDecay::decoupled) mul_(p, 1 - h.lr * h.weight_decay);
-      else g = add(g, mul(p, h.weight_decay));
+  const size_t n = params.size();
+  LOOM_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
+             "adam_update: ", n, " params, ", grads.size(), " grads, ", exp_avgs.size(), " exp_avgs, ",
+             exp_avg_sqs.size(), " exp_avg_sqs and ", steps.size(), " steps; the lists run in parallel");
+  NoGradGuard no_grad;
+  for (const std::vector<size_t>& part : detail::split_by_device_and_dtype(params)) {
+    detail::ContiguousStaging staging;
+    TensorList ps, gs, ms, vs;
+    std::vector<int64_t> part_steps;
+    for (size_t i : part) {
+      LOOM_CHECK(grads[i].defined(), "adam_update: grads[", i,
+                 "] is undefined; pass only parameters that have a gradient");
+      ps.push_back(staging.stage(params[i]));
+      gs.push_back(grads[i].to(params[i].dtype()).contiguous());
+      ms.push_back(staging.stage(exp_avgs[i]));
+      vs.push_back(staging.stage(exp_avg_sqs[i]));
+      part_steps.push_back(steps[i]);
     }
-    mul_(m, h.beta1);
-    add_(m, g, 1 - h.beta1);
-    mul_(v, h.beta2);
-    add_(v, mul(g, g), 1 - h.beta2);
-    const double t = double(steps[i]);
-    const double bias_correction1 = 1 - std::pow(h.beta1, t);
-    const double bias_correction2_sqrt = std::sqrt(1 - std::pow(h.beta2, t));
-    Tensor denom = add(mul(sqrt(v), 1 / bias_correction2_sqrt), h.eps);
-    add_(p, div(m, denom), -h.lr / bias_correction1);
+    adam_update_fused(ps, gs, ms, vs, part_steps, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                      decay == WeightDecay::decoupled);
+    staging.copy_back();
   }
 }
 

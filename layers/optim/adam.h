@@ -54,7 +54,8 @@ class AdamW : public Adam {
 };
 
 // One group's update over parallel lists (every grad defined; steps already counted, so
-// each is >= 1). The one function a fused multi-tensor kernel replaces.
+// each is >= 1). Runs as fused multi-tensor updates (adam_update_fused), one per
+// (device, dtype) among the parameters.
 void adam_update(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                  const TensorList& exp_avg_sqs, const std::vector<int64_t>& steps, const ParamGroup& hyper,
                  WeightDecay decay);

@@ -131,4 +131,35 @@ void Optimizer::load_state_dict(const OptimizerState& saved) {
   state_ = std::move(loaded);
 }
 
+namespace detail {
+
+std::vector<std::vector<size_t>> split_by_device_and_dtype(const TensorList& params) {
+  std::vector<std::vector<size_t>> groups;
+  for (size_t i = 0; i < params.size(); ++i) {
+    LOOM_CHECK(params[i].defined(), "optimizer update: params[", i, "] is an undefined tensor");
+    auto same = [&](const std::vector<size_t>& g) {
+      const Tensor& p = params[g.front()];
+      return p.device() == params[i].device() && p.dtype() == params[i].dtype();
+    };
+    auto it = std::find_if(groups.begin(), groups.end(), same);
+    if (it == groups.end()) groups.push_back({i});
+    else it->push_back(i);
+  }
+  return groups;
+}
+
+Tensor ContiguousStaging::stage(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  Tensor copy = t.contiguous();
+  pending_.emplace_back(t, copy);
+  return copy;
+}
+
+void ContiguousStaging::copy_back() const {
+  NoGradGuard no_grad;
+  for (const auto& [t, copy] : pending_) copy_(t, copy);
+}
+
+}  // namespace detail
+
 }  // namespace loom::optim

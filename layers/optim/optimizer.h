@@ -6,13 +6,14 @@
 // State is keyed by the parameter's identity (its TensorImpl), not its data, so it
 // survives Module::to() and FSDP's storage swaps; buffers follow the parameter's device
 // and dtype at each step. Each optimizer's arithmetic lives in one free function per
-// group (sgd_update, adam_update) over lists of tensors: a fused multi-tensor CUDA kernel
-// replaces that function's body and nothing else.
+// group (sgd_update, adam_update) over lists of tensors, which hands them to the fused
+// multi-tensor ops (engine/ops/optim.cpp: one CUDA launch for a whole group).
 #pragma once
 
 #include <map>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "layers/module.h"
@@ -86,5 +87,26 @@ class Optimizer {
   std::vector<ParamGroup> groups_;
   std::unordered_map<const TensorImpl*, ParamState> state_;
 };
+
+// For the update functions (sgd_update, adam_update): the fused ops they call take tensors
+// of one device and one dtype, all contiguous, per call.
+namespace detail {
+
+// Indices into `params` grouped by (device, dtype): list order within a group, groups in
+// the order of their first parameter. One group in the common case.
+std::vector<std::vector<size_t>> split_by_device_and_dtype(const TensorList& params);
+
+// Contiguous stand-ins for tensors a fused op updates in place: stage(t) is t itself when
+// contiguous, else a contiguous copy that copy_back() writes into t afterwards.
+class ContiguousStaging {
+ public:
+  Tensor stage(const Tensor& t);
+  void copy_back() const;
+
+ private:
+  std::vector<std::pair<Tensor, Tensor>> pending_;  // (tensor, its contiguous copy)
+};
+
+}  // namespace detail
 
 }  // namespace loom::optim

@@ -1,5 +1,7 @@
 // SGD: gathers each group's parameters that have a gradient, with their momentum buffers,
-// and runs sgd_update over them under NoGradGuard.
+// and runs sgd_update over them under NoGradGuard. sgd_update splits a group by device and
+// dtype and calls the fused op on each part; a non-contiguous parameter is updated through
+// a contiguous copy written back afterwards.
 #include "layers/optim/sgd.h"
 
 #include "engine/autograd.h"
@@ -48,20 +50,24 @@ void SGD::step() {
 
 void sgd_update(const TensorList& params, const TensorList& grads, TensorList& momentum_buffers,
                 const ParamGroup& h) {
-  for (size_t i = 0; i < params.size(); ++i) {
-    Tensor d_p = grads[i];
-    if (h.weight_decay != 0) d_p = add(d_p, mul(params[i], h.weight_decay));
-    if (h.momentum != 0) {
-      Tensor& buf = momentum_buffers[i];
-      if (!buf.defined()) {
-        buf = d_p.clone();
-      } else {
-        mul_(buf, h.momentum);
-        add_(buf, d_p, 1 - h.dampening);
-      }
-      d_p = h.nesterov == Nesterov::yes ? add(d_p, mul(buf, h.momentum)) : buf;
+  LOOM_CHECK(grads.size() == params.size() && momentum_buffers.size() == params.size(), "sgd_update: ",
+             params.size(), " params, ", grads.size(), " grads and ", momentum_buffers.size(),
+             " momentum buffers; the lists run in parallel");
+  NoGradGuard no_grad;
+  for (const std::vector<size_t>& part : detail::split_by_device_and_dtype(params)) {
+    detail::ContiguousStaging staging;
+    TensorList ps, gs, bufs;
+    for (size_t i : part) {
+      LOOM_CHECK(grads[i].defined(), "sgd_update: grads[", i,
+                 "] is undefined; pass only parameters that have a gradient");
+      ps.push_back(staging.stage(params[i]));
+      gs.push_back(grads[i].to(params[i].dtype()).contiguous());
+      // An optimizer-owned buffer can simply be replaced by a contiguous copy.
+      bufs.push_back(momentum_buffers[i].defined() ? momentum_buffers[i].contiguous() : Tensor());
     }
-    add_(params[i], d_p, -h.lr);
+    sgd_update_fused(ps, gs, bufs, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov == Nesterov::yes);
+    staging.copy_back();
+    for (size_t k = 0; k < part.size(); ++k) momentum_buffers[part[k]] = bufs[k];
   }
 }
 

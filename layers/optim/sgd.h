@@ -32,8 +32,8 @@ class SGD : public Optimizer {
 };
 
 // One group's update over parallel lists (every grad defined). An undefined momentum
-// buffer is this parameter's first step: it is created here. The one function a fused
-// multi-tensor kernel replaces.
+// buffer is this parameter's first step: it is created here. Runs as fused multi-tensor
+// updates (sgd_update_fused), one per (device, dtype) among the parameters.
 void sgd_update(const TensorList& params, const TensorList& grads, TensorList& momentum_buffers,
                 const ParamGroup& hyper);
 

@@ -82,6 +82,17 @@ std::vector<uint8_t> pattern(size_t n, int mul, int add) {
   return v;
 }
 
+ImageSet synthetic_images(int64_t count, int64_t channels, int64_t height, int64_t width) {
+  ImageSet set;
+  set.count = count;
+  set.channels = channels;
+  set.height = height;
+  set.width = width;
+  set.pixels = pattern(static_cast<size_t>(count * channels * height * width), 37, 11);
+  for (int64_t i = 0; i < count; ++i) set.labels.push_back(i % 10);
+  return set;
+}
+
 bool write_image(const std::string& path, int height, int width, int channels,
                  const std::vector<uint8_t>& hwc) {
 #if LOOM_DATA_WITH_STB_IMAGE_WRITE

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "data/data_config.h"
+#include "data/image_set.h"
 
 namespace loom::data::test {
 
@@ -37,6 +38,10 @@ std::vector<uint8_t> read_bytes(const std::string& path);
 std::vector<uint8_t> idx_bytes(const std::vector<uint32_t>& dims, const std::vector<uint8_t>& data);
 // n bytes with the pattern (i * mul + add) mod 256.
 std::vector<uint8_t> pattern(size_t n, int mul = 7, int add = 3);
+
+// count images of (channels, height, width) with varied pixels (pattern(.., 37, 11)) and
+// labels i % 10, for the dataset and loader tests.
+ImageSet synthetic_images(int64_t count, int64_t channels, int64_t height, int64_t width);
 
 // Writes an image of (height, width, channels) interleaved pixels, in the format named by the
 // extension (.png, .bmp, .jpg). Returns false when Loom's build has no stb_image_write.

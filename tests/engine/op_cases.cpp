@@ -31,6 +31,13 @@ TensorList make_inputs(const OpCase& c) {
 namespace {
 using L = const TensorList&;
 const Shape S34{3, 4};
+
+// Running statistics for the batch_norm rows: (C) in x's accumulation type on x's device,
+// made fresh on every call because training updates them in place.
+Tensor channel_values(const Tensor& x, const std::vector<double>& values) {
+  const DType acc = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  return from_vector(values, {int64_t(values.size())}, x.device()).to(acc);
+}
 }  // namespace
 
 const std::vector<OpCase>& op_cases() {
@@ -131,6 +138,28 @@ const std::vector<OpCase>& op_cases() {
        [](L x) { return avg_pool2d(x[0], {3, 3}, {2, 2}, {1, 1}); }},
       {"adaptive_avg_pool_1x1", {{{2, 3, 4, 4}}}, [](L x) { return adaptive_avg_pool2d(x[0], {1, 1}); }},
       {"adaptive_avg_pool_2x3", {{{1, 2, 4, 6}}}, [](L x) { return adaptive_avg_pool2d(x[0], {2, 3}); }},
+      // ---- normalisation ------------------------------------------------------------
+      {"batch_norm_train_4d_affine", {{{3, 2, 2, 3}}, {{2}}, {{2}}},
+       [](L x) { return batch_norm(x[0], Tensor(), Tensor(), x[1], x[2], true); }},
+      {"batch_norm_train_2d", {{{5, 3}}},
+       [](L x) { return batch_norm(x[0], Tensor(), Tensor(), Tensor(), Tensor(), true); }},
+      {"batch_norm_train_3d_running_stats", {{{4, 3, 5}}, {{3}}},
+       [](L x) {
+         return batch_norm(x[0], channel_values(x[0], {0.5, -1, 0}), channel_values(x[0], {1, 2, 0.5}), x[1],
+                           Tensor(), true, 0.3, 1e-3);
+       }},
+      {"batch_norm_train_noncontig", {{{3, 4}}, {{3}}},
+       [](L x) { return batch_norm(x[0].t(), Tensor(), Tensor(), Tensor(), x[1], true); }},
+      {"batch_norm_eval_4d_affine", {{{2, 3, 2, 2}}, {{3}}, {{3}}},
+       [](L x) {
+         return batch_norm(x[0], channel_values(x[0], {0.5, -1, 0.25}), channel_values(x[0], {1.5, 0.5, 2}), x[1],
+                           x[2], false);
+       }},
+      {"batch_norm_eval_2d", {{{4, 3}}},
+       [](L x) {
+         return batch_norm(x[0], channel_values(x[0], {0.1, 0.2, -0.3}), channel_values(x[0], {0.8, 1.2, 3}),
+                           Tensor(), Tensor(), false);
+       }},
   };
   return cases;
 }

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 
+#include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/optim/adam.h"
 #include "layers/optim/sgd.h"
@@ -225,6 +226,99 @@ TEST(OptimGroups, EachGroupHasItsOwnLearningRate) {
   EXPECT_EQ(sgd.param_groups()[1].lr, 0.3);
   sgd.zero_grad();
   EXPECT_FALSE(ps[0].grad().defined());
+}
+
+// A group may mix dtypes (each (device, dtype) part is its own fused call, gradients
+// converted to their parameter's dtype) and hold a non-contiguous parameter (updated
+// through a contiguous copy written back into its storage): the steps are still torch's.
+TensorList mixed_params() {
+  const std::vector<double> v0 = initial(0);  // param 0 (2, 3) is the transpose of a (3, 2) base
+  std::vector<double> transposed(v0.size());
+  for (size_t i = 0; i < 2; ++i)
+    for (size_t j = 0; j < 3; ++j) transposed[j * 2 + i] = v0[i * 3 + j];
+  TensorList ps;
+  ps.push_back(from_vector(transposed, {3, 2}).t().set_requires_grad());
+  ps.push_back(from_vector(initial(1), kShapes[1]).to(DType::f32).set_requires_grad());
+  return ps;
+}
+
+struct MixedCase {
+  std::string name;
+  std::function<std::unique_ptr<Optimizer>(const TensorList&)> make;
+  std::function<std::vector<std::vector<double>>()> reference;
+};
+
+class MixedGroup : public ::testing::TestWithParam<MixedCase> {};
+
+TEST_P(MixedGroup, FollowsTorchRules) {
+  TensorList ps = mixed_params();
+  ASSERT_FALSE(ps[0].is_contiguous());
+  std::unique_ptr<Optimizer> opt = GetParam().make(ps);
+  run_steps(*opt, ps, 1, kSteps);
+  const std::vector<std::vector<double>> expected = GetParam().reference();
+  const double tol[] = {1e-12, 1e-5};  // f64, f32
+  for (size_t k = 0; k < ps.size(); ++k) {
+    std::vector<double> got = ps[k].to_vector<double>();
+    ASSERT_EQ(got.size(), expected[k].size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_NEAR(got[i], expected[k][i], tol[k] * (1 + std::abs(expected[k][i]))) << "param " << k << "[" << i << "]";
+  }
+  EXPECT_EQ(ps[1].dtype(), DType::f32);
+}
+
+const SGDOptions kMixedSgd = {.lr = 0.07, .momentum = 0.8, .weight_decay = 0.05, .nesterov = Nesterov::yes};
+const AdamOptions kMixedAdam = {.lr = 0.01, .weight_decay = 0.1};
+
+INSTANTIATE_TEST_SUITE_P(
+    Optim, MixedGroup,
+    ::testing::Values(
+        MixedCase{"sgd", [](const TensorList& ps) { return std::make_unique<SGD>(ps, kMixedSgd); },
+                  [] { return reference_sgd(kMixedSgd); }},
+        MixedCase{"adam", [](const TensorList& ps) { return std::make_unique<Adam>(ps, kMixedAdam); },
+                  [] { return reference_adam(kMixedAdam, WeightDecay::l2); }},
+        MixedCase{"adamw",
+                  [](const TensorList& ps) {
+                    return std::make_unique<AdamW>(ps, AdamWOptions{.lr = kMixedAdam.lr, .weight_decay = 0.1});
+                  },
+                  [] { return reference_adam(kMixedAdam, WeightDecay::decoupled); }}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(OptimFusedOps, RejectMismatchedLists) {
+  NoGradGuard no_grad;
+  TensorList ps = {zeros({2, 3}), zeros({4})};
+  TensorList grads = {zeros({2, 3}), zeros({4})};
+  TensorList bufs(2);
+  EXPECT_THROW(sgd_update_fused(ps, {grads[0]}, bufs, 0.1, 0.9, 0, 0, false), Error);       // lengths
+  EXPECT_THROW(sgd_update_fused(ps, {grads[0], zeros({5})}, bufs, 0.1, 0, 0, 0, false), Error);  // sizes
+  EXPECT_THROW(sgd_update_fused(ps, {grads[0], zeros({4}, DType::f64)}, bufs, 0.1, 0, 0, 0, false), Error);
+  EXPECT_THROW(sgd_update_fused({ps[0], zeros({3, 2}).t()}, {grads[0], zeros({2, 3})}, bufs, 0.1, 0, 0, 0, false),
+               Error);  // not contiguous
+  EXPECT_THROW(sgd_update_fused(ps, {grads[0], Tensor()}, bufs, 0.1, 0, 0, 0, false), Error);
+  TensorList ms = {zeros({2, 3}), zeros({4})}, vs = {zeros({2, 3}), zeros({4})};
+  EXPECT_THROW(adam_update_fused(ps, grads, ms, vs, {1, 0}, 0.1, 0.9, 0.999, 1e-8, 0, false), Error);  // step 0
+  EXPECT_THROW(adam_update_fused(ps, grads, ms, {vs[0]}, {1, 1}, 0.1, 0.9, 0.999, 1e-8, 0, false), Error);
+  try {
+    sgd_update_fused(ps, {grads[0], zeros({5})}, bufs, 0.1, 0, 0, 0, false);
+    ADD_FAILURE() << "expected an error naming grads[1]";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("grads[1] has shape (5,) but params[1] has shape (4,)"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(OptimFusedOps, SgdCreatesMissingBuffersAndEmptyListsAreNoOps) {
+  NoGradGuard no_grad;
+  TensorList none;
+  sgd_update_fused(none, none, none, 0.1, 0.9, 0, 0, false);
+  adam_update_fused(none, none, none, none, {}, 0.1, 0.9, 0.999, 1e-8, 0, false);
+  TensorList ps = {ones({3})}, grads = {full({3}, 2.0)}, bufs(1);
+  sgd_update_fused(ps, grads, bufs, 0.5, 0.9, 0, 0, false);
+  ASSERT_TRUE(bufs[0].defined());
+  EXPECT_EQ(bufs[0].to_vector<double>(), std::vector<double>(3, 2.0));  // a new buffer is the gradient
+  EXPECT_EQ(ps[0].to_vector<double>(), std::vector<double>(3, 0.0));    // 1 - 0.5 * 2
+  TensorList no_bufs;  // momentum 0 needs no buffers
+  sgd_update_fused(ps, grads, no_bufs, 0.5, 0, 0, 0, false);
+  EXPECT_EQ(ps[0].to_vector<double>(), std::vector<double>(3, -1.0));
 }
 
 TEST(OptimChecks, RejectInvalidSettings) {

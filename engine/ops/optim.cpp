@@ -1,0 +1,154 @@
+// Fused multi-tensor optimizer updates: the checks, the momentum buffers SGD creates, and
+// one kernel-table call for the whole list (on CUDA one launch, or a few for lists longer
+// than a launch's parameters hold). The arithmetic is torch.optim's; kernels/table.h
+// states it.
+//
+// A call takes tensors of one device and one dtype, all contiguous: that is what lets the
+// kernel treat every tensor as a flat array behind one pointer. Mixed lists are the
+// caller's to split (layers/optim does, by device and dtype). Nothing here is recorded by
+// autograd: the update writes the parameters' memory in place.
+#include <cstdint>
+#include <vector>
+
+#include "engine/ops/dispatch.h"
+
+namespace loom {
+namespace {
+
+void check_length(const char* op, const char* list, size_t n, size_t expected) {
+  LOOM_CHECK(n == expected, op, ": ", list, " has ", n, " entries but params has ", expected,
+             "; the lists run in parallel, one entry per parameter");
+}
+
+// Entry i of `list` against params[i] (its size) and params[0] (the call's device and dtype).
+void check_entry(const char* op, const char* list, size_t i, const Tensor& t, const TensorList& params) {
+  const Tensor& p = params[i];
+  const Tensor& p0 = params[0];
+  LOOM_CHECK(t.defined(), op, ": ", list, "[", i, "] is an undefined tensor");
+  LOOM_CHECK(t.device() == p0.device(), op, ": ", list, "[", i, "] is on ", t.device().str(), " but params[0] is on ",
+             p0.device().str(), "; one call updates tensors of one device: move it with .to(device) or split the call");
+  LOOM_CHECK(t.dtype() == p0.dtype(), op, ": ", list, "[", i, "] is ", dtype_name(t.dtype()), " but params[0] is ",
+             dtype_name(p0.dtype()),
+             "; one call updates tensors of one dtype: convert it with .to(dtype) or split the call");
+  LOOM_CHECK(t.is_contiguous(), op, ": ", list, "[", i, "] of shape ", shape_str(t.shape()), " (strides ",
+             shape_str(t.strides()), ") is not contiguous: update a .contiguous() copy and copy it back");
+  LOOM_CHECK(t.numel() == p.numel(), op, ": ", list, "[", i, "] has shape ", shape_str(t.shape()), " but params[", i,
+             "] has shape ", shape_str(p.shape()), "; each entry needs its parameter's number of elements");
+}
+
+void check_params(const char* op, const TensorList& params) {
+  LOOM_CHECK(params[0].defined(), op, ": params[0] is an undefined tensor");
+  LOOM_CHECK(is_floating(params[0].dtype()), op, ": params[0] is ", dtype_name(params[0].dtype()),
+             "; only floating-point tensors can be optimised");
+  for (size_t i = 0; i < params.size(); ++i) check_entry(op, "params", i, params[i], params);
+}
+
+// The kernel's view of parallel lists: host arrays of raw pointers and sizes.
+struct Lists {
+  std::vector<void*> params, state1, state2;
+  std::vector<const void*> grads;
+  std::vector<int64_t> numel;
+
+  MultiTensorArgs args(DType dtype) const {
+    MultiTensorArgs a;
+    a.dtype = dtype;
+    a.count = int64_t(params.size());
+    a.params = params.data();
+    a.grads = grads.data();
+    a.state1 = state1.empty() ? nullptr : state1.data();
+    a.state2 = state2.empty() ? nullptr : state2.data();
+    a.numel = numel.data();
+    return a;
+  }
+};
+
+Lists lists_of(const TensorList& params, const TensorList& grads) {
+  Lists l;
+  for (size_t i = 0; i < params.size(); ++i) {
+    l.params.push_back(params[i].data_ptr());
+    l.grads.push_back(grads[i].data_ptr());
+    l.numel.push_back(params[i].numel());
+  }
+  return l;
+}
+
+}  // namespace
+
+void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorList& momentum_buffers, double lr,
+                      double momentum, double dampening, double weight_decay, bool nesterov) {
+  const char* op = "sgd_update_fused";
+  const size_t n = params.size();
+  const bool use_momentum = momentum != 0;
+  check_length(op, "grads", grads.size(), n);
+  LOOM_CHECK(momentum_buffers.size() == n || (!use_momentum && momentum_buffers.empty()), op, ": momentum_buffers has ",
+             momentum_buffers.size(), " entries but params has ", n,
+             "; the lists run in parallel (with momentum 0 it may also be empty)");
+  if (n == 0) return;
+  check_params(op, params);
+  for (size_t i = 0; i < n; ++i) check_entry(op, "grads", i, grads[i], params);
+  if (use_momentum)
+    for (size_t i = 0; i < n; ++i)
+      if (momentum_buffers[i].defined()) check_entry(op, "momentum_buffers", i, momentum_buffers[i], params);
+
+  NoGradGuard no_grad;
+  const Device device = params[0].device();
+  const DType dtype = params[0].dtype();
+  Lists l = lists_of(params, grads);
+  std::vector<uint8_t> first(n, 0);
+  if (use_momentum) {
+    for (size_t i = 0; i < n; ++i) {
+      Tensor& buf = momentum_buffers[i];
+      if (!buf.defined()) {  // the kernel fills a new buffer with the gradient
+        buf = Tensor::empty(params[i].shape(), dtype, device);
+        first[i] = 1;
+      }
+      l.state1.push_back(buf.data_ptr());
+    }
+  }
+  SgdHyper hyper;
+  hyper.lr = lr;
+  hyper.momentum = momentum;
+  hyper.dampening = dampening;
+  hyper.weight_decay = weight_decay;
+  hyper.nesterov = nesterov;
+  hyper.first = first.data();
+  ops::kernels(device).sgd_step(l.args(dtype), hyper, ops::stream(params[0]));
+}
+
+void adam_update_fused(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                       const TensorList& exp_avg_sqs, const std::vector<int64_t>& steps, double lr, double beta1,
+                       double beta2, double eps, double weight_decay, bool decoupled) {
+  const char* op = "adam_update_fused";
+  const size_t n = params.size();
+  check_length(op, "grads", grads.size(), n);
+  check_length(op, "exp_avgs", exp_avgs.size(), n);
+  check_length(op, "exp_avg_sqs", exp_avg_sqs.size(), n);
+  check_length(op, "steps", steps.size(), n);
+  if (n == 0) return;
+  check_params(op, params);
+  for (size_t i = 0; i < n; ++i) {
+    check_entry(op, "grads", i, grads[i], params);
+    check_entry(op, "exp_avgs", i, exp_avgs[i], params);
+    check_entry(op, "exp_avg_sqs", i, exp_avg_sqs[i], params);
+    LOOM_CHECK(steps[i] >= 1, op, ": steps[", i, "] is ", steps[i],
+               "; a step count includes the update being made, so it starts at 1");
+  }
+
+  NoGradGuard no_grad;
+  Lists l = lists_of(params, grads);
+  for (size_t i = 0; i < n; ++i) {
+    l.state1.push_back(exp_avgs[i].data_ptr());
+    l.state2.push_back(exp_avg_sqs[i].data_ptr());
+  }
+  AdamHyper hyper;
+  hyper.lr = lr;
+  hyper.beta1 = beta1;
+  hyper.beta2 = beta2;
+  hyper.eps = eps;
+  hyper.weight_decay = weight_decay;
+  hyper.decoupled = decoupled;
+  hyper.step = steps.data();
+  ops::kernels(params[0].device()).adam_step(l.args(params[0].dtype()), hyper, ops::stream(params[0]));
+}
+
+}  // namespace loom

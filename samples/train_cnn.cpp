@@ -1,0 +1,390 @@
+// train_cnn: trains SimpleCNN or ResNet-18 on Fashion-MNIST, CIFAR-10/100 or a folder of
+// images, on a GPU or the CPU, and reports test accuracy after every epoch. With no flags it
+// trains the guide's SimpleCNN on Fashion-MNIST (Debian's dataset-fashion-mnist) on the GPU,
+// or on the CPU where there is none. `train_cnn --help` lists every flag.
+//
+// Each epoch: a progress line (images/s, loss, time left, data-loader stalls), the test loss
+// and accuracy, one JSON line in the metrics file, and the loss/accuracy chart redrawn as SVG.
+// --save writes a training checkpoint (model, optimizer, schedule, generator, data position)
+// after every epoch and every --save-every steps; --resume continues from one, following the
+// same losses as a run that never stopped.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "data/cifar.h"
+#include "data/idx.h"
+#include "data/image_folder.h"
+#include "data/loader.h"
+#include "engine/allocator.h"
+#include "engine/autocast.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "layers/layers.h"
+#include "samples/common/flags.h"
+#include "samples/common/metrics.h"
+#include "samples/common/progress.h"
+
+using namespace loom;
+
+namespace {
+
+struct Options {
+  std::string model = "simplecnn", data = "fashion-mnist", data_dir, optimizer = "auto", schedule = "cosine";
+  std::string precision = "f32", device = "auto", augment = "auto";
+  std::string init, save, resume, metrics = "train_cnn.jsonl", plot = "train_cnn.svg";
+  int64_t epochs = 0, batch_size = 128, seed = 0, workers = 4, subset = 0, test_subset = 0, save_every = 0;
+  int64_t warmup = 0, max_steps = 0;
+  double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
+  bool gpu_resident = false, quiet = false;
+};
+
+struct Datasets {
+  data::ImageSet train, test;
+  std::string name;
+  std::vector<float> mean, std;
+};
+
+std::string default_dir(const std::string& data) {
+  if (data == "fashion-mnist") return data::kFashionMnistDir;
+  if (data == "cifar10") return "data/cifar-10-batches-bin";
+  if (data == "cifar100") return "data/cifar-100-binary";
+  return "";
+}
+
+// Keeps the first `n` examples (n = 0: all).
+void take_first(data::ImageSet* set, int64_t n) {
+  if (n <= 0 || n >= set->count) return;
+  set->count = n;
+  set->pixels.resize(size_t(n * set->image_bytes()));
+  if (!set->labels.empty()) set->labels.resize(size_t(n));
+}
+
+Datasets load_datasets(const Options& o, const samples::Flags& flags) {
+  Datasets d;
+  const std::string dir = o.data_dir.empty() ? default_dir(o.data) : o.data_dir;
+  if (o.data == "fashion-mnist") {
+    if (!std::filesystem::exists(dir))
+      flags.fail("Fashion-MNIST is not in " + dir +
+                 "; install Debian's dataset-fashion-mnist package or give --data-dir with the four IDX files");
+    d.train = data::load_fashion_mnist(dir, data::Split::train);
+    d.test = data::load_fashion_mnist(dir, data::Split::test);
+    d.mean = {0.2860f};
+    d.std = {0.3530f};
+  } else if (o.data == "cifar10" || o.data == "cifar100") {
+    if (!std::filesystem::exists(dir))
+      flags.fail("no CIFAR data in " + dir + "; download the binary version (" +
+                 (o.data == "cifar10" ? std::string("cifar-10-binary.tar.gz") : "cifar-100-binary.tar.gz") +
+                 " from https://www.cs.toronto.edu/~kriz/cifar.html), unpack it and give --data-dir");
+    if (o.data == "cifar10") {
+      d.train = data::load_cifar10(dir, data::Split::train);
+      d.test = data::load_cifar10(dir, data::Split::test);
+    } else {
+      d.train = data::load_cifar100(dir, data::Split::train);
+      d.test = data::load_cifar100(dir, data::Split::test);
+    }
+    d.mean = {0.4914f, 0.4822f, 0.4465f};
+    d.std = {0.2470f, 0.2435f, 0.2616f};
+  } else {  // folder: DIR/train/<class>/... and DIR/test/<class>/...
+    if (dir.empty()) flags.fail("--data folder needs --data-dir DIR with DIR/train and DIR/test, one subfolder per class");
+    for (const char* split : {"train", "test"})
+      if (!std::filesystem::is_directory(std::filesystem::path(dir) / split))
+        flags.fail("--data-dir " + dir + " has no " + split + "/ folder; --data folder expects DIR/train/<class>/ and DIR/test/<class>/");
+    d.train = data::load_image_folder((std::filesystem::path(dir) / "train").string());
+    d.test = data::load_image_folder((std::filesystem::path(dir) / "test").string(), int(d.train.channels));
+    if (d.train.class_names != d.test.class_names)
+      flags.fail("--data-dir " + dir + ": train/ and test/ have different class folders");
+    if (d.test.height != d.train.height || d.test.width != d.train.width)
+      flags.fail("--data-dir " + dir + ": train/ and test/ images differ in size");
+    d.mean.assign(size_t(d.train.channels), 0.5f);
+    d.std.assign(size_t(d.train.channels), 0.5f);
+  }
+  take_first(&d.train, o.subset);
+  take_first(&d.test, o.test_subset);
+  d.name = o.data;
+  return d;
+}
+
+int64_t class_count(const Datasets& d) {
+  int64_t classes = 0;
+  for (int64_t l : d.train.labels) classes = std::max(classes, l + 1);
+  for (int64_t l : d.test.labels) classes = std::max(classes, l + 1);
+  return std::max<int64_t>(classes, int64_t(d.train.class_names.size()));
+}
+
+std::shared_ptr<nn::Module> make_model(const Options& o, const Datasets& d, const samples::Flags& flags) {
+  const int64_t classes = class_count(d);
+  if (o.model == "simplecnn") {
+    if (d.train.height != d.train.width)
+      flags.fail("SimpleCNN takes square images; the data's are " + std::to_string(d.train.height) + "x" +
+                 std::to_string(d.train.width));
+    return std::make_shared<nn::SimpleCNN>(d.train.channels, d.train.height, classes);
+  }
+  return nn::resnet18(classes, d.train.channels);
+}
+
+std::unique_ptr<optim::Optimizer> make_optimizer(const Options& o, const TensorList& params) {
+  if (o.optimizer == "sgd")
+    return std::make_unique<optim::SGD>(params, optim::SGDOptions{.lr = o.lr, .momentum = o.momentum,
+                                                                  .weight_decay = o.weight_decay,
+                                                                  .nesterov = optim::Nesterov::no});
+  if (o.optimizer == "adam")
+    return std::make_unique<optim::Adam>(params, optim::AdamOptions{.lr = o.lr, .weight_decay = o.weight_decay});
+  return std::make_unique<optim::AdamW>(params, optim::AdamWOptions{.lr = o.lr, .weight_decay = o.weight_decay});
+}
+
+optim::Schedule make_schedule(const Options& o, int64_t total_steps) {
+  optim::Schedule main;
+  if (o.schedule == "cosine") main = optim::cosine_annealing(std::max<int64_t>(total_steps - o.warmup, 1));
+  else if (o.schedule == "step") main = optim::step_lr(std::max<int64_t>(total_steps / 3, 1), 0.1);
+  else if (o.schedule == "onecycle")
+    return optim::one_cycle({.max_lr = o.lr, .total_steps = std::max<int64_t>(total_steps, 1)});
+  else main = [](int64_t, double base) { return base; };
+  if (o.warmup > 0) return optim::sequential(optim::linear_lr(1.0 / double(o.warmup), 1.0, o.warmup), o.warmup, main);
+  return main;
+}
+
+struct EvalResult {
+  double loss = 0, accuracy = 0;
+};
+
+EvalResult evaluate(nn::Module& model, const data::DataLoader& loader, std::optional<DType> autocast) {
+  NoGradGuard no_grad;
+  AutocastGuard cast(autocast);
+  model.eval();
+  Tensor loss_sum, correct;
+  int64_t seen = 0;
+  data::Epoch batches = loader.epoch(0);
+  for (data::Batch& b : batches) {
+    Tensor logits = model.forward(b.inputs).to(DType::f32);
+    Tensor l = mul(cross_entropy(logits, b.targets), double(b.targets.size(0)));
+    Tensor c = sum(eq(argmax(logits, 1), b.targets).to(DType::f32));
+    loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
+    correct = correct.defined() ? add(correct, c) : c;
+    seen += b.targets.size(0);
+  }
+  model.train();
+  if (seen == 0) return {};
+  return {loss_sum.item() / double(seen), correct.item() / double(seen)};
+}
+
+std::string memory_note(Device device) {
+  if (!device.is_cuda()) return "";
+  MemoryStats s = memory::stats(device);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "mem %.0f MiB", double(s.peak_allocated) / (1 << 20));
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  samples::Flags flags("train_cnn",
+                       "Trains SimpleCNN (the guide's CIFAR-10 network) or ResNet-18 on Fashion-MNIST, CIFAR-10/100 or an\n"
+                       "image folder, printing test accuracy each epoch. With no flags: SimpleCNN on Fashion-MNIST.");
+  flags.add("model", &o.model, "the network", {"simplecnn", "resnet18"});
+  flags.add("data", &o.data, "the dataset", {"fashion-mnist", "cifar10", "cifar100", "folder"});
+  flags.add("data-dir", &o.data_dir,
+            "where the data is (default: /usr/share/datasets/fashion-mnist, data/cifar-10-batches-bin, "
+            "data/cifar-100-binary; folder: DIR/train/<class>/, DIR/test/<class>/)",
+            {}, "DIR");
+  flags.add("epochs", &o.epochs, "passes over the training set (0: 15 for simplecnn, 30 for resnet18)", 0);
+  flags.add("batch-size", &o.batch_size, "images per step", 1);
+  flags.add("lr", &o.lr, "peak learning rate (0: 0.1 for sgd, 1e-3 for adam/adamw)", 0);
+  flags.add("optimizer", &o.optimizer, "the optimizer (auto: adam for simplecnn, sgd for resnet18)",
+            {"auto", "sgd", "adam", "adamw"});
+  flags.add("momentum", &o.momentum, "SGD momentum", 0, 1);
+  flags.add("weight-decay", &o.weight_decay, "weight decay (-1: 5e-4 for sgd, 0 for adam, 0.01 for adamw)", -1);
+  flags.add("schedule", &o.schedule, "learning-rate schedule over the run", {"cosine", "step", "onecycle", "none"});
+  flags.add("warmup", &o.warmup, "linear warm-up steps before the schedule", 0);
+  flags.add("clip", &o.clip, "clip the gradients' global norm to this (0: no clipping)", 0);
+  flags.add("label-smoothing", &o.label_smoothing, "cross-entropy label smoothing", 0, 1);
+  flags.add("augment", &o.augment, "training augmentation (auto: crop-flip for CIFAR, none otherwise)",
+            {"auto", "none", "flip", "crop-flip"});
+  flags.add("precision", &o.precision, "f32, or bf16 autocast for convolutions and products (f32 master weights)",
+            {"f32", "bf16"});
+  flags.add("device", &o.device, "cpu, cuda or cuda:N (auto: the first GPU, else the CPU)", {}, "DEVICE");
+  flags.add("workers", &o.workers, "data-loader threads", 0, 64);
+  flags.add_switch("gpu-resident", &o.gpu_resident, "keep the whole dataset on the GPU (no augmentation)");
+  flags.add("init", &o.init, "initial weights (a safetensors state dict, e.g. from PyTorch)", {}, "FILE");
+  flags.add("save", &o.save, "write a training checkpoint here after every epoch", {}, "FILE");
+  flags.add("save-every", &o.save_every, "also checkpoint every N steps (needs --save)", 0);
+  flags.add("resume", &o.resume, "continue the run saved in this checkpoint", {}, "FILE");
+  flags.add("seed", &o.seed, "seed for initial weights, data order and augmentation", 0);
+  flags.add("subset", &o.subset, "train on the first N images only (0: all)", 0);
+  flags.add("test-subset", &o.test_subset, "test on the first N images only (0: all)", 0);
+  flags.add("max-steps", &o.max_steps, "stop after this many steps in all (0: no limit)", 0);
+  flags.add("metrics", &o.metrics, "append one JSON line per epoch here (\"\": none)", {}, "FILE");
+  flags.add("plot", &o.plot, "draw the loss and accuracy curves here as SVG (\"\": none)", {}, "FILE");
+  flags.add_switch("quiet", &o.quiet, "print only the per-epoch summaries");
+  flags.parse(argc, argv);
+
+  try {
+    // ---- resolve defaults ---------------------------------------------------------------
+    const bool resnet = o.model == "resnet18";
+    if (o.optimizer == "auto") o.optimizer = resnet ? "sgd" : "adam";
+    if (o.lr == 0) o.lr = o.optimizer == "sgd" ? 0.1 : 1e-3;
+    if (o.weight_decay < 0) o.weight_decay = o.optimizer == "sgd" ? 5e-4 : o.optimizer == "adamw" ? 0.01 : 0;
+    if (o.epochs == 0) o.epochs = resnet ? 30 : 15;
+    if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
+    if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
+    if (o.gpu_resident && o.augment != "none")
+      flags.fail("--gpu-resident keeps batches on the GPU without augmentation; add --augment none");
+    Device device = default_device();
+    if (o.device != "auto") {
+      try {
+        device = Device::parse(o.device);
+      } catch (const Error& e) {
+        flags.fail("--device " + o.device + ": " + e.what());
+      }
+    }
+    if (device.is_cuda() && device.index >= cuda_device_count())
+      flags.fail("--device " + o.device + ": there is no such GPU (" + std::to_string(cuda_device_count()) +
+                 " visible)");
+    const std::optional<DType> autocast =
+        o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+
+    // ---- data ---------------------------------------------------------------------------
+    Datasets d = load_datasets(o, flags);
+    if (d.train.count < o.batch_size)
+      flags.fail("--batch-size " + std::to_string(o.batch_size) + " is larger than the training set (" +
+                 std::to_string(d.train.count) + " images)");
+    data::LoaderOptions lo;
+    lo.batch_size = o.batch_size;
+    lo.num_workers = int(o.workers);
+    lo.device = device;
+    lo.gpu_resident = o.gpu_resident ? data::GpuResident::yes : data::GpuResident::no;
+    lo.drop_last = data::DropLast::yes;
+    data::ImageTransforms train_tf{.augment = {}, .normalize = {d.mean, d.std}, .seed = uint64_t(o.seed)};
+    if (o.augment == "crop-flip") train_tf.augment.push_back(data::random_crop(d.train.height, d.train.height / 8));
+    if (o.augment != "none") train_tf.augment.push_back(data::random_horizontal_flip());
+    const int64_t train_count = d.train.count, test_count = d.test.count;
+    auto train_set = std::make_shared<data::ImageDataset>(d.train, train_tf);
+    data::DataLoader train_loader(train_set, std::make_shared<data::RandomSampler>(train_count, uint64_t(o.seed)), lo);
+    data::LoaderOptions test_lo = lo;
+    test_lo.drop_last = data::DropLast::no;
+    test_lo.batch_size = std::max<int64_t>(o.batch_size, 500);
+    auto test_set = std::make_shared<data::ImageDataset>(d.test, data::ImageTransforms{.normalize = {d.mean, d.std}});
+    data::DataLoader test_loader(test_set, std::make_shared<data::SequentialSampler>(test_count), test_lo);
+    const int64_t steps_per_epoch = train_loader.num_batches();
+    const int64_t total_steps = o.max_steps > 0 ? std::min(o.max_steps, steps_per_epoch * o.epochs)
+                                                : steps_per_epoch * o.epochs;
+
+    // ---- model, optimizer, schedule --------------------------------------------------------
+    manual_seed(uint64_t(o.seed));
+    std::shared_ptr<nn::Module> model = make_model(o, d, flags);
+    if (!o.init.empty()) nn::load_weights(o.init, *model);
+    model->to(device);
+    std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, model->parameters());
+    optim::LRScheduler sched(*opt, make_schedule(o, total_steps));
+
+    int64_t epoch = 0, batch = 0, step = 0;
+    std::vector<std::pair<double, double>> train_curve, test_loss_curve, test_acc_curve, train_acc_curve;
+    if (!o.resume.empty()) {
+      auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched});
+      auto number = [&](const char* key) -> int64_t {
+        auto it = user.find(key);
+        LOOM_CHECK(it != user.end(), o.resume, ": the checkpoint has no ", key, " entry; was it written by train_cnn?");
+        return std::stoll(it->second);
+      };
+      epoch = number("epoch"), batch = number("batch"), step = number("step");
+      for (const char* key : {"model", "data"}) {
+        const std::string& mine = key == std::string("model") ? o.model : o.data;
+        if (user.count(key) && user.at(key) != mine)
+          flags.fail("--resume " + o.resume + " was a " + user.at(key) + " run; this one is --" + key + " " + mine);
+      }
+      std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
+                  (long long)batch, (long long)step);
+    }
+
+    std::printf("train_cnn: %s (%lld parameters) on %s: %lld training and %lld test images of %lldx%lldx%lld, "
+                "%lld classes\n  %s lr %g, %s schedule, batch %lld, %lld epochs, %s on %s\n",
+                model->type_name().c_str(), (long long)model->num_parameters(), d.name.c_str(),
+                (long long)d.train.count, (long long)d.test.count, (long long)d.train.channels,
+                (long long)d.train.height, (long long)d.train.width, (long long)class_count(d), opt->type_name().c_str(),
+                o.lr, o.schedule.c_str(), (long long)o.batch_size, (long long)o.epochs, o.precision.c_str(),
+                device.str().c_str());
+
+    samples::MetricsLog metrics(o.metrics);
+    auto save = [&](int64_t next_epoch, int64_t next_batch) {
+      nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched,
+                                   .user = {{"epoch", std::to_string(next_epoch)},
+                                            {"batch", std::to_string(next_batch)},
+                                            {"step", std::to_string(step)},
+                                            {"model", o.model},
+                                            {"data", o.data},
+                                            {"seed", std::to_string(o.seed)}}});
+    };
+
+    const auto run_start = std::chrono::steady_clock::now();
+    model->train();
+    for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
+      char label[64];
+      std::snprintf(label, sizeof label, "epoch %lld/%lld", (long long)epoch + 1, (long long)o.epochs);
+      samples::Progress progress(label, steps_per_epoch, "img");
+      Tensor loss_sum;
+      int64_t epoch_steps = 0;
+      data::Epoch batches = train_loader.epoch(epoch, batch);
+      for (data::Batch& b : batches) {
+        opt->zero_grad();
+        Tensor loss;
+        {
+          AutocastGuard cast(autocast);
+          Tensor logits = model->forward(b.inputs);
+          loss = cross_entropy(logits.to(DType::f32), b.targets, -100, o.label_smoothing);
+        }
+        loss.backward();
+        if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
+        opt->step();
+        sched.step();
+        ++step, ++batch, ++epoch_steps;
+        Tensor l = loss.detach();
+        loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
+        // Reading the loss waits for the GPU; the progress line does so only when it redraws.
+        if (!o.quiet && (batch % 20 == 0 || batch == steps_per_epoch))
+          progress.update(batch, batch * o.batch_size, l.item(),
+                          memory_note(device) + "  data wait " + std::to_string(int(batches.stall_seconds() * 1000)) + " ms");
+        if (o.save_every > 0 && step % o.save_every == 0) save(epoch, batch);
+        if (step >= total_steps) break;
+      }
+      const double images_per_s = o.quiet ? 0 : progress.finish();
+      const double train_loss = epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN;
+      EvalResult test = evaluate(*model, test_loader, autocast);
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      std::printf("epoch %lld: train loss %.4f  test loss %.4f  test accuracy %.2f%%  (%.1f s)\n",
+                  (long long)epoch + 1, train_loss, test.loss, test.accuracy * 100, elapsed);
+      std::fflush(stdout);
+      const bool finished_epoch = batch >= steps_per_epoch;
+      if (!o.save.empty()) save(finished_epoch ? epoch + 1 : epoch, finished_epoch ? 0 : batch);
+      metrics.write({{"epoch", epoch + 1},
+                     {"step", step},
+                     {"train_loss", train_loss},
+                     {"test_loss", test.loss},
+                     {"test_accuracy", test.accuracy},
+                     {"lr", sched.last_lr()[0]},
+                     {"images_per_s", images_per_s},
+                     {"seconds", elapsed},
+                     {"model", o.model},
+                     {"data", o.data},
+                     {"precision", o.precision},
+                     {"device", device.str()}});
+      train_curve.emplace_back(double(epoch + 1), train_loss);
+      test_loss_curve.emplace_back(double(epoch + 1), test.loss);
+      test_acc_curve.emplace_back(double(epoch + 1), test.accuracy * 100);
+      if (!o.plot.empty())
+        samples::write_svg_chart(o.plot, model->type_name() + " on " + d.name,
+                                 {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"test", test_loss_curve}}},
+                                  {"test accuracy", "epoch", "%", {{"test", test_acc_curve}}}});
+    }
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "train_cnn: %s\n", e.what());
+    return 1;
+  }
+}

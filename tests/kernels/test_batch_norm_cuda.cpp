@@ -1,0 +1,276 @@
+// The CUDA batch-norm kernels against the CPU kernels on the same inputs, in f32, bf16,
+// f16 and f64, over shapes that take every launch path: rows that are and are not a whole
+// number of 16-byte vectors, one value per row (BatchNorm1d), one block per channel
+// (ResNet-18's last stage), channels split over many blocks with partials combined
+// (ResNet-18's first stage, few channels with long rows, one channel), and buffers that are
+// not 16-byte aligned. Also: repeated runs give identical bits, and a large common offset
+// leaves the variance intact.
+//
+// Tolerances: per-channel statistics are f32 sums on the GPU and pairwise f64 on the CPU,
+// so they agree to a few f32 roundings of the sum of magnitudes; outputs may differ by an
+// ulp of their dtype on top.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/kernels.h"
+#include "kernels/cuda/kernels.h"
+#include "tests/common/device_buffer.h"
+#include "tests/common/gpu.h"
+
+namespace loom {
+namespace {
+
+using test::DeviceBuffer;
+
+template <class T> constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::f32;
+  else if constexpr (std::is_same_v<T, double>) return DType::f64;
+  else if constexpr (std::is_same_v<T, bf16>) return DType::bf16;
+  else return DType::f16;
+}
+template <class T> using acc_of = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <class T> double to_double(T v) {
+  if constexpr (std::is_same_v<T, double>) return v;
+  else return double(float(v));
+}
+
+struct Case {
+  const char* name;
+  int64_t n, c, s;
+};
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> table = {
+      {"tiny_odd", 1, 3, 7},
+      {"one_channel_one_value_rows", 5, 1, 1},
+      {"odd_rows", 2, 7, 33},
+      {"long_odd_rows_split", 64, 16, 1025},
+      {"bn1d_rows", 300, 40, 1},
+      {"resnet_stage1_split", 128, 64, 1024},
+      {"resnet_stage3", 128, 256, 64},
+      {"resnet_stage4_block_per_channel", 128, 512, 16},
+      {"few_channels_long_rows", 2, 3, 300000},
+      {"one_channel_many_blocks", 512, 1, 64},
+  };
+  return table;
+}
+
+// Values of T with a different centre per channel.
+template <class T>
+std::vector<T> channel_values(const Case& k, double spread, double centre_step, double offset, std::mt19937& rng) {
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<T> v(size_t(k.n * k.c * k.s));
+  for (size_t i = 0; i < v.size(); ++i) {
+    const int64_t c = int64_t(i) / k.s % k.c;
+    v[i] = T(float(spread * u(rng) + centre_step * double(c % 11) + offset));
+  }
+  return v;
+}
+
+template <class A> std::vector<A> per_channel(int64_t c, double lo, double hi, std::mt19937& rng) {
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<A> v(static_cast<size_t>(c));
+  for (auto& x : v) x = A(u(rng));
+  return v;
+}
+
+template <class V>
+void expect_close(const std::vector<V>& got, const std::vector<V>& want, const std::vector<double>& scale, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(to_double(got[i]), to_double(want[i]), tol * scale[i]) << what << " element " << i;
+}
+
+template <class V> std::vector<double> one_plus_abs(const std::vector<V>& v) {
+  std::vector<double> s(v.size());
+  for (size_t i = 0; i < v.size(); ++i) s[i] = 1 + std::abs(to_double(v[i]));
+  return s;
+}
+
+template <class T> double output_tol() {
+  if constexpr (std::is_same_v<T, double>) return 1e-12;
+  else if constexpr (std::is_same_v<T, float>) return 2e-5;
+  else if constexpr (std::is_same_v<T, f16>) return 2e-3;
+  else return 1e-2;
+}
+template <class T> double stat_tol() { return std::is_same_v<T, double> ? 1e-12 : 2e-5; }
+
+enum class WithAffine { no, yes };
+
+// Runs forward (training and eval) and backward on both devices and compares everything.
+// `misalign` shifts every buffer one element off its allocation, so nothing is 16-byte aligned.
+template <class T>
+void check_case(const Case& k, WithAffine affine, int misalign = 0) {
+  using A = acc_of<T>;
+  SCOPED_TRACE(std::string(k.name) + (affine == WithAffine::yes ? " affine" : " plain") +
+               (misalign ? " misaligned" : ""));
+  std::mt19937 rng(19);
+  const auto x = channel_values<T>(k, 2.0, 0.3, -1.0, rng), dy = channel_values<T>(k, 1.0, 0.05, -0.2, rng);
+  const auto gamma = per_channel<A>(k.c, 0.5, 1.5, rng), beta = per_channel<A>(k.c, -1, 1, rng);
+  const auto rm0 = per_channel<A>(k.c, -1, 1, rng), rv0 = per_channel<A>(k.c, 0.5, 2, rng);
+  const bool with = affine == WithAffine::yes;
+  BatchNormArgs a;
+  a.dtype = dtype_of<T>();
+  a.n = k.n, a.c = k.c, a.s = k.s, a.eps = 1e-5, a.momentum = 0.1;
+  const size_t numel = x.size(), c = size_t(k.c);
+
+  // CPU reference.
+  std::vector<T> y(numel), y_eval(numel), dx(numel);
+  std::vector<A> mean(c), invstd(c), rm = rm0, rv = rv0, dgamma(c), dbeta(c);
+  cpu::batch_norm_forward_train(a, y.data(), mean.data(), invstd.data(), rm.data(), rv.data(), x.data(),
+                                with ? gamma.data() : nullptr, with ? beta.data() : nullptr, nullptr);
+  cpu::batch_norm_forward_eval(a, y_eval.data(), x.data(), with ? gamma.data() : nullptr,
+                               with ? beta.data() : nullptr, rm0.data(), rv0.data(), nullptr);
+  cpu::batch_norm_backward(a, dx.data(), dgamma.data(), dbeta.data(), dy.data(), x.data(),
+                           with ? gamma.data() : nullptr, mean.data(), invstd.data(), nullptr);
+
+  // GPU, with buffers `misalign` elements into their allocations.
+  auto padded = [&](const std::vector<T>& v) {
+    std::vector<T> p(v.size() + size_t(misalign));
+    std::copy(v.begin(), v.end(), p.begin() + misalign);
+    return p;
+  };
+  DeviceBuffer<T> gx(padded(x)), gdy(padded(dy)), gy(numel + misalign), gye(numel + misalign), gdx(numel + misalign);
+  DeviceBuffer<A> ggamma(gamma), gbeta(beta), gmean(c), ginvstd(c), grm(rm0), grv(rv0), grm0(rm0), grv0(rv0),
+      gdgamma(c), gdbeta(c), gsave_mean(mean), gsave_invstd(invstd);
+  const A* gg = with ? ggamma.get() : nullptr;
+  const A* gb = with ? gbeta.get() : nullptr;
+  cuda::batch_norm_forward_train(a, gy.get() + misalign, gmean.get(), ginvstd.get(), grm.get(), grv.get(),
+                                 gx.get() + misalign, gg, gb, nullptr);
+  cuda::batch_norm_forward_eval(a, gye.get() + misalign, gx.get() + misalign, gg, gb, grm0.get(), grv0.get(), nullptr);
+  // The backward takes the CPU's saved statistics, so it is compared on its own.
+  cuda::batch_norm_backward(a, gdx.get() + misalign, gdgamma.get(), gdbeta.get(), gdy.get() + misalign,
+                            gx.get() + misalign, gg, gsave_mean.get(), gsave_invstd.get(), nullptr);
+  auto unpad = [&](const DeviceBuffer<T>& b) {
+    std::vector<T> h = b.to_host();
+    return std::vector<T>(h.begin() + misalign, h.end());
+  };
+
+  const double st = stat_tol<T>(), ot = output_tol<T>();
+  expect_close(gmean.to_host(), mean, one_plus_abs(mean), st, "save_mean");
+  expect_close(ginvstd.to_host(), invstd, one_plus_abs(invstd), st, "save_invstd");
+  expect_close(grm.to_host(), rm, one_plus_abs(rm), st, "running_mean");
+  expect_close(grv.to_host(), rv, one_plus_abs(rv), st, "running_var");
+  expect_close(unpad(gy), y, one_plus_abs(y), ot, "y");
+  expect_close(unpad(gye), y_eval, one_plus_abs(y_eval), ot, "y (eval)");
+
+  // Gradient scales: the sums of magnitudes bound any summation order's rounding.
+  const double m = double(k.n * k.s);
+  std::vector<double> abs_dy(c, 0.0), abs_dy_xhat(c, 0.0), dx_scale(numel);
+  auto xhat = [&](size_t i, size_t ch) { return (to_double(x[i]) - double(mean[ch])) * double(invstd[ch]); };
+  for (size_t i = 0; i < numel; ++i) {
+    const size_t ch = size_t(int64_t(i) / k.s % k.c);
+    abs_dy[ch] += std::abs(to_double(dy[i]));
+    abs_dy_xhat[ch] += std::abs(to_double(dy[i]) * xhat(i, ch));
+  }
+  for (size_t i = 0; i < numel; ++i) {
+    const size_t ch = size_t(int64_t(i) / k.s % k.c);
+    const double g = with ? std::abs(double(gamma[ch])) : 1.0;
+    dx_scale[i] = g * double(invstd[ch]) *
+                      (std::abs(to_double(dy[i])) + std::abs(xhat(i, ch)) * abs_dy_xhat[ch] / m + abs_dy[ch] / m) +
+                  1e-30;
+  }
+  expect_close(gdbeta.to_host(), dbeta, abs_dy, st, "dbeta");
+  expect_close(gdgamma.to_host(), dgamma, abs_dy_xhat, st, "dgamma");
+  expect_close(unpad(gdx), dx, dx_scale, ot, "dx");
+}
+
+template <class T> void check_all(WithAffine affine) {
+  for (const Case& k : cases()) check_case<T>(k, affine);
+}
+
+TEST(BatchNormCuda, MatchesCpuF32) {
+  LOOM_REQUIRE_CUDA();
+  check_all<float>(WithAffine::yes);
+  check_all<float>(WithAffine::no);
+}
+TEST(BatchNormCuda, MatchesCpuBf16) {
+  LOOM_REQUIRE_CUDA();
+  check_all<bf16>(WithAffine::yes);
+  check_all<bf16>(WithAffine::no);
+}
+TEST(BatchNormCuda, MatchesCpuF16) {
+  LOOM_REQUIRE_CUDA();
+  check_all<f16>(WithAffine::yes);
+}
+TEST(BatchNormCuda, MatchesCpuF64) {
+  LOOM_REQUIRE_CUDA();
+  check_all<double>(WithAffine::yes);
+}
+
+TEST(BatchNormCuda, UnalignedBuffersTakeTheScalarPath) {
+  LOOM_REQUIRE_CUDA();
+  for (const Case& k : cases()) {
+    check_case<float>(k, WithAffine::yes, 1);
+    check_case<bf16>(k, WithAffine::yes, 1);  // 2 bytes off: too misaligned for f32 partials too
+  }
+}
+
+TEST(BatchNormCuda, RepeatedRunsGiveIdenticalBits) {
+  LOOM_REQUIRE_CUDA();
+  const Case k{"resnet_stage1_split", 128, 64, 1024};
+  std::mt19937 rng(23);
+  const auto x = channel_values<float>(k, 2.0, 0.3, 0.0, rng), dy = channel_values<float>(k, 1.0, 0.0, 0.0, rng);
+  BatchNormArgs a;
+  a.n = k.n, a.c = k.c, a.s = k.s;
+  const size_t c = size_t(k.c);
+  DeviceBuffer<float> gx(x), gdy(dy), gy(x.size()), gdx(x.size()), gmean(c), ginvstd(c), gdg(c), gdb(c);
+  std::vector<std::vector<float>> runs;
+  for (int rep = 0; rep < 2; ++rep) {
+    cuda::batch_norm_forward_train(a, gy.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), nullptr,
+                                   nullptr, nullptr);
+    cuda::batch_norm_backward(a, gdx.get(), gdg.get(), gdb.get(), gdy.get(), gx.get(), nullptr, gmean.get(),
+                              ginvstd.get(), nullptr);
+    std::vector<float> all = gy.to_host();
+    for (const auto& part : {gmean.to_host(), ginvstd.to_host(), gdx.to_host(), gdg.to_host(), gdb.to_host()})
+      all.insert(all.end(), part.begin(), part.end());
+    runs.push_back(std::move(all));
+  }
+  ASSERT_EQ(runs[0].size(), runs[1].size());
+  EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0);
+}
+
+// x = 1000 + U(-1, 1): a sum-of-squares variance would lose every digit in f32.
+TEST(BatchNormCuda, LargeMeanKeepsTheVariance) {
+  LOOM_REQUIRE_CUDA();
+  for (const Case& k : {Case{"split", 64, 2, 1024}, Case{"block_per_channel", 16, 600, 36}}) {
+    SCOPED_TRACE(k.name);
+    std::mt19937 rng(29);
+    const auto x = channel_values<float>(k, 1.0, 0.0, 1000.0, rng);
+    BatchNormArgs a;
+    a.n = k.n, a.c = k.c, a.s = k.s;
+    const size_t c = size_t(k.c);
+    std::vector<float> y(x.size()), mean(c), invstd(c);
+    cpu::batch_norm_forward_train(a, y.data(), mean.data(), invstd.data(), nullptr, nullptr, x.data(), nullptr,
+                                  nullptr, nullptr);
+    DeviceBuffer<float> gx(x), gy(x.size()), gmean(c), ginvstd(c);
+    cuda::batch_norm_forward_train(a, gy.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), nullptr,
+                                   nullptr, nullptr);
+    std::vector<double> rel(c);
+    for (size_t i = 0; i < c; ++i) rel[i] = std::abs(double(invstd[i]));
+    expect_close(ginvstd.to_host(), invstd, rel, 1e-4, "save_invstd");
+    expect_close(gy.to_host(), y, one_plus_abs(y), 1e-3, "y");
+  }
+}
+
+TEST(BatchNormCuda, EmptyBatchBackwardGivesZeroSums) {
+  LOOM_REQUIRE_CUDA();
+  BatchNormArgs a;
+  a.n = 0, a.c = 3, a.s = 4;
+  DeviceBuffer<float> dg(std::vector<float>(3, 7.f)), db(std::vector<float>(3, 7.f)), mean(3), invstd(3);
+  cuda::batch_norm_backward(a, nullptr, dg.get(), db.get(), nullptr, nullptr, nullptr, mean.get(), invstd.get(),
+                            nullptr);
+  EXPECT_EQ(dg.to_host(), std::vector<float>(3, 0.f));
+  EXPECT_EQ(db.to_host(), std::vector<float>(3, 0.f));
+}
+
+}  // namespace
+}  // namespace loom
