@@ -1,0 +1,2 @@
+// Placeholder: DistributedDataParallel.
+#include "parallel/ddp.h"

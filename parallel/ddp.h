@@ -1,0 +1,2 @@
+// Placeholder: DistributedDataParallel.
+#pragma once

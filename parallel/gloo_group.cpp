@@ -1,0 +1,2 @@
+// Placeholder: the Gloo backend.
+#include "parallel/process_group.h"
