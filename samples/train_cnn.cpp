@@ -8,6 +8,10 @@
 // --save writes a training checkpoint (model, optimizer, schedule, generator, data position)
 // after every epoch and every --save-every steps; --resume continues from one, following the
 // same losses as a run that never stopped.
+//
+// Data parallel: under loomrun (or torchrun --no-python, mpirun, srun) every rank trains on
+// its shard with DistributedDataParallel over NCCL (GPUs) or Gloo (--device cpu); `--gpus N`
+// starts the N ranks itself. Rank 0 prints, logs and checkpoints; the batch size is per rank.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -26,6 +30,9 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/layers.h"
+#include "parallel/ddp.h"
+#include "parallel/rendezvous.h"
+#include "samples/common/distributed.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 #include "samples/common/progress.h"
@@ -39,9 +46,9 @@ struct Options {
   std::string precision = "f32", device = "auto", augment = "auto";
   std::string init, save, resume, metrics = "train_cnn.jsonl", plot = "train_cnn.svg";
   int64_t epochs = 0, batch_size = 128, seed = 0, workers = 4, subset = 0, test_subset = 0, save_every = 0;
-  int64_t warmup = 0, max_steps = 0;
+  int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600;
   double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
-  bool gpu_resident = false, quiet = false;
+  bool gpu_resident = false, quiet = false, sync_bn_stats = false;
 };
 
 struct Datasets {
@@ -194,7 +201,7 @@ int main(int argc, char** argv) {
             "where the data is (default: /usr/share/datasets/fashion-mnist, data/cifar-10-batches-bin, "
             "data/cifar-100-binary; folder: DIR/train/<class>/, DIR/test/<class>/)",
             {}, "DIR");
-  flags.add("epochs", &o.epochs, "passes over the training set (0: 15 for simplecnn, 30 for resnet18)", 0);
+  flags.add("epochs", &o.epochs, "passes over the training set (0: 15 for simplecnn, 2 on the CPU; 30 for resnet18)", 0);
   flags.add("batch-size", &o.batch_size, "images per step", 1);
   flags.add("lr", &o.lr, "peak learning rate (0: 0.1 for sgd, 1e-3 for adam/adamw)", 0);
   flags.add("optimizer", &o.optimizer, "the optimizer (auto: adam for simplecnn, sgd for resnet18)",
@@ -222,8 +229,19 @@ int main(int argc, char** argv) {
   flags.add("max-steps", &o.max_steps, "stop after this many steps in all (0: no limit)", 0);
   flags.add("metrics", &o.metrics, "append one JSON line per epoch here (\"\": none)", {}, "FILE");
   flags.add("plot", &o.plot, "draw the loss and accuracy curves here as SVG (\"\": none)", {}, "FILE");
+  flags.add("gpus", &o.gpus, "data-parallel over N GPUs of this node: starts N ranks (as loomrun would)", 0, 1024);
+  flags.add("bucket-mb", &o.bucket_mb, "data parallel: gradient bucket size in MiB", 1);
+  flags.add_switch("sync-bn-stats", &o.sync_bn_stats, "data parallel: average BatchNorm running statistics over ranks");
+  flags.add("timeout-s", &o.timeout_s, "data parallel: seconds before a stuck collective ends the run", 1);
   flags.add_switch("quiet", &o.quiet, "print only the per-epoch summaries");
   flags.parse(argc, argv);
+  // Data parallel, started here: run this program again as `--gpus` ranks and wait for them.
+  if (o.gpus > 1 && !dist::launched_with_rank()) {
+    if (cuda_device_count() < o.gpus)
+      flags.fail("--gpus " + std::to_string(o.gpus) + ": only " + std::to_string(cuda_device_count()) +
+                 " GPU(s) are visible (for CPU ranks use loomrun --nproc-per-node N ... --device cpu)");
+    return samples::relaunch(argc, argv, int(o.gpus), "gpus");
+  }
 
   try {
     // ---- resolve defaults ---------------------------------------------------------------
@@ -231,19 +249,27 @@ int main(int argc, char** argv) {
     if (o.optimizer == "auto") o.optimizer = resnet ? "sgd" : "adam";
     if (o.lr == 0) o.lr = o.optimizer == "sgd" ? 0.1 : 1e-3;
     if (o.weight_decay < 0) o.weight_decay = o.optimizer == "sgd" ? 5e-4 : o.optimizer == "adamw" ? 0.01 : 0;
-    if (o.epochs == 0) o.epochs = resnet ? 30 : 15;
+    const bool on_gpu = o.device == "auto" ? cuda_device_count() > 0 : o.device.starts_with("cuda");
+    if (o.epochs == 0) {
+      // A full run on a GPU; on the CPU a short one that still shows learning (2 epochs of
+      // SimpleCNN on Fashion-MNIST take about a minute on two cores and reach about 87%).
+      o.epochs = resnet ? 30 : on_gpu ? 15 : 2;
+      if (!on_gpu) std::printf("no GPU: training %lld epochs on the CPU (--epochs N for more)\n", (long long)o.epochs);
+    }
     if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
     if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
     if (o.gpu_resident && o.augment != "none")
       flags.fail("--gpu-resident keeps batches on the GPU without augmentation; add --augment none");
-    Device device = default_device();
     if (o.device != "auto") {
       try {
-        device = Device::parse(o.device);
+        Device::parse(o.device);
       } catch (const Error& e) {
         flags.fail("--device " + o.device + ": " + e.what());
       }
     }
+    samples::DistContext ctx = samples::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
+    const Device device = ctx.device;
+    const bool main_rank = ctx.is_main();
     if (device.is_cuda() && device.index >= cuda_device_count())
       flags.fail("--device " + o.device + ": there is no such GPU (" + std::to_string(cuda_device_count()) +
                  " visible)");
@@ -266,7 +292,15 @@ int main(int argc, char** argv) {
     if (o.augment != "none") train_tf.augment.push_back(data::random_horizontal_flip());
     const int64_t train_count = d.train.count, test_count = d.test.count;
     auto train_set = std::make_shared<data::ImageDataset>(d.train, train_tf);
-    data::DataLoader train_loader(train_set, std::make_shared<data::RandomSampler>(train_count, uint64_t(o.seed)), lo);
+    // Data parallel: each rank a disjoint shard, reshuffled every epoch (the loader passes the
+    // epoch on, so no rank can forget it); the batch size is per rank, as with PyTorch's DDP.
+    std::shared_ptr<data::Sampler> sampler;
+    if (ctx.active)
+      sampler = std::make_shared<data::DistributedSampler>(train_count, ctx.rank, ctx.size, data::Shuffle::yes,
+                                                           uint64_t(o.seed), data::DropLast::no);
+    else
+      sampler = std::make_shared<data::RandomSampler>(train_count, uint64_t(o.seed));
+    data::DataLoader train_loader(train_set, sampler, lo);
     data::LoaderOptions test_lo = lo;
     test_lo.drop_last = data::DropLast::no;
     test_lo.batch_size = std::max<int64_t>(o.batch_size, 500);
@@ -281,6 +315,16 @@ int main(int argc, char** argv) {
     std::shared_ptr<nn::Module> model = make_model(o, d, flags);
     if (!o.init.empty()) nn::load_weights(o.init, *model);
     model->to(device);
+    // Under data parallelism the step runs through DDP, which starts every rank from rank 0's
+    // weights and averages the gradients during backward; checkpoints and evaluation use the
+    // model itself, so their names carry no "module." prefix.
+    std::shared_ptr<nn::Module> trained = model;
+    if (ctx.active) {
+      dist::DDPOptions ddp_options;
+      ddp_options.bucket_cap_mb = o.bucket_mb;
+      ddp_options.sync_buffers_average = o.sync_bn_stats;
+      trained = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, ddp_options);
+    }
     std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, model->parameters());
     optim::LRScheduler sched(*opt, make_schedule(o, total_steps));
 
@@ -299,20 +343,23 @@ int main(int argc, char** argv) {
         if (user.count(key) && user.at(key) != mine)
           flags.fail("--resume " + o.resume + " was a " + user.at(key) + " run; this one is --" + key + " " + mine);
       }
-      std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
+      if (main_rank) std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
                   (long long)batch, (long long)step);
     }
 
-    std::printf("train_cnn: %s (%lld parameters) on %s: %lld training and %lld test images of %lldx%lldx%lld, "
+    if (main_rank) std::printf("train_cnn: %s (%lld parameters) on %s: %lld training and %lld test images of %lldx%lldx%lld, "
                 "%lld classes\n  %s lr %g, %s schedule, batch %lld, %lld epochs, %s on %s\n",
                 model->type_name().c_str(), (long long)model->num_parameters(), d.name.c_str(),
                 (long long)d.train.count, (long long)d.test.count, (long long)d.train.channels,
                 (long long)d.train.height, (long long)d.train.width, (long long)class_count(d), opt->type_name().c_str(),
                 o.lr, o.schedule.c_str(), (long long)o.batch_size, (long long)o.epochs, o.precision.c_str(),
-                device.str().c_str());
+                ctx.active ? (std::to_string(ctx.size) + " ranks (" + ctx.group->backend() + "), " + device.str() +
+                              " on rank 0").c_str()
+                           : device.str().c_str());
 
-    samples::MetricsLog metrics(o.metrics);
+    samples::MetricsLog metrics(main_rank ? o.metrics : "");
     auto save = [&](int64_t next_epoch, int64_t next_batch) {
+      if (!main_rank) return;
       nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched,
                                    .user = {{"epoch", std::to_string(next_epoch)},
                                             {"batch", std::to_string(next_batch)},
@@ -336,7 +383,7 @@ int main(int argc, char** argv) {
         Tensor loss;
         {
           AutocastGuard cast(autocast);
-          Tensor logits = model->forward(b.inputs);
+          Tensor logits = trained->forward(b.inputs);
           loss = cross_entropy(logits.to(DType::f32), b.targets, -100, o.label_smoothing);
         }
         loss.backward();
@@ -347,17 +394,17 @@ int main(int argc, char** argv) {
         Tensor l = loss.detach();
         loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
         // Reading the loss waits for the GPU; the progress line does so only when it redraws.
-        if (!o.quiet && (batch % 20 == 0 || batch == steps_per_epoch))
+        if (main_rank && !o.quiet && (batch % 20 == 0 || batch == steps_per_epoch))
           progress.update(batch, batch * o.batch_size, l.item(),
                           memory_note(device) + "  data wait " + std::to_string(int(batches.stall_seconds() * 1000)) + " ms");
         if (o.save_every > 0 && step % o.save_every == 0) save(epoch, batch);
         if (step >= total_steps) break;
       }
-      const double images_per_s = o.quiet ? 0 : progress.finish();
-      const double train_loss = epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN;
+      const double images_per_s = o.quiet || !main_rank ? 0 : progress.finish() * ctx.size;
+      const double train_loss = samples::mean_over_ranks(ctx, epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN);
       EvalResult test = evaluate(*model, test_loader, autocast);
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-      std::printf("epoch %lld: train loss %.4f  test loss %.4f  test accuracy %.2f%%  (%.1f s)\n",
+      if (main_rank) std::printf("epoch %lld: train loss %.4f  test loss %.4f  test accuracy %.2f%%  (%.1f s)\n",
                   (long long)epoch + 1, train_loss, test.loss, test.accuracy * 100, elapsed);
       std::fflush(stdout);
       const bool finished_epoch = batch >= steps_per_epoch;
@@ -377,7 +424,7 @@ int main(int argc, char** argv) {
       train_curve.emplace_back(double(epoch + 1), train_loss);
       test_loss_curve.emplace_back(double(epoch + 1), test.loss);
       test_acc_curve.emplace_back(double(epoch + 1), test.accuracy * 100);
-      if (!o.plot.empty())
+      if (main_rank && !o.plot.empty())
         samples::write_svg_chart(o.plot, model->type_name() + " on " + d.name,
                                  {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"test", test_loss_curve}}},
                                   {"test accuracy", "epoch", "%", {{"test", test_acc_curve}}}});

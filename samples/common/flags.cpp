@@ -73,7 +73,6 @@ void Flags::add(const std::string& name, std::string* value, const std::string& 
       for (const auto& c : choices) ok = ok || c == text;
       if (!ok) return "expects one of " + shown + ", got '" + text + "'";
     }
-    if (text.empty() && choices.empty()) return "expects a value, got an empty string";
     *value = text;
     return "";
   };
