@@ -12,6 +12,21 @@ namespace loom {
 namespace {
 thread_local bool g_grad_enabled = true;
 std::atomic<uint64_t> g_sequence{0};
+// The callbacks of the backward pass running on this thread (null outside one).
+thread_local std::vector<std::function<void()>>* g_callbacks = nullptr;
+
+// Points g_callbacks at one pass's list for its scope; a nested pass (a backward run from
+// a hook) gets its own list and restores the outer one.
+class CallbackScope {
+ public:
+  explicit CallbackScope(std::vector<std::function<void()>>* list) : previous_(g_callbacks) { g_callbacks = list; }
+  ~CallbackScope() { g_callbacks = previous_; }
+  CallbackScope(const CallbackScope&) = delete;
+  CallbackScope& operator=(const CallbackScope&) = delete;
+
+ private:
+  std::vector<std::function<void()>>* previous_;
+};
 
 std::shared_ptr<Node> accumulator_for(const Tensor& leaf) {
   TensorImpl* impl = leaf.impl();
@@ -81,9 +96,17 @@ void record(const char* name, const TensorList& inputs, const TensorList& output
   }
 }
 
+void queue_callback(std::function<void()> callback) {
+  LOOM_CHECK(g_callbacks != nullptr,
+             "queue_callback: no backward pass is running on this thread; call it from a gradient hook");
+  g_callbacks->push_back(std::move(callback));
+}
+
 void run_backward(const TensorList& roots, const TensorList& grads) {
   LOOM_ASSERT(roots.size() == grads.size(), "one gradient per root");
   NoGradGuard no_grad;
+  std::vector<std::function<void()>> callbacks;
+  CallbackScope callback_scope(&callbacks);
 
   struct Pending {
     TensorList grads;
@@ -152,6 +175,11 @@ void run_backward(const TensorList& roots, const TensorList& grads) {
       if (grads_out[i].defined()) add_grad(e, grads_out[i]);
       if (--dependencies[e.node.get()] == 0) ready.push(e.node.get());
     }
+  }
+  // By index: a callback may queue another, which reallocates the list.
+  for (size_t i = 0; i < callbacks.size(); ++i) {
+    std::function<void()> callback = std::move(callbacks[i]);
+    callback();
   }
 }
 

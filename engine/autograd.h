@@ -5,7 +5,8 @@
 // (as PyTorch does), so the last layers' gradients are final first. A leaf's gradient is
 // accumulated by its AccumulateGrad node, which runs as soon as every path into it is
 // done and then fires the leaf's post-accumulate hooks: that is when DDP can start
-// reducing that gradient while the rest of backward goes on.
+// reducing that gradient while the rest of backward goes on. A hook may also queue a
+// callback that runs once the whole pass is done (queue_callback): DDP finishes there.
 //
 // Saved tensors are captured detached (data only) so a node never keeps its own output
 // alive through a cycle. Gradients of gradients are not supported: backward runs under
@@ -74,5 +75,13 @@ void record(const char* name, const TensorList& inputs, const TensorList& output
 
 // Runs backward from `roots` seeded with `grads` (one per root, same shapes).
 void run_backward(const TensorList& roots, const TensorList& grads);
+
+// Runs `callback` once the backward pass running on this thread has finished, after its
+// last node, as PyTorch's Variable._execution_engine.queue_callback. Hooks use it to act
+// on the pass as a whole: DDP queues the end of its gradient reduction from its first hook,
+// and from there finds the parameters whose hooks never fired. Callbacks run in the order
+// queued, under no-grad, and may queue more; when a node or a callback throws, those not yet
+// run are dropped. Outside a backward pass it is an error.
+void queue_callback(std::function<void()> callback);
 
 }  // namespace loom

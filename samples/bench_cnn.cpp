@@ -3,7 +3,9 @@
 // optimizer (SGD with momentum 0.9, weight decay 5e-4). Synthetic images already on the GPU,
 // so the figure is the engine's: forward, loss, backward, optimizer step.
 //   bench_cnn [--model simplecnn|resnet18] [--image 1x28x28|3x32x32] [--batch N]
-//             [--precision f32|bf16] [--warmup N] [--steps N] [--json FILE]
+//             [--precision f32|bf16] [--warmup N] [--steps N] [--ddp] [--json FILE]
+// --ddp runs the step through DistributedDataParallel over an NCCL group of one rank: the
+// cost of data parallelism's machinery (hooks, buckets, the all-reduce) on one GPU.
 // Prints one JSON object (images/s, ms per step, peak memory) and appends it to --json.
 #include <chrono>
 #include <cstdio>
@@ -15,6 +17,7 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/layers.h"
+#include "parallel/ddp.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 
@@ -23,6 +26,7 @@ using namespace loom;
 int main(int argc, char** argv) {
   std::string model_name = "resnet18", image = "3x32x32", precision = "bf16", json;
   int64_t batch = 256, warmup = 10, steps = 50;
+  bool ddp = false;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
   flags.add("image", &image, "image shape", {"1x28x28", "3x32x32"});
@@ -30,6 +34,7 @@ int main(int argc, char** argv) {
   flags.add("precision", &precision, "f32 (TF32 products) or bf16 autocast", {"f32", "bf16"});
   flags.add("warmup", &warmup, "untimed steps first", 0);
   flags.add("steps", &steps, "timed steps", 1);
+  flags.add_switch("ddp", &ddp, "train through DistributedDataParallel (NCCL, one rank)");
   flags.add("json", &json, "append the result here as a JSON line", {}, "FILE");
   flags.parse(argc, argv);
   try {
@@ -43,6 +48,12 @@ int main(int argc, char** argv) {
     model->to(dev);
     model->train();
     optim::SGD opt(model->parameters(), {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
+    std::shared_ptr<nn::Module> trained = model;
+    if (ddp) {
+      auto store = std::make_shared<dist::TcpStore>("127.0.0.1", 0, dist::TcpStore::Role::server);
+      trained = std::make_shared<dist::DistributedDataParallel>(model, dist::new_nccl_group(store, 0, 1, dev),
+                                                                dist::DDPOptions{});
+    }
     Tensor x = randn({batch, c, side, side}, DType::f32, dev);
     Tensor y = argmax(randn({batch, 10}, DType::f32, dev), 1);
     std::optional<DType> cast = precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
@@ -51,7 +62,7 @@ int main(int argc, char** argv) {
       Tensor loss;
       {
         AutocastGuard guard(cast);
-        loss = cross_entropy(model->forward(x).to(DType::f32), y);
+        loss = cross_entropy(trained->forward(x).to(DType::f32), y);
       }
       loss.backward();
       opt.step();
@@ -69,6 +80,7 @@ int main(int argc, char** argv) {
                                          {"image", image},
                                          {"batch", batch},
                                          {"precision", precision},
+                                         {"ddp", int64_t(ddp)},
                                          {"images_per_s", double(batch * steps) / seconds},
                                          {"ms_per_step", seconds * 1e3 / double(steps)},
                                          {"peak_mib", peak_mib}};

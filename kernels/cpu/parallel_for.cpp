@@ -1,6 +1,9 @@
 #include "kernels/cpu/parallel_for.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -104,9 +107,24 @@ int configured_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// The pool is made on first use and never destroyed (its workers end with the process).
+// fork() copies the pool into the child without its worker threads, and possibly with its
+// mutex held by a worker caught mid-step, so a child that used it could hang: the child
+// drops the inherited pool, unused, and makes its own on first use. This is what lets a
+// program run tensor ops and then fork ranks, as the multi-process tests do.
+std::atomic<Pool*> current_pool{nullptr};
+
+void forget_pool_in_child() { current_pool.store(nullptr, std::memory_order_relaxed); }
+
 Pool& pool() {
-  static Pool p(configured_threads() - 1);
-  return p;
+  Pool* p = current_pool.load(std::memory_order_acquire);
+  if (p) return *p;
+  static const int registered = ::pthread_atfork(nullptr, nullptr, forget_pool_in_child);
+  (void)registered;
+  auto* fresh = new Pool(configured_threads() - 1);
+  if (current_pool.compare_exchange_strong(p, fresh, std::memory_order_acq_rel)) return *fresh;
+  delete fresh;  // another thread made one first
+  return *p;
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
 // The autograd contract the layers above depend on: accumulation into leaves, explicit
 // upstream gradients (pipeline stages), no-grad and detach, diamond graphs, the
 // post-accumulate hooks DDP launches its all-reduces from (once per leaf, when final,
-// last layer first), parameters whose storage FSDP swaps in place, the refusal of
-// in-place updates that would corrupt a graph, and dtype handling across the graph.
+// last layer first) and the end-of-pass callbacks it finishes in, parameters whose
+// storage FSDP swaps in place, the refusal of in-place updates that would corrupt a
+// graph, and dtype handling across the graph.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -233,6 +234,42 @@ TEST(AutogradHooks, OnlyOnLeavesRequiringGradient) {
   expect_error([&] { y.register_post_accumulate_grad_hook([](Tensor&) {}); }, {"leaves"});
   Tensor c = ones({1});
   expect_error([&] { c.register_post_accumulate_grad_hook([](Tensor&) {}); }, {"leaves"});
+}
+
+TEST(AutogradCallbacks, QueuedFromAHookRunOnceAfterTheWholePass) {
+  // w2's hook fires first (last layer), w1's later: the callback queued from w2's hook
+  // must run after both, once, and see every gradient final.
+  Tensor w1 = param({1, 2}), w2 = param({3, 4});
+  std::vector<std::string> order;
+  w1.register_post_accumulate_grad_hook([&](Tensor&) { order.push_back("w1"); });
+  w2.register_post_accumulate_grad_hook([&](Tensor&) {
+    order.push_back("w2");
+    queue_callback([&] {
+      order.push_back("callback");
+      EXPECT_EQ(values(w1.grad()), (std::vector<double>{3, 4}));
+      queue_callback([&] { order.push_back("queued by the callback"); });
+    });
+  });
+  sum(mul(mul(constant({1, 1}), w1), w2)).backward();
+  EXPECT_EQ(order, (std::vector<std::string>{"w2", "w1", "callback", "queued by the callback"}));
+  order.clear();
+  w1.zero_grad();
+  w2.zero_grad();
+  sum(mul(mul(constant({1, 1}), w1), w2)).backward();
+  EXPECT_EQ(order, (std::vector<std::string>{"w2", "w1", "callback", "queued by the callback"}))
+      << "callbacks belong to one pass: the next pass starts with none";
+}
+
+TEST(AutogradCallbacks, AThrowingCallbackReachesTheCallerOfBackward) {
+  Tensor w = param({1});
+  w.register_post_accumulate_grad_hook([](Tensor&) { queue_callback([] { throw Error("callback failed"); }); });
+  expect_error([&] { sum(mul(w, 2.0)).backward(); }, {"callback failed"});
+  EXPECT_TRUE(grad_enabled());
+  EXPECT_EQ(values(w.grad()), (std::vector<double>{2})) << "the gradients were accumulated before the callback";
+}
+
+TEST(AutogradCallbacks, QueueingOutsideABackwardPassIsRefused) {
+  expect_error([] { queue_callback([] {}); }, {"no backward pass is running", "gradient hook"});
 }
 
 TEST(AutogradParams, SetDataIsSeenByEveryHandleAndGradientsStillFlow) {

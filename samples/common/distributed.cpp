@@ -1,0 +1,71 @@
+#include "samples/common/distributed.h"
+
+#include <unistd.h>
+
+#include <climits>
+#include <cstdlib>
+#include <vector>
+
+#include "engine/ops.h"
+#include "parallel/launcher.h"
+#include "parallel/rendezvous.h"
+#include "parallel/socket.h"
+
+namespace loom::samples {
+
+DistContext init_distributed(const std::string& device_flag, dist::Duration timeout) {
+  DistContext ctx;
+  if (!dist::launched_with_rank()) {
+    ctx.device = device_flag == "auto" ? default_device() : Device::parse(device_flag);
+    return ctx;
+  }
+  const dist::RendezvousInfo info = dist::rendezvous_from_env();
+  ctx.rank = info.rank, ctx.size = info.world_size, ctx.local_rank = info.local_rank;
+  const int gpus = cuda_device_count();
+  if (device_flag == "cpu" || (device_flag == "auto" && gpus == 0)) {
+    ctx.device = Device::cpu();
+  } else {
+    LOOM_CHECK(device_flag == "auto" || device_flag == "cuda", "--device ", device_flag,
+               ": under a launcher each rank takes the GPU of its LOCAL_RANK; use --device cuda (or auto) or cpu");
+    LOOM_CHECK(info.local_rank < gpus, "LOCAL_RANK=", info.local_rank, " but only ", gpus,
+               " GPU(s) are visible: start at most one rank per GPU (loomrun --nproc-per-node auto), or "
+               "--device cpu");
+    ctx.device = Device::cuda(info.local_rank);
+  }
+  ctx.store = dist::connect_store(info, timeout);
+  dist::ProcessGroupOptions options;
+  options.timeout = timeout;
+  ctx.group = ctx.device.is_cuda() ? dist::new_nccl_group(ctx.store, ctx.rank, ctx.size, ctx.device, options)
+                                   : dist::new_gloo_group(ctx.store, ctx.rank, ctx.size, options);
+  ctx.active = ctx.size > 1;
+  return ctx;
+}
+
+int relaunch(int argc, char** argv, int ranks, const std::string& drop_flag) {
+  dist::LaunchOptions options;
+  char self[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  options.command.push_back(n > 0 ? std::string(self, size_t(n)) : std::string(argv[0]));
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--" + drop_flag) {
+      ++i;  // and its value
+      continue;
+    }
+    if (arg.starts_with("--" + drop_flag + "=")) continue;
+    options.command.push_back(arg);
+  }
+  options.nproc_per_node = ranks;
+  options.master_addr = "127.0.0.1";
+  options.master_port = dist::net::free_port();
+  return dist::launch(options);
+}
+
+double mean_over_ranks(const DistContext& ctx, double value) {
+  if (!ctx.active) return value;
+  Tensor t = full({1}, value, DType::f64, ctx.device);
+  ctx.group->all_reduce(t, dist::ReduceOp::avg)->wait();
+  return t.to(Device::cpu()).to(DType::f64).item();
+}
+
+}  // namespace loom::samples

@@ -1,0 +1,71 @@
+// train_cnn data-parallel on CPU ranks, end to end: loomrun starts two ranks of train_cnn
+// over Gloo on a Fashion-MNIST subset; rank 0 reports the group and the test accuracy, the
+// run exits 0, and only rank 0 writes the metrics file. meson passes the programs' paths in
+// LOOMRUN and TRAIN_CNN. Skips where Fashion-MNIST is not installed.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+
+namespace loom::dist {
+namespace {
+
+struct RunResult {
+  int code = -1;
+  std::string output;
+};
+
+// Runs a shell command with a deadline, capturing stdout and stderr together.
+RunResult run(const std::string& command, int seconds) {
+  const std::string log = (std::filesystem::path(::testing::TempDir()) / "train_cnn_dist.log").string();
+  const std::string full = "timeout " + std::to_string(seconds) + " " + command + " > '" + log + "' 2>&1";
+  RunResult r;
+  const int status = std::system(full.c_str());
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(log);
+  std::stringstream s;
+  s << in.rdbuf();
+  r.output = s.str();
+  return r;
+}
+
+bool have_fashion_mnist() {
+  return std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz") ||
+         std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte");
+}
+
+TEST(TrainCnnDist, TwoCpuRanksOverGlooTrainAndReportOnce) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)";
+  const std::string metrics = (std::filesystem::path(::testing::TempDir()) / "train_cnn_dist.jsonl").string();
+  std::filesystem::remove(metrics);
+  RunResult r = run(std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 " + std::getenv("TRAIN_CNN") +
+                  " --device cpu --subset 1200 --test-subset 500 --epochs 1 --batch-size 50 --workers 1 --quiet"
+                  " --plot '' --metrics '" + metrics + "'",
+              300);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("2 ranks (gloo)"), std::string::npos) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("test accuracy ([0-9.]+)%"))) << r.output;
+  EXPECT_GT(std::stod(m[1]), 30.0) << r.output;  // chance is 10%
+  // One summary line (rank 0's), one metrics line.
+  EXPECT_EQ(r.output.find("epoch 1: train loss"), r.output.rfind("epoch 1: train loss")) << r.output;
+  std::ifstream in(metrics);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) ++lines;
+  EXPECT_EQ(lines, 1);
+}
+
+TEST(TrainCnnDist, AskingForMoreGpusThanVisibleSaysSo) {
+  RunResult r = run("env CUDA_VISIBLE_DEVICES= " + std::string(std::getenv("TRAIN_CNN")) + " --gpus 2", 60);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--gpus 2: only 0 GPU(s) are visible"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace loom::dist
