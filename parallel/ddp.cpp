@@ -313,7 +313,8 @@ void DistributedDataParallel::prepare_forward() {
                ": move or convert the module before wrapping it");
   }
   const bool sync = require_backward_grad_sync_ && grad_enabled();
-  if (sync && options_.broadcast_buffers && !options_.sync_buffers_average) {
+  // With one rank, rank 0's buffers are already this rank's: nothing to broadcast.
+  if (sync && options_.broadcast_buffers && !options_.sync_buffers_average && group_->size() > 1) {
     TensorList buffers = reducer_->float_buffers;
     buffers.insert(buffers.end(), reducer_->other_buffers.begin(), reducer_->other_buffers.end());
     sync_tensors(*group_, buffers, SyncOp::broadcast_from_rank0);

@@ -26,7 +26,7 @@ using namespace loom;
 int main(int argc, char** argv) {
   std::string model_name = "resnet18", image = "3x32x32", precision = "bf16", json;
   int64_t batch = 256, warmup = 10, steps = 50;
-  bool ddp = false;
+  bool ddp = false, bucket_view = false;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
   flags.add("image", &image, "image shape", {"1x28x28", "3x32x32"});
@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   flags.add("warmup", &warmup, "untimed steps first", 0);
   flags.add("steps", &steps, "timed steps", 1);
   flags.add_switch("ddp", &ddp, "train through DistributedDataParallel (NCCL, one rank)");
+  flags.add_switch("bucket-view", &bucket_view, "with --ddp: gradients stay views into the buckets (no copy back)");
   flags.add("json", &json, "append the result here as a JSON line", {}, "FILE");
   flags.parse(argc, argv);
   try {
@@ -51,8 +52,9 @@ int main(int argc, char** argv) {
     std::shared_ptr<nn::Module> trained = model;
     if (ddp) {
       auto store = std::make_shared<dist::TcpStore>("127.0.0.1", 0, dist::TcpStore::Role::server);
-      trained = std::make_shared<dist::DistributedDataParallel>(model, dist::new_nccl_group(store, 0, 1, dev),
-                                                                dist::DDPOptions{});
+      dist::DDPOptions options;
+      options.gradient_as_bucket_view = bucket_view;
+      trained = std::make_shared<dist::DistributedDataParallel>(model, dist::new_nccl_group(store, 0, 1, dev), options);
     }
     Tensor x = randn({batch, c, side, side}, DType::f32, dev);
     Tensor y = argmax(randn({batch, 10}, DType::f32, dev), 1);
@@ -80,7 +82,7 @@ int main(int argc, char** argv) {
                                          {"image", image},
                                          {"batch", batch},
                                          {"precision", precision},
-                                         {"ddp", int64_t(ddp)},
+                                         {"ddp", int64_t(ddp) + int64_t(ddp && bucket_view)},
                                          {"images_per_s", double(batch * steps) / seconds},
                                          {"ms_per_step", seconds * 1e3 / double(steps)},
                                          {"peak_mib", peak_mib}};

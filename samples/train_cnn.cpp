@@ -36,6 +36,7 @@
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 #include "samples/common/progress.h"
+#include "samples/common/scaling.h"
 
 using namespace loom;
 
@@ -46,7 +47,7 @@ struct Options {
   std::string precision = "f32", device = "auto", augment = "auto";
   std::string init, save, resume, metrics = "train_cnn.jsonl", plot = "train_cnn.svg";
   int64_t epochs = 0, batch_size = 128, seed = 0, workers = 4, subset = 0, test_subset = 0, save_every = 0;
-  int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600;
+  int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600, scaling = 0;
   double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
   bool gpu_resident = false, quiet = false, sync_bn_stats = false;
 };
@@ -233,8 +234,19 @@ int main(int argc, char** argv) {
   flags.add("bucket-mb", &o.bucket_mb, "data parallel: gradient bucket size in MiB", 1);
   flags.add_switch("sync-bn-stats", &o.sync_bn_stats, "data parallel: average BatchNorm running statistics over ranks");
   flags.add("timeout-s", &o.timeout_s, "data parallel: seconds before a stuck collective ends the run", 1);
+  flags.add("scaling", &o.scaling,
+            "run the same training on 1, 2, 4, ... N ranks and report speedup and efficiency (table, "
+            "--metrics JSON lines, --plot SVG); add --device cpu for CPU ranks",
+            0, 1024);
   flags.add_switch("quiet", &o.quiet, "print only the per-epoch summaries");
   flags.parse(argc, argv);
+  if (o.scaling > 0 && !dist::launched_with_rank()) {
+    samples::ScalingOptions so;
+    so.max_ranks = int(o.scaling);
+    so.json_path = o.metrics == "train_cnn.jsonl" ? "train_cnn_scaling.jsonl" : o.metrics;
+    so.svg_path = o.plot == "train_cnn.svg" ? "train_cnn_scaling.svg" : o.plot;
+    return samples::run_scaling(argc, argv, so);
+  }
   // Data parallel, started here: run this program again as `--gpus` ranks and wait for them.
   if (o.gpus > 1 && !dist::launched_with_rank()) {
     if (cuda_device_count() < o.gpus)
@@ -323,6 +335,7 @@ int main(int argc, char** argv) {
       dist::DDPOptions ddp_options;
       ddp_options.bucket_cap_mb = o.bucket_mb;
       ddp_options.sync_buffers_average = o.sync_bn_stats;
+      ddp_options.gradient_as_bucket_view = true;  // no copy of the averaged gradients back
       trained = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, ddp_options);
     }
     std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, model->parameters());
@@ -375,6 +388,7 @@ int main(int argc, char** argv) {
       char label[64];
       std::snprintf(label, sizeof label, "epoch %lld/%lld", (long long)epoch + 1, (long long)o.epochs);
       samples::Progress progress(label, steps_per_epoch, "img");
+      const auto epoch_start = std::chrono::steady_clock::now();
       Tensor loss_sum;
       int64_t epoch_steps = 0;
       data::Epoch batches = train_loader.epoch(epoch, batch);
@@ -400,8 +414,12 @@ int main(int argc, char** argv) {
         if (o.save_every > 0 && step % o.save_every == 0) save(epoch, batch);
         if (step >= total_steps) break;
       }
-      const double images_per_s = o.quiet || !main_rank ? 0 : progress.finish() * ctx.size;
+      if (main_rank && !o.quiet) progress.finish();
+      // Reading the loss waits for the GPU, so the epoch's clock stops after its last step ran.
       const double train_loss = samples::mean_over_ranks(ctx, epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN);
+      const double epoch_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
+      const double images_per_s = double(epoch_steps * o.batch_size * ctx.size) / epoch_seconds;
       EvalResult test = evaluate(*model, test_loader, autocast);
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
       if (main_rank) std::printf("epoch %lld: train loss %.4f  test loss %.4f  test accuracy %.2f%%  (%.1f s)\n",

@@ -11,6 +11,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace loom::dist {
 namespace {
@@ -59,6 +60,28 @@ TEST(TrainCnnDist, TwoCpuRanksOverGlooTrainAndReportOnce) {
   int lines = 0;
   while (std::getline(in, line)) ++lines;
   EXPECT_EQ(lines, 1);
+}
+
+TEST(TrainCnnDist, ScalingReportsSpeedupAndEfficiencyForOneAndTwoRanks) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)";
+  const auto dir = std::filesystem::path(::testing::TempDir());
+  const std::string json = (dir / "scaling.jsonl").string(), svg = (dir / "scaling.svg").string();
+  std::filesystem::remove(json);
+  RunResult r = run(std::string(std::getenv("TRAIN_CNN")) +
+                        " --device cpu --subset 400 --test-subset 100 --epochs 1 --batch-size 50 --workers 1"
+                        " --scaling 2 --metrics '" + json + "' --plot '" + svg + "'",
+                    300);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("speedup"), std::string::npos) << r.output;
+  std::ifstream in(json);
+  std::string line;
+  std::vector<std::string> lines;
+  while (std::getline(in, line)) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_NE(lines[0].find("\"ranks\": 1"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("\"speedup\": 1,"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[1].find("\"ranks\": 2"), std::string::npos) << lines[1];
+  EXPECT_TRUE(std::filesystem::exists(svg));
 }
 
 TEST(TrainCnnDist, AskingForMoreGpusThanVisibleSaysSo) {
