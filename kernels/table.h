@@ -145,6 +145,31 @@ struct AdamHyper {
   const int64_t* step = nullptr;
 };
 
+// Fused scaled-dot-product attention over contiguous (B, H, T, D) buffers: q and out
+// (batch, heads, q_len, head_dim), k and v (batch, heads, kv_len, head_dim), all of `dtype`.
+// For each (b, h), with S the scores and i, j query and key rows:
+//   S[i, j] = scale * sum_d q[i, d] k[j, d]                       (scale given, any finite value)
+//   visible(i, j) = !causal || j <= i                             (top-left aligned: PyTorch's
+//                   is_causal; with q_len != kv_len query i still sees keys 0..i)
+//   lse[i] = log sum_{visible j} exp(S[i, j])                     (-inf when no key is visible)
+//   P[i, j] = exp(S[i, j] - lse[i]) where visible, else 0
+//   out[i, :] = sum_j P[i, j] v[j, :]                             (0 when no key is visible)
+// lse (batch, heads, q_len) is in the accumulation type (f64 for f64, else f32): the
+// forward saves it and the backward recomputes P from it instead of storing P.
+// Backward, given dout = dL/dout (same shape as out):
+//   Di = sum_d dout[i, d] out[i, d]          (equals sum_j P[i, j] dP[i, j])
+//   dP[i, j] = sum_d dout[i, d] v[j, d],     dS[i, j] = P[i, j] (dP[i, j] - Di)
+//   dq[i, :] = scale sum_j dS[i, j] k[j, :], dk[j, :] = scale sum_i dS[i, j] q[i, :],
+//   dv[j, :] = sum_i P[i, j] dout[i, :]
+// dq, dk and dv are written in full (zeros where nothing is visible). bf16/f16 run the
+// products on tensor cores with P and dS rounded to the input type, as flash attention does.
+struct AttentionArgs {
+  DType dtype = DType::f32;
+  int64_t batch = 0, heads = 0, q_len = 0, kv_len = 0, head_dim = 0;
+  bool causal = false;
+  double scale = 1.0;
+};
+
 struct KernelTable {
   // out[i] = value, out of any dtype and strides.
   void (*fill)(const Strided& out, double value, StreamHandle stream);
@@ -272,6 +297,18 @@ struct KernelTable {
   // ---- optimizers (MultiTensorArgs) ----------------------------------------------------
   void (*sgd_step)(const MultiTensorArgs& args, const SgdHyper& hyper, StreamHandle stream);
   void (*adam_step)(const MultiTensorArgs& args, const AdamHyper& hyper, StreamHandle stream);
+
+  // ---- attention (AttentionArgs) -------------------------------------------------------
+  // Bytes of device scratch attention_backward needs for these shapes (0 on the CPU); the
+  // caller allocates it, aligned to 16 bytes.
+  size_t (*attention_workspace_size)(const AttentionArgs& args);
+  // out and lse from q, k, v; nothing of size q_len x kv_len is stored.
+  void (*attention_forward)(const AttentionArgs& args, void* out, void* lse, const void* q, const void* k,
+                            const void* v, StreamHandle stream);
+  // dq, dk, dv (written) from dout and the forward's inputs, out and lse.
+  void (*attention_backward)(const AttentionArgs& args, void* dq, void* dk, void* dv, const void* dout,
+                             const void* q, const void* k, const void* v, const void* out, const void* lse,
+                             void* workspace, StreamHandle stream);
 };
 
 const KernelTable& cpu_kernel_table();

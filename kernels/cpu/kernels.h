@@ -75,4 +75,12 @@ void batch_norm_backward(const BatchNormArgs& args, void* dx, void* dgamma, void
 void sgd_step(const MultiTensorArgs& args, const SgdHyper& hyper, StreamHandle stream);
 void adam_step(const MultiTensorArgs& args, const AdamHyper& hyper, StreamHandle stream);
 
+// attention.cpp
+size_t attention_workspace_size(const AttentionArgs& args);
+void attention_forward(const AttentionArgs& args, void* out, void* lse, const void* q, const void* k, const void* v,
+                       StreamHandle stream);
+void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv, const void* dout, const void* q,
+                        const void* k, const void* v, const void* out, const void* lse, void* workspace,
+                        StreamHandle stream);
+
 }  // namespace loom::cpu

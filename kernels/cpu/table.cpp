@@ -37,6 +37,9 @@ const KernelTable& cpu_kernel_table() {
       .batch_norm_backward = cpu::batch_norm_backward,
       .sgd_step = cpu::sgd_step,
       .adam_step = cpu::adam_step,
+      .attention_workspace_size = cpu::attention_workspace_size,
+      .attention_forward = cpu::attention_forward,
+      .attention_backward = cpu::attention_backward,
   };
   return table;
 }

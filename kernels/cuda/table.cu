@@ -37,6 +37,9 @@ const KernelTable& cuda_kernel_table() {
       .batch_norm_backward = cuda::batch_norm_backward,
       .sgd_step = cuda::sgd_step,
       .adam_step = cuda::adam_step,
+      .attention_workspace_size = cuda::attention_workspace_size,
+      .attention_forward = cuda::attention_forward,
+      .attention_backward = cuda::attention_backward,
   };
   return table;
 }

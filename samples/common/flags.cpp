@@ -89,11 +89,21 @@ void Flags::add_switch(const std::string& name, bool* value, const std::string& 
   flags_.push_back(std::move(f));
 }
 
+void Flags::alias(char letter, const std::string& name) {
+  Flag* f = find(name);
+  if (!f) {
+    std::fprintf(stderr, "%s: alias -%c names no declared flag --%s\n", program_.c_str(), letter, name.c_str());
+    std::abort();
+  }
+  f->letter = letter;
+}
+
 std::string Flags::usage() const {
   std::ostringstream s;
   s << "usage: " << program_ << " [flags]\n" << summary_ << "\n\nflags:\n";
   for (const Flag& f : flags_) {
-    std::string head = "  --" + f.name + (f.is_switch ? "" : " " + f.value_name);
+    std::string head = f.letter ? std::string("  -") + f.letter + ", --" : std::string("  --");
+    head += f.name + (f.is_switch ? "" : " " + f.value_name);
     s << head;
     s << std::string(head.size() < 30 ? 30 - head.size() : 1, ' ') << f.help;
     if (!f.default_text.empty()) s << " (default: " << f.default_text << ")";
@@ -117,18 +127,31 @@ std::vector<std::string> Flags::parse(int argc, char** argv) {
       std::fputs(usage().c_str(), stdout);
       std::exit(0);
     }
-    if (!arg.starts_with("--")) {
+    std::string name, value;
+    bool has_value = false;
+    Flag* f = nullptr;
+    if (arg.size() >= 2 && arg[0] == '-' && arg[1] != '-') {
+      for (Flag& candidate : flags_)
+        if (candidate.letter == arg[1]) f = &candidate;
+      if (!f) {
+        positional.push_back(arg);
+        continue;
+      }
+      name = f->name;
+      has_value = arg.size() > 2;  // -b8
+      value = arg.substr(2);
+    } else if (!arg.starts_with("--")) {
       positional.push_back(arg);
       continue;
+    } else {
+      name = arg.substr(2);
+      if (auto eq = name.find('='); eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+        has_value = true;
+      }
+      f = find(name);
     }
-    std::string name = arg.substr(2), value;
-    bool has_value = false;
-    if (auto eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      has_value = true;
-    }
-    Flag* f = find(name);
     bool negated = false;
     if (!f && name.starts_with("no-")) {
       f = find(name.substr(3));

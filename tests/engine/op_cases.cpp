@@ -96,6 +96,22 @@ const std::vector<OpCase>& op_cases() {
        [](L x) { return cross_entropy(x[0], ids({1, 0, 4, 2}, {4}, x[0].device())); }},
       {"cross_entropy_ignore_smooth", {{{4, 5}}},
        [](L x) { return cross_entropy(x[0], ids({1, -100, 4, 3}, {4}, x[0].device()), -100, 0.1); }},
+      // ---- attention: the CPU kernel's f64 gradients; on CUDA, D = 32 in bf16/f16 takes
+      // the tensor-core kernels and the others the rows kernels -------------------------
+      {"sdpa", {{{1, 2, 5, 4}}, {{1, 2, 5, 4}}, {{1, 2, 5, 4}}},
+       [](L x) { return scaled_dot_product_attention(x[0], x[1], x[2], false); }},
+      {"sdpa_causal", {{{2, 1, 6, 3}}, {{2, 1, 6, 3}}, {{2, 1, 6, 3}}},
+       [](L x) { return scaled_dot_product_attention(x[0], x[1], x[2], true); }},
+      {"sdpa_causal_more_keys_scale", {{{1, 2, 3, 4}}, {{1, 2, 5, 4}}, {{1, 2, 5, 4}}},
+       [](L x) { return scaled_dot_product_attention(x[0], x[1], x[2], true, 0.7); }},
+      {"sdpa_causal_fewer_keys", {{{1, 1, 5, 4}}, {{1, 1, 3, 4}}, {{1, 1, 3, 4}}},
+       [](L x) { return scaled_dot_product_attention(x[0], x[1], x[2], true); }},
+      {"sdpa_head_dim32_causal", {{{1, 2, 9, 32}}, {{1, 2, 9, 32}}, {{1, 2, 9, 32}}},
+       [](L x) { return scaled_dot_product_attention(x[0], x[1], x[2], true); }},
+      {"sdpa_noncontig", {{{1, 5, 2, 4}}, {{1, 2, 5, 4}}, {{1, 5, 2, 4}}},
+       [](L x) {
+         return scaled_dot_product_attention(x[0].permute({0, 2, 1, 3}), x[1], x[2].permute({0, 2, 1, 3}), false);
+       }},
       // ---- indexing ---------------------------------------------------------------
       {"index_select", {{{5, 3}}}, [](L x) { return index_select(x[0], 0, ids({4, 0, 4, 2}, {4}, x[0].device())); }},
       {"index_select_dim1", {{{2, 5, 3}}},

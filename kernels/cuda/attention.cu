@@ -1,0 +1,397 @@
+// Scaled-dot-product attention on CUDA: the table entries, the backward's row
+// preprocessing, and the kernels for what the tensor cores do not take.
+//
+// bf16/f16 with head_dim 32, 64, 80, 96 or 128 and 16-byte-aligned buffers run the
+// flash-attention kernels of attention_mma.cu. Everything else (f32, f64, other head_dims
+// up to 256, unaligned views) runs the "rows" kernels here: same algorithm (online softmax
+// forward; backward recomputing P from lse, dK/dV per key and dQ per query, no atomics),
+// in the accumulation type on CUDA cores. A block of 8 warps gives each warp one row of its
+// output (a query, or a key for dK/dV) and streams 32-row tiles of the other side through
+// shared memory, where lane l takes tile row l: each lane computes one score as a dot
+// product over D (rows padded to D + 1 words, so lanes hit different banks), the warp
+// shuffles the scores around, and each lane accumulates D / 32 output columns.
+//
+// The backward first writes two (heads, q_pad) rows into the workspace: lse2 = lse log2(e)
+// (+inf where no key is visible and on padding rows, so exp2(s - lse2) is 0 there) and
+// Di = rowsum(dout * out); both backward kernels read them, so neither recomputes them.
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace loom::cuda {
+namespace {
+
+using attention::Params;
+
+constexpr int kRowWarps = 8;  // output rows of a block, one per warp
+constexpr int kRowThreads = 32 * kRowWarps;
+constexpr int kTileRows = 32;   // rows of a streamed tile, one per lane
+constexpr int kMaxHeadDim = 256;
+constexpr double kLog2e = 1.4426950408889634;
+
+template <class A> __device__ __forceinline__ A exp2_acc(A x) {
+  if constexpr (std::is_same_v<A, float>) return exp2f(x);
+  else return exp2(x);
+}
+template <class A> __device__ __forceinline__ A log2_acc(A x) {
+  if constexpr (std::is_same_v<A, float>) return log2f(x);
+  else return log2(x);
+}
+template <class A> __device__ __forceinline__ A warp_max(A x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, m));
+  return x;
+}
+template <class A> __device__ __forceinline__ A warp_sum(A x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// Rows [row0, row0 + rows) of a contiguous (len, D) matrix into shared memory with row
+// stride `stride`, converted to the accumulation type; rows past len are zeros.
+template <class T>
+__device__ __forceinline__ void load_rows(acc_t<T>* dst, const T* src, int row0, int rows, int len, int D,
+                                          int stride) {
+  for (int e = int(threadIdx.x); e < rows * D; e += kRowThreads) {
+    const int r = e / D, d = e - r * D;
+    dst[r * stride + d] = row0 + r < len ? to_acc(src[int64_t(row0 + r) * D + d]) : acc_t<T>(0);
+  }
+}
+
+// Queries [q0, q0 + kRowWarps) of this block, causal grids running the longest first.
+__device__ __forceinline__ int row_block_start(const Params& p) {
+  const int blocks = (p.q_len + kRowWarps - 1) / kRowWarps, b = int(blockIdx.x / p.heads);
+  return (p.causal ? blocks - 1 - b : b) * kRowWarps;
+}
+// Keys [0, n) that queries [q0, q0 + kRowWarps) can see.
+__device__ __forceinline__ int visible_key_end(const Params& p, int q0) {
+  return p.causal ? min(p.kv_len, min(q0 + kRowWarps, p.q_len)) : p.kv_len;
+}
+
+// ---- forward ---------------------------------------------------------------------------
+
+template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) forward_rows_kernel(const Params p) {
+  using A = acc_t<T>;
+  const int D = p.head_dim, SD = D + 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+  A* sq = reinterpret_cast<A*>(smem);  // (kRowWarps, D)
+  A* sk = sq + kRowWarps * D;          // (kTileRows, SD)
+  A* sv = sk + kTileRows * SD;         // (kTileRows, SD)
+
+  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+  const int64_t bh = blockIdx.x % p.heads;
+  const int q0 = row_block_start(p), i = q0 + warp, kv_end = visible_key_end(p, q0);
+  const bool row_ok = i < p.q_len;
+  const T* k = static_cast<const T*>(p.k) + bh * p.kv_len * D;
+  const T* v = static_cast<const T*>(p.v) + bh * p.kv_len * D;
+  const A scale_log2 = A(p.scale_log2);
+  load_rows(sq, static_cast<const T*>(p.q) + bh * p.q_len * D, q0, kRowWarps, p.q_len, D, D);
+
+  A o[kPer] = {};
+  A m = -INFINITY, l = 0;
+  for (int j0 = 0; j0 < kv_end; j0 += kTileRows) {
+    __syncthreads();  // the previous tile is consumed (and sq written, on the first pass)
+    load_rows(sk, k, j0, kTileRows, p.kv_len, D, SD);
+    load_rows(sv, v, j0, kTileRows, p.kv_len, D, SD);
+    __syncthreads();
+    if (!row_ok) continue;  // whole warp; it still meets every barrier
+    const int j = j0 + lane;
+    A s = -INFINITY;
+    if (j < p.kv_len && (!p.causal || j <= i)) {
+      A dot = 0;
+      for (int d = 0; d < D; ++d) dot += sq[warp * D + d] * sk[lane * SD + d];
+      s = dot * scale_log2;
+    }
+    const A m_new = fmax(m, warp_max(s));
+    const A base = m_new == -INFINITY ? A(0) : m_new;
+    const A alpha = exp2_acc(m - base), pj = exp2_acc(s - base);
+    l = l * alpha + warp_sum(pj);
+    m = m_new;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) o[e] *= alpha;
+    const int n = min(kTileRows, kv_end - j0);
+    for (int jj = 0; jj < n; ++jj) {
+      const A pv = __shfl_sync(0xffffffffu, pj, jj);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e)
+        if (lane + 32 * e < D) o[e] += pv * sv[jj * SD + lane + 32 * e];
+    }
+  }
+  if (!row_ok) return;
+  T* out = static_cast<T*>(p.out) + (bh * p.q_len + i) * D;
+  const A inv = l > 0 ? A(1) / l : A(0);
+#pragma unroll
+  for (int e = 0; e < kPer; ++e)
+    if (lane + 32 * e < D) out[lane + 32 * e] = from_acc<T>(o[e] * inv);
+  if (lane == 0)
+    static_cast<A*>(p.lse)[bh * p.q_len + i] = l > 0 ? (m + log2_acc(l)) / A(kLog2e) : A(-INFINITY);
+}
+
+// ---- backward --------------------------------------------------------------------------
+
+// lse2 and Di for every (head, row < q_pad), a warp per row.
+template <class T, class A>
+__global__ void __launch_bounds__(256)
+    backward_prep_kernel(const Params p, const T* out, const A* lse, A* lse2, A* di_out) {
+  const int lane = int(threadIdx.x % 32), D = p.head_dim;
+  const int64_t rows = p.heads * p.q_pad;
+  for (int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; row < rows;
+       row += int64_t(gridDim.x) * blockDim.x / 32) {
+    const int64_t bh = row / p.q_pad;
+    const int i = int(row - bh * p.q_pad);
+    A di = 0, l2 = INFINITY;
+    if (i < p.q_len) {
+      const int64_t base = (bh * p.q_len + i) * D;
+      const T* dout = static_cast<const T*>(p.dout) + base;
+      for (int d = lane; d < D; d += 32) di += to_acc(dout[d]) * to_acc(out[base + d]);
+      di = warp_sum(di);
+      const A l = lse[bh * p.q_len + i];
+      l2 = l == -INFINITY ? A(INFINITY) : l * A(kLog2e);
+    }
+    if (lane == 0) {
+      lse2[row] = l2;
+      di_out[row] = di;
+    }
+  }
+}
+
+// dQ, a warp per query row.
+template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) backward_dq_rows_kernel(const Params p) {
+  using A = acc_t<T>;
+  const int D = p.head_dim, SD = D + 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+  A* sq = reinterpret_cast<A*>(smem);  // (kRowWarps, D)
+  A* so = sq + kRowWarps * D;          // dO: (kRowWarps, D)
+  A* sk = so + kRowWarps * D;          // (kTileRows, SD)
+  A* sv = sk + kTileRows * SD;         // (kTileRows, SD)
+
+  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+  const int64_t bh = blockIdx.x % p.heads;
+  const int q0 = row_block_start(p), i = q0 + warp, kv_end = visible_key_end(p, q0);
+  const bool row_ok = i < p.q_len;
+  const T* k = static_cast<const T*>(p.k) + bh * p.kv_len * D;
+  const T* v = static_cast<const T*>(p.v) + bh * p.kv_len * D;
+  const A scale_log2 = A(p.scale_log2);
+  load_rows(sq, static_cast<const T*>(p.q) + bh * p.q_len * D, q0, kRowWarps, p.q_len, D, D);
+  load_rows(so, static_cast<const T*>(p.dout) + bh * p.q_len * D, q0, kRowWarps, p.q_len, D, D);
+  const A l2 = row_ok ? static_cast<const A*>(p.lse2)[bh * p.q_pad + i] : A(0);
+  const A di = row_ok ? static_cast<const A*>(p.di)[bh * p.q_pad + i] : A(0);
+
+  A dq[kPer] = {};
+  for (int j0 = 0; j0 < kv_end; j0 += kTileRows) {
+    __syncthreads();
+    load_rows(sk, k, j0, kTileRows, p.kv_len, D, SD);
+    load_rows(sv, v, j0, kTileRows, p.kv_len, D, SD);
+    __syncthreads();
+    if (!row_ok) continue;
+    const int j = j0 + lane;
+    A ds = 0;
+    if (j < p.kv_len && (!p.causal || j <= i)) {
+      A qk = 0, ov = 0;
+      for (int d = 0; d < D; ++d) {
+        qk += sq[warp * D + d] * sk[lane * SD + d];
+        ov += so[warp * D + d] * sv[lane * SD + d];
+      }
+      ds = exp2_acc(qk * scale_log2 - l2) * (ov - di);
+    }
+    const int n = min(kTileRows, kv_end - j0);
+    for (int jj = 0; jj < n; ++jj) {
+      const A dsj = __shfl_sync(0xffffffffu, ds, jj);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e)
+        if (lane + 32 * e < D) dq[e] += dsj * sk[jj * SD + lane + 32 * e];
+    }
+  }
+  if (!row_ok) return;
+  T* out = static_cast<T*>(p.dq) + (bh * p.q_len + i) * D;
+  const A scale = A(p.scale);
+#pragma unroll
+  for (int e = 0; e < kPer; ++e)
+    if (lane + 32 * e < D) out[lane + 32 * e] = from_acc<T>(dq[e] * scale);
+}
+
+// dK and dV, a warp per key row.
+template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) backward_dkdv_rows_kernel(const Params p) {
+  using A = acc_t<T>;
+  const int D = p.head_dim, SD = D + 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+  A* sk = reinterpret_cast<A*>(smem);  // (kRowWarps, D)
+  A* sv = sk + kRowWarps * D;          // (kRowWarps, D)
+  A* sq = sv + kRowWarps * D;          // (kTileRows, SD)
+  A* so = sq + kTileRows * SD;         // dO: (kTileRows, SD)
+  A* sl = so + kTileRows * SD;         // lse2: (kTileRows)
+  A* sd = sl + kTileRows;              // Di: (kTileRows)
+
+  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+  const int64_t bh = blockIdx.x % p.heads;
+  const int k0 = int(blockIdx.x / p.heads) * kRowWarps, j = k0 + warp;
+  const bool key_ok = j < p.kv_len;
+  const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
+  const T* dout = static_cast<const T*>(p.dout) + bh * p.q_len * D;
+  const A* lse2 = static_cast<const A*>(p.lse2) + bh * p.q_pad;
+  const A* di = static_cast<const A*>(p.di) + bh * p.q_pad;
+  const A scale_log2 = A(p.scale_log2);
+  load_rows(sk, static_cast<const T*>(p.k) + bh * p.kv_len * D, k0, kRowWarps, p.kv_len, D, D);
+  load_rows(sv, static_cast<const T*>(p.v) + bh * p.kv_len * D, k0, kRowWarps, p.kv_len, D, D);
+
+  A dk[kPer] = {}, dv[kPer] = {};
+  // Causal: queries before k0 see none of these keys.
+  for (int i0 = p.causal ? k0 / kTileRows * kTileRows : 0; i0 < p.q_len; i0 += kTileRows) {
+    __syncthreads();
+    load_rows(sq, q, i0, kTileRows, p.q_len, D, SD);
+    load_rows(so, dout, i0, kTileRows, p.q_len, D, SD);
+    if (threadIdx.x < kTileRows) {
+      const int i = i0 + int(threadIdx.x);
+      sl[threadIdx.x] = i < p.q_len ? lse2[i] : A(INFINITY);
+      sd[threadIdx.x] = i < p.q_len ? di[i] : A(0);
+    }
+    __syncthreads();
+    if (!key_ok) continue;
+    const int i = i0 + lane;
+    A pij = 0, ds = 0;
+    if (i < p.q_len && (!p.causal || i >= j)) {
+      A qk = 0, ov = 0;
+      for (int d = 0; d < D; ++d) {
+        qk += sq[lane * SD + d] * sk[warp * D + d];
+        ov += so[lane * SD + d] * sv[warp * D + d];
+      }
+      pij = exp2_acc(qk * scale_log2 - sl[lane]);
+      ds = pij * (ov - sd[lane]);
+    }
+    const int n = min(kTileRows, p.q_len - i0);
+    for (int ii = 0; ii < n; ++ii) {
+      const A pi = __shfl_sync(0xffffffffu, pij, ii), dsi = __shfl_sync(0xffffffffu, ds, ii);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e)
+        if (lane + 32 * e < D) {
+          dv[e] += pi * so[ii * SD + lane + 32 * e];
+          dk[e] += dsi * sq[ii * SD + lane + 32 * e];
+        }
+    }
+  }
+  if (!key_ok) return;
+  const int64_t row = (bh * p.kv_len + j) * D;
+  const A scale = A(p.scale);
+#pragma unroll
+  for (int e = 0; e < kPer; ++e)
+    if (lane + 32 * e < D) {
+      static_cast<T*>(p.dk)[row + lane + 32 * e] = from_acc<T>(dk[e] * scale);
+      static_cast<T*>(p.dv)[row + lane + 32 * e] = from_acc<T>(dv[e]);
+    }
+}
+
+// ---- launch ----------------------------------------------------------------------------
+
+Params make_params(const AttentionArgs& a) {
+  LOOM_CHECK(a.head_dim >= 1 && a.head_dim <= kMaxHeadDim, "attention on CUDA supports head_dim 1 to ", kMaxHeadDim,
+             ", got ", a.head_dim);
+  LOOM_CHECK(a.q_len < (int64_t(1) << 30) && a.kv_len < (int64_t(1) << 30), "attention on CUDA: sequence lengths ",
+             a.q_len, " and ", a.kv_len, " are too long (at most 2^30 - 1)");
+  Params p;
+  p.heads = a.batch * a.heads;
+  p.q_len = int(a.q_len);
+  p.kv_len = int(a.kv_len);
+  p.q_pad = int((a.q_len + attention::kRowPad - 1) / attention::kRowPad * attention::kRowPad);
+  p.head_dim = int(a.head_dim);
+  p.causal = a.causal;
+  p.scale = a.scale;
+  p.scale_log2 = a.scale * kLog2e;
+  return p;
+}
+
+bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* ptr : ptrs)
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  return true;
+}
+
+size_t acc_size(DType dtype) { return dtype == DType::f64 ? 8 : 4; }
+
+// Calls f(integral_constant<int, kPer>) with kPer * 32 >= head_dim.
+template <class F> void with_per_lane(int head_dim, F&& f) {
+  if (head_dim <= 64) f(std::integral_constant<int, 2>{});
+  else if (head_dim <= 128) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, 8>{});
+}
+
+template <class Kernel>
+void launch_rows(Kernel kernel, int64_t blocks, size_t smem, const char* what, const Params& p, cudaStream_t stream) {
+  if (blocks == 0) return;
+  LOOM_CHECK(blocks < (int64_t(1) << 31), "attention: ", blocks, " thread blocks exceed CUDA's grid limit; ",
+             "split the batch");
+  attention::allow_shared_memory(kernel, smem, what);
+  kernel<<<unsigned(blocks), kRowThreads, smem, stream>>>(p);
+  LOOM_CUDA_LAUNCH();
+}
+
+int64_t row_blocks(int64_t len) { return (len + kRowWarps - 1) / kRowWarps; }
+
+}  // namespace
+
+size_t attention_workspace_size(const AttentionArgs& args) {
+  const int64_t q_pad = (args.q_len + attention::kRowPad - 1) / attention::kRowPad * attention::kRowPad;
+  return size_t(2 * args.batch * args.heads * q_pad) * acc_size(args.dtype);
+}
+
+void attention_forward(const AttentionArgs& args, void* out, void* lse, const void* q, const void* k, const void* v,
+                       StreamHandle stream) {
+  if (args.batch * args.heads * args.q_len == 0) return;
+  Params p = make_params(args);
+  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
+  cudaStream_t s = as_cuda(stream);
+  if (attention::mma_supported(args.dtype, args.head_dim) && aligned16({q, k, v, out})) {
+    attention::mma_forward(p, args.dtype, s);
+    return;
+  }
+  dispatch_floating(args.dtype, "attention", [&](auto tag) {
+    using T = decltype(tag);
+    const size_t smem = size_t(kRowWarps * p.head_dim + 2 * kTileRows * (p.head_dim + 1)) * sizeof(acc_t<T>);
+    with_per_lane(p.head_dim, [&](auto per) {
+      launch_rows(forward_rows_kernel<T, decltype(per)::value>, p.heads * row_blocks(p.q_len), smem, "forward", p, s);
+    });
+  });
+}
+
+void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv, const void* dout, const void* q,
+                        const void* k, const void* v, const void* out, const void* lse, void* workspace,
+                        StreamHandle stream) {
+  if (args.batch * args.heads == 0) return;
+  Params p = make_params(args);
+  p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv;
+  const size_t rows = size_t(p.heads) * size_t(p.q_pad);
+  LOOM_ASSERT(rows == 0 || workspace != nullptr, "attention backward needs a workspace of ",
+              attention_workspace_size(args), " bytes");
+  p.lse2 = workspace;
+  p.di = static_cast<char*>(workspace) + rows * acc_size(args.dtype);
+  cudaStream_t s = as_cuda(stream);
+  dispatch_floating(args.dtype, "attention backward", [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    if (rows > 0) {
+      const unsigned blocks = blocks_for(int64_t(rows), 256 / 32);
+      backward_prep_kernel<T, A><<<blocks, 256, 0, s>>>(p, static_cast<const T*>(out), static_cast<const A*>(lse),
+                                                        static_cast<A*>(workspace), static_cast<A*>(workspace) + rows);
+      LOOM_CUDA_LAUNCH();
+    }
+    if (attention::mma_supported(args.dtype, args.head_dim) && aligned16({q, k, v, dout, dq, dk, dv, workspace})) {
+      attention::mma_backward(p, args.dtype, s);
+      return;
+    }
+    const int D = p.head_dim;
+    const size_t dkdv_smem = size_t(2 * kRowWarps * D + 2 * kTileRows * (D + 1) + 2 * kTileRows) * sizeof(A);
+    const size_t dq_smem = size_t(2 * kRowWarps * D + 2 * kTileRows * (D + 1)) * sizeof(A);
+    with_per_lane(D, [&](auto per) {
+      constexpr int kPer = decltype(per)::value;
+      launch_rows(backward_dkdv_rows_kernel<T, kPer>, p.heads * row_blocks(p.kv_len), dkdv_smem, "backward dk/dv",
+                  p, s);
+      launch_rows(backward_dq_rows_kernel<T, kPer>, p.heads * row_blocks(p.q_len), dq_smem, "backward dq", p, s);
+    });
+  });
+}
+
+}  // namespace loom::cuda

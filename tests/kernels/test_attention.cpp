@@ -1,0 +1,217 @@
+// The CPU attention kernels against the naive composite in f64: scores, mask, softmax over
+// the full (T_q, T_kv) matrix, then P V; and for the backward the textbook chain through
+// that matrix (dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = scale dS K, ...), so the
+// kernels' shortcuts (Di = rowsum(dO O), P recomputed from lse) are checked, not assumed.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/table.h"
+
+namespace loom {
+namespace {
+
+struct Case {
+  int64_t B, H, Tq, Tk, D;
+  bool causal;
+  double scale;  // 0: 1 / sqrt(D)
+  std::string str() const {
+    return "(B " + std::to_string(B) + ", H " + std::to_string(H) + ", Tq " + std::to_string(Tq) + ", Tk " +
+           std::to_string(Tk) + ", D " + std::to_string(D) + (causal ? ", causal)" : ")");
+  }
+  AttentionArgs args(DType dt) const {
+    return {dt, B, H, Tq, Tk, D, causal, scale != 0 ? scale : 1.0 / std::sqrt(double(D))};
+  }
+};
+
+const Case kCases[] = {
+    {1, 1, 5, 5, 4, false, 0.5},   {2, 3, 7, 7, 8, true, 0},  {1, 2, 4, 9, 3, true, 0},  // fewer queries than keys
+    {1, 1, 9, 4, 5, true, 0},                                                          // more queries than keys
+    {1, 2, 6, 6, 1, false, 0},     {1, 1, 17, 17, 16, true, 0}, {1, 1, 1, 1, 8, true, 0},
+    {1, 1, 12, 12, 8, false, 3.0},  // peaked softmax
+};
+
+struct Result {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+struct Inputs {
+  std::vector<double> q, k, v, dout;
+};
+
+Inputs random_inputs(const Case& c, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(-2, 2);
+  auto draw = [&](int64_t n) {
+    std::vector<double> x(static_cast<size_t>(n));
+    for (auto& e : x) e = dist(gen);
+    return x;
+  };
+  const int64_t bh = c.B * c.H;
+  return {draw(bh * c.Tq * c.D), draw(bh * c.Tk * c.D), draw(bh * c.Tk * c.D), draw(bh * c.Tq * c.D)};
+}
+
+Result naive(const Case& c, const Inputs& x) {
+  const AttentionArgs a = c.args(DType::f64);
+  const int64_t D = c.D, Tq = c.Tq, Tk = c.Tk;
+  Result r{std::vector<double>(x.q.size()), std::vector<double>(size_t(c.B * c.H * Tq)),
+           std::vector<double>(x.q.size()), std::vector<double>(x.k.size()), std::vector<double>(x.v.size())};
+  std::vector<double> P(size_t(Tq * Tk)), dP(size_t(Tq * Tk));
+  for (int64_t bh = 0; bh < c.B * c.H; ++bh) {
+    const double* q = x.q.data() + bh * Tq * D;
+    const double* k = x.k.data() + bh * Tk * D;
+    const double* v = x.v.data() + bh * Tk * D;
+    const double* go = x.dout.data() + bh * Tq * D;
+    auto dot = [D](const double* u, const double* w) {
+      double s = 0;
+      for (int64_t d = 0; d < D; ++d) s += u[d] * w[d];
+      return s;
+    };
+    for (int64_t i = 0; i < Tq; ++i) {
+      double m = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < Tk; ++j) {
+        const bool visible = !c.causal || j <= i;
+        P[i * Tk + j] = visible ? a.scale * dot(q + i * D, k + j * D) : -INFINITY;
+        m = std::max(m, P[i * Tk + j]);
+      }
+      for (int64_t j = 0; j < Tk; ++j) sum += P[i * Tk + j] == -INFINITY ? 0 : std::exp(P[i * Tk + j] - m);
+      for (int64_t j = 0; j < Tk; ++j) P[i * Tk + j] = P[i * Tk + j] == -INFINITY ? 0 : std::exp(P[i * Tk + j] - m) / sum;
+      r.lse[bh * Tq + i] = sum > 0 ? m + std::log(sum) : -INFINITY;
+      for (int64_t d = 0; d < D; ++d) {
+        double o = 0;
+        for (int64_t j = 0; j < Tk; ++j) o += P[i * Tk + j] * v[j * D + d];
+        r.out[(bh * Tq + i) * D + d] = o;
+      }
+    }
+    for (int64_t i = 0; i < Tq; ++i) {
+      double rowsum = 0;
+      for (int64_t j = 0; j < Tk; ++j) {
+        dP[i * Tk + j] = dot(go + i * D, v + j * D);
+        rowsum += P[i * Tk + j] * dP[i * Tk + j];
+      }
+      for (int64_t j = 0; j < Tk; ++j) dP[i * Tk + j] = P[i * Tk + j] * (dP[i * Tk + j] - rowsum);  // dS
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t i = 0; i < Tq; ++i) {
+        double s = 0;
+        for (int64_t j = 0; j < Tk; ++j) s += dP[i * Tk + j] * k[j * D + d];
+        r.dq[(bh * Tq + i) * D + d] = a.scale * s;
+      }
+      for (int64_t j = 0; j < Tk; ++j) {
+        double sk = 0, sv = 0;
+        for (int64_t i = 0; i < Tq; ++i) {
+          sk += dP[i * Tk + j] * q[i * D + d];
+          sv += P[i * Tk + j] * go[i * D + d];
+        }
+        r.dk[(bh * Tk + j) * D + d] = a.scale * sk;
+        r.dv[(bh * Tk + j) * D + d] = sv;
+      }
+    }
+  }
+  return r;
+}
+
+template <class T> std::vector<T> cast(const std::vector<double>& x) {
+  std::vector<T> out;
+  for (double e : x) out.push_back(T(float(e)));
+  return out;
+}
+template <> std::vector<double> cast(const std::vector<double>& x) { return x; }
+template <class T> std::vector<double> widen(const std::vector<T>& x) {
+  std::vector<double> out;
+  for (const T& e : x) out.push_back(double(e));
+  return out;
+}
+
+// The CPU kernels in T (inputs rounded to T first); also returns the rounded inputs.
+template <class T> Result run_cpu(const Case& c, DType dt, Inputs& x) {
+  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  auto q = cast<T>(x.q), k = cast<T>(x.k), v = cast<T>(x.v), go = cast<T>(x.dout);
+  x = {widen(q), widen(k), widen(v), widen(go)};
+  const AttentionArgs a = c.args(dt);
+  std::vector<T> out(q.size()), dq(q.size()), dk(k.size()), dv(v.size());
+  std::vector<A> lse(size_t(c.B * c.H * c.Tq));
+  const KernelTable& cpu = cpu_kernel_table();
+  EXPECT_EQ(cpu.attention_workspace_size(a), 0u);
+  cpu.attention_forward(a, out.data(), lse.data(), q.data(), k.data(), v.data(), nullptr);
+  cpu.attention_backward(a, dq.data(), dk.data(), dv.data(), go.data(), q.data(), k.data(), v.data(), out.data(),
+                         lse.data(), nullptr, nullptr);
+  return {widen(out), widen(lse), widen(dq), widen(dk), widen(dv)};
+}
+
+// |got - want| <= tol * (max |want| + |want|): errors measured against the tensor's scale.
+void expect_close(const std::vector<double>& got, const std::vector<double>& want, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 1e-6;
+  for (double w : want)
+    if (std::isfinite(w)) scale = std::max(scale, std::abs(w));
+  int bad = 0;
+  for (size_t e = 0; e < got.size() && bad < 5; ++e) {
+    const bool ok = std::isinf(want[e]) ? got[e] == want[e] : std::abs(got[e] - want[e]) <= tol * (scale + std::abs(want[e]));
+    if (!ok) ++bad, ADD_FAILURE() << what << " element " << e << ": got " << got[e] << ", want " << want[e];
+  }
+}
+
+template <class T> void check_all(DType dt, double tol) {
+  uint32_t seed = 1;
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.str() + " " + std::string(dtype_name(dt)));
+    Inputs x = random_inputs(c, seed++);
+    const Result got = run_cpu<T>(c, dt, x);
+    const Result want = naive(c, x);  // on the inputs as rounded to T
+    expect_close(got.out, want.out, tol, "out");
+    expect_close(got.lse, want.lse, tol, "lse");
+    expect_close(got.dq, want.dq, tol, "dq");
+    expect_close(got.dk, want.dk, tol, "dk");
+    expect_close(got.dv, want.dv, tol, "dv");
+  }
+}
+
+TEST(AttentionCpu, MatchesNaiveCompositeInF64) { check_all<double>(DType::f64, 1e-12); }
+TEST(AttentionCpu, MatchesNaiveCompositeInF32) { check_all<float>(DType::f32, 1e-5); }
+TEST(AttentionCpu, MatchesNaiveCompositeInBf16) { check_all<bf16>(DType::bf16, 1.0 / 64); }
+
+TEST(AttentionCpu, CausalIsTopLeftAligned) {
+  // Two queries, three keys: query 0 sees key 0 only (its output is v[0] exactly), query 1
+  // sees keys 0 and 1, and key 2 no query: its gradients are zero.
+  const Case c{1, 1, 2, 3, 2, true, 1.0};
+  Inputs x = random_inputs(c, 42);
+  const Result r = run_cpu<double>(c, DType::f64, x);
+  EXPECT_EQ(r.out[0], x.v[0]);
+  EXPECT_EQ(r.out[1], x.v[1]);
+  EXPECT_NEAR(r.lse[0], x.q[0] * x.k[0] + x.q[1] * x.k[1], 1e-14);
+  for (int d = 0; d < 2; ++d) {
+    EXPECT_EQ(r.dk[2 * 2 + d], 0.0);
+    EXPECT_EQ(r.dv[2 * 2 + d], 0.0);
+  }
+}
+
+TEST(AttentionCpu, NoKeysGiveZerosAndMinusInfinity) {
+  const AttentionArgs a{DType::f32, 1, 2, 3, 0, 4, false, 0.5};
+  std::vector<float> q(24, 1.f), out(24, NAN), lse(6, NAN), dq(24, NAN), go(24, 1.f);
+  const KernelTable& cpu = cpu_kernel_table();
+  cpu.attention_forward(a, out.data(), lse.data(), q.data(), nullptr, nullptr, nullptr);
+  cpu.attention_backward(a, dq.data(), nullptr, nullptr, go.data(), q.data(), nullptr, nullptr, out.data(), lse.data(),
+                         nullptr, nullptr);
+  for (float e : out) EXPECT_EQ(e, 0.f);
+  for (float e : lse) EXPECT_EQ(e, -std::numeric_limits<float>::infinity());
+  for (float e : dq) EXPECT_EQ(e, 0.f);
+}
+
+TEST(AttentionCpu, NoQueriesGiveZeroKeyGradients) {
+  const AttentionArgs a{DType::f32, 2, 1, 0, 3, 4, true, 0.5};
+  std::vector<float> k(24, 1.f), v(24, 1.f), dk(24, NAN), dv(24, NAN);
+  cpu_kernel_table().attention_backward(a, nullptr, dk.data(), dv.data(), nullptr, nullptr, k.data(), v.data(),
+                                        nullptr, nullptr, nullptr, nullptr);
+  for (float e : dk) EXPECT_EQ(e, 0.f);
+  for (float e : dv) EXPECT_EQ(e, 0.f);
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,236 @@
+// The CUDA attention kernels (forward and backward) against the CPU ones on the same
+// inputs, in f32, bf16 and f16: odd lengths that leave partial tiles (1, 7, 63, 65, 1023),
+// head_dim 32 to 128 on the tensor-core path and others on the rows path, causal and not,
+// fewer or more queries than keys, many heads, a peaked softmax, unaligned buffers (which
+// must take the rows path), and sequences with no queries or no keys.
+// The backward kernels of both devices get the same out and lse (the CPU forward's), so
+// each comparison measures one kernel.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/table.h"
+#include "tests/common/device_buffer.h"
+#include "tests/common/gpu.h"
+
+namespace loom {
+namespace {
+
+using test::DeviceBuffer;
+
+struct Case {
+  int64_t B, H, Tq, Tk, D;
+  bool causal;
+  double scale = 0;  // 0: 1 / sqrt(D)
+  std::string str() const {
+    return "(B " + std::to_string(B) + ", H " + std::to_string(H) + ", Tq " + std::to_string(Tq) + ", Tk " +
+           std::to_string(Tk) + ", D " + std::to_string(D) + (causal ? ", causal)" : ")");
+  }
+  AttentionArgs args(DType dt) const {
+    return {dt, B, H, Tq, Tk, D, causal, scale != 0 ? scale : 1.0 / std::sqrt(double(D))};
+  }
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (bool causal : {false, true}) {
+    for (int64_t T : {1, 7, 63, 65})
+      for (int64_t D : {32, 64, 128}) out.push_back({1, 2, T, T, D, causal});
+    out.push_back({1, 1, 1023, 1023, 64, causal});
+    out.push_back({2, 1, 130, 130, 80, causal});
+    out.push_back({1, 2, 129, 129, 96, causal});
+    out.push_back({1, 1, 100, 37, 64, causal});   // more queries than keys
+    out.push_back({1, 1, 37, 200, 128, causal});  // more keys than queries
+    out.push_back({64, 40, 3, 3, 32, causal});    // 2560 heads
+    out.push_back({1, 2, 70, 70, 40, causal});    // head_dim without a tensor-core kernel
+    out.push_back({1, 1, 9, 9, 200, causal});
+    out.push_back({1, 1, 80, 80, 64, causal, 4.0});  // peaked: scores in the hundreds
+  }
+  return out;
+}
+
+// Floats as raw bytes of a float dtype, and back.
+std::vector<uint8_t> encode(const std::vector<double>& v, DType dt) {
+  const size_t es = dtype_size(dt);
+  std::vector<uint8_t> b(v.size() * es);
+  for (size_t e = 0; e < v.size(); ++e) {
+    uint8_t* p = b.data() + e * es;
+    const float f = float(v[e]);
+    const bf16 h(f);
+    const f16 g(f);
+    switch (dt) {
+      case DType::f32: std::memcpy(p, &f, 4); break;
+      case DType::f64: std::memcpy(p, &v[e], 8); break;
+      case DType::bf16: std::memcpy(p, &h.bits, 2); break;
+      case DType::f16: std::memcpy(p, &g.bits, 2); break;
+      default: ADD_FAILURE() << "not a float dtype";
+    }
+  }
+  return b;
+}
+std::vector<double> decode(const std::vector<uint8_t>& b, DType dt) {
+  const size_t es = dtype_size(dt);
+  std::vector<double> v(b.size() / es);
+  for (size_t e = 0; e < v.size(); ++e) {
+    const uint8_t* p = b.data() + e * es;
+    float f;
+    bf16 h;
+    f16 g;
+    switch (dt) {
+      case DType::f32: std::memcpy(&f, p, 4), v[e] = f; break;
+      case DType::f64: std::memcpy(&v[e], p, 8); break;
+      case DType::bf16: std::memcpy(&h.bits, p, 2), v[e] = float(h); break;
+      case DType::f16: std::memcpy(&g.bits, p, 2), v[e] = float(g); break;
+      default: ADD_FAILURE() << "not a float dtype";
+    }
+  }
+  return v;
+}
+
+std::vector<uint8_t> random_bytes(int64_t n, uint32_t seed, DType dt) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(-2, 2);
+  std::vector<double> x(static_cast<size_t>(n));
+  for (auto& e : x) e = dist(gen);
+  return encode(x, dt);
+}
+
+// Error allowed relative to the tensor's largest magnitude: P and dS are rounded to the
+// input type before their products on the tensor-core path, the CPU keeps them in f32.
+double tolerance(DType dt) { return dt == DType::bf16 ? 2e-2 : dt == DType::f16 ? 4e-3 : 2e-4; }
+
+void expect_close(const std::vector<double>& got, const std::vector<double>& want, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 1e-6;
+  for (double w : want)
+    if (std::isfinite(w)) scale = std::max(scale, std::abs(w));
+  int bad = 0;
+  for (size_t e = 0; e < got.size() && bad < 5; ++e) {
+    const bool ok =
+        std::isinf(want[e]) ? got[e] == want[e] : std::abs(got[e] - want[e]) <= tol * (scale + std::abs(want[e]));
+    if (!ok) ++bad, ADD_FAILURE() << what << " element " << e << ": cuda " << got[e] << ", cpu " << want[e];
+  }
+}
+
+// A device copy of `host` at `offset` bytes past an aligned allocation.
+struct Placed {
+  DeviceBuffer<uint8_t> buffer;
+  size_t offset;
+  Placed(const std::vector<uint8_t>& host, size_t offset) : buffer(host.size() + offset), offset(offset) {
+    LOOM_CUDA(cudaMemcpy(get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+  }
+  uint8_t* get() const { return buffer.get() + offset; }
+  std::vector<uint8_t> to_host() const {
+    std::vector<uint8_t> all = buffer.to_host();
+    return std::vector<uint8_t>(all.begin() + std::ptrdiff_t(offset), all.end());
+  }
+};
+
+void check(const Case& c, DType dt, size_t offset) {
+  SCOPED_TRACE(c.str() + " " + std::string(dtype_name(dt)) + (offset ? " unaligned" : ""));
+  const AttentionArgs a = c.args(dt);
+  const int64_t nq = c.B * c.H * c.Tq * c.D, nk = c.B * c.H * c.Tk * c.D, nrows = c.B * c.H * c.Tq;
+  const size_t es = dtype_size(dt);
+  const uint32_t seed = uint32_t(c.Tq * 131 + c.Tk * 7 + c.D + (c.causal ? 1 : 0));
+  auto q = random_bytes(nq, seed, dt), k = random_bytes(nk, seed + 1, dt), v = random_bytes(nk, seed + 2, dt);
+  auto dout = random_bytes(nq, seed + 3, dt);
+
+  const KernelTable& cpu = cpu_kernel_table();
+  std::vector<uint8_t> out(size_t(nq) * es), dq(size_t(nq) * es), dk(size_t(nk) * es), dv(size_t(nk) * es);
+  std::vector<float> lse(static_cast<size_t>(nrows));
+  cpu.attention_forward(a, out.data(), lse.data(), q.data(), k.data(), v.data(), nullptr);
+  cpu.attention_backward(a, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
+                         lse.data(), nullptr, nullptr);
+
+  const KernelTable& gpu = cuda_kernel_table();
+  Placed d_q(q, offset), d_k(k, offset), d_v(v, offset), d_dout(dout, offset), d_cpu_out(out, offset);
+  Placed d_out(out, offset), d_dq(dq, offset), d_dk(dk, offset), d_dv(dv, offset);
+  DeviceBuffer<float> d_lse(static_cast<size_t>(nrows)), d_cpu_lse(lse);
+  DeviceBuffer<uint8_t> workspace(gpu.attention_workspace_size(a));
+  LOOM_CUDA(cudaMemset(d_out.get(), 0xff, out.size()));  // NaN until written
+  gpu.attention_forward(a, d_out.get(), d_lse.get(), d_q.get(), d_k.get(), d_v.get(), nullptr);
+  for (Placed* g : {&d_dq, &d_dk, &d_dv}) LOOM_CUDA(cudaMemset(g->get(), 0xff, g->buffer.size() - g->offset));
+  gpu.attention_backward(a, d_dq.get(), d_dk.get(), d_dv.get(), d_dout.get(), d_q.get(), d_k.get(), d_v.get(),
+                         d_cpu_out.get(), d_cpu_lse.get(), workspace.get(), nullptr);
+
+  const double tol = tolerance(dt);
+  expect_close(decode(d_out.to_host(), dt), decode(out, dt), tol, "out");
+  std::vector<float> got_lse = d_lse.to_host();
+  for (int64_t r = 0; r < nrows; ++r)
+    EXPECT_NEAR(got_lse[size_t(r)], lse[size_t(r)], 1e-4 * (std::abs(lse[size_t(r)]) + 1)) << "lse row " << r;
+  expect_close(decode(d_dq.to_host(), dt), decode(dq, dt), tol, "dq");
+  expect_close(decode(d_dk.to_host(), dt), decode(dk, dt), tol, "dk");
+  expect_close(decode(d_dv.to_host(), dt), decode(dv, dt), tol, "dv");
+}
+
+TEST(AttentionCuda, ForwardAndBackwardMatchCpu) {
+  LOOM_REQUIRE_CUDA();
+  for (const Case& c : cases())
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) check(c, dt, 0);
+}
+
+TEST(AttentionCuda, UnalignedBuffersMatchCpu) {
+  LOOM_REQUIRE_CUDA();
+  // Offset by one element: the tensor-core kernels need 16-byte rows, so these take the rows path.
+  for (const Case& c : {Case{1, 2, 65, 65, 64, true}, Case{2, 1, 33, 47, 32, false}})
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) check(c, dt, dtype_size(dt));
+}
+
+TEST(AttentionCuda, F64MatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  for (const Case& c : {Case{1, 2, 65, 65, 64, true}, Case{1, 1, 30, 50, 24, false}}) {
+    SCOPED_TRACE(c.str());
+    const AttentionArgs a = c.args(DType::f64);
+    const int64_t nq = c.B * c.H * c.Tq * c.D, nk = c.B * c.H * c.Tk * c.D, nrows = c.B * c.H * c.Tq;
+    auto q = random_bytes(nq, 5, DType::f64), k = random_bytes(nk, 6, DType::f64), v = random_bytes(nk, 7, DType::f64);
+    std::vector<uint8_t> out(q.size());
+    std::vector<double> lse(static_cast<size_t>(nrows));
+    cpu_kernel_table().attention_forward(a, out.data(), lse.data(), q.data(), k.data(), v.data(), nullptr);
+    DeviceBuffer<uint8_t> d_q(q), d_k(k), d_v(v), d_out(out.size());
+    DeviceBuffer<double> d_lse(static_cast<size_t>(nrows));
+    cuda_kernel_table().attention_forward(a, d_out.get(), d_lse.get(), d_q.get(), d_k.get(), d_v.get(), nullptr);
+    expect_close(decode(d_out.to_host(), DType::f64), decode(out, DType::f64), 1e-12, "out");
+    expect_close(d_lse.to_host(), lse, 1e-12, "lse");
+  }
+}
+
+TEST(AttentionCuda, NoKeysOrNoQueriesGiveZeros) {
+  LOOM_REQUIRE_CUDA();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const KernelTable& gpu = cuda_kernel_table();
+    const size_t es = dtype_size(dt);
+    // No keys: out 0, lse -inf, dq 0.
+    const AttentionArgs none_k{dt, 1, 2, 5, 0, 64, true, 0.125};
+    DeviceBuffer<uint8_t> q(encode(std::vector<double>(640, 1.0), dt)), out(640 * es), dq(640 * es);
+    DeviceBuffer<float> lse(10);
+    DeviceBuffer<uint8_t> ws(gpu.attention_workspace_size(none_k));
+    LOOM_CUDA(cudaMemset(out.get(), 0xff, 640 * es));
+    LOOM_CUDA(cudaMemset(dq.get(), 0xff, 640 * es));
+    gpu.attention_forward(none_k, out.get(), lse.get(), q.get(), nullptr, nullptr, nullptr);
+    gpu.attention_backward(none_k, dq.get(), nullptr, nullptr, q.get(), q.get(), nullptr, nullptr, out.get(),
+                           lse.get(), ws.get(), nullptr);
+    for (double e : decode(out.to_host(), dt)) EXPECT_EQ(e, 0.0);
+    for (float e : lse.to_host()) EXPECT_EQ(e, -std::numeric_limits<float>::infinity());
+    for (double e : decode(dq.to_host(), dt)) EXPECT_EQ(e, 0.0);
+    // No queries: dk and dv 0.
+    const AttentionArgs none_q{dt, 1, 2, 0, 70, 64, false, 0.125};
+    DeviceBuffer<uint8_t> k(encode(std::vector<double>(8960, 1.0), dt)), dk(8960 * es), dv(8960 * es);
+    LOOM_CUDA(cudaMemset(dk.get(), 0xff, 8960 * es));
+    LOOM_CUDA(cudaMemset(dv.get(), 0xff, 8960 * es));
+    EXPECT_EQ(gpu.attention_workspace_size(none_q), 0u);
+    gpu.attention_backward(none_q, nullptr, dk.get(), dv.get(), nullptr, nullptr, k.get(), k.get(), nullptr, nullptr,
+                           nullptr, nullptr);
+    for (double e : decode(dk.to_host(), dt)) EXPECT_EQ(e, 0.0);
+    for (double e : decode(dv.to_host(), dt)) EXPECT_EQ(e, 0.0);
+  }
+}
+
+}  // namespace
+}  // namespace loom
