@@ -207,8 +207,9 @@ void adam_update_fused(const TensorList& params, const TensorList& grads, const 
 // (B, H, T_q, D). scale defaults to 1 / sqrt(D). causal masks key j from query i when
 // j > i (top-left aligned, as PyTorch's is_causal, also when T_q != T_kv); a query that
 // sees no key gives zeros. Differentiable in q, k and v; nothing of size T_q x T_kv is
-// stored. Runs in the autocast dtype under a guard, as matmul does; on CUDA, bf16/f16
-// with D in {32, 64, 80, 96, 128} use the tensor-core (flash-attention) kernels.
+// stored. Runs in the autocast dtype under a guard, as matmul does. On CUDA, bf16/f16
+// with D in {32, 64, 80, 96, 128} use the tensor-core (flash-attention) kernels; other
+// dtypes and D up to 256 a slower CUDA-core path.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                     std::optional<double> scale = std::nullopt);
 

@@ -161,8 +161,9 @@ struct AdamHyper {
 //   dP[i, j] = sum_d dout[i, d] v[j, d],     dS[i, j] = P[i, j] (dP[i, j] - Di)
 //   dq[i, :] = scale sum_j dS[i, j] k[j, :], dk[j, :] = scale sum_i dS[i, j] q[i, :],
 //   dv[j, :] = sum_i P[i, j] dout[i, :]
-// dq, dk and dv are written in full (zeros where nothing is visible). bf16/f16 run the
-// products on tensor cores with P and dS rounded to the input type, as flash attention does.
+// dq, dk and dv are written in full (zeros where nothing is visible). On CUDA, bf16/f16 with
+// head_dim 32, 64, 80, 96 or 128 run on tensor cores with P and dS rounded to the input type
+// before their products, as flash attention does; other cases keep them in f32.
 struct AttentionArgs {
   DType dtype = DType::f32;
   int64_t batch = 0, heads = 0, q_len = 0, kv_len = 0, head_dim = 0;
