@@ -3,6 +3,7 @@
 #pragma once
 
 #include "layers/activation.h"
+#include "layers/attention.h"
 #include "layers/batch_norm.h"
 #include "layers/checkpoint.h"
 #include "layers/conv.h"
@@ -13,6 +14,7 @@
 #include "layers/linear.h"
 #include "layers/module.h"
 #include "layers/pool.h"
+#include "layers/models/gpt.h"
 #include "layers/models/resnet.h"
 #include "layers/models/simple_cnn.h"
 #include "layers/sequential.h"

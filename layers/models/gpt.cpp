@@ -1,0 +1,109 @@
+#include "layers/models/gpt.h"
+
+#include <cmath>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "layers/activation.h"
+
+namespace loom::nn {
+namespace {
+
+// A module that only names its children, for nanoGPT's "transformer.h.0" paths.
+class Container : public Module {
+ public:
+  std::string type_name() const override { return "ModuleDict"; }
+};
+
+// Linear registered under `name` inside a Sequential-like container, GPT-2's initialisation.
+std::shared_ptr<Linear> gpt_linear(int64_t in, int64_t out, double std) {
+  auto l = std::make_shared<Linear>(in, out);
+  NoGradGuard no_grad;
+  normal_(l->weight, 0.0, std);
+  fill_(l->bias, 0.0);
+  return l;
+}
+
+// GELU's MLP with nanoGPT's names: c_fc, then gelu, then c_proj.
+class Mlp : public Sequential {
+ public:
+  Mlp(int64_t width, double proj_std) {
+    c_fc = register_module("c_fc", gpt_linear(width, 4 * width, 0.02));
+    c_proj = register_module("c_proj", gpt_linear(4 * width, width, proj_std));
+  }
+  Tensor forward(const Tensor& x) override { return c_proj->forward(gelu(c_fc->forward(x))); }
+  std::string type_name() const override { return "MLP"; }
+  std::shared_ptr<Linear> c_fc, c_proj;
+};
+
+}  // namespace
+
+GPTConfig GPTConfig::named(const std::string& name) {
+  if (name == "gpt2-124m") return {};
+  if (name == "guide") return {.vocab_size = 256, .context = 256, .layers = 6, .heads = 8, .width = 256};
+  if (name == "tiny") return {.vocab_size = 256, .context = 256, .layers = 2, .heads = 4, .width = 64};
+  LOOM_FAIL("unknown GPT config '", name, "': expected gpt2-124m, guide or tiny");
+}
+
+GPTBlock::GPTBlock(int64_t width, int64_t heads, int64_t layers) {
+  const double proj_std = 0.02 / std::sqrt(2.0 * double(layers));
+  ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(width));
+  attn = register_module("attn", std::make_shared<CausalSelfAttention>(width, heads));
+  {
+    NoGradGuard no_grad;
+    normal_(attn->c_attn->weight, 0.0, 0.02);
+    fill_(attn->c_attn->bias, 0.0);
+    normal_(attn->c_proj->weight, 0.0, proj_std);
+    fill_(attn->c_proj->bias, 0.0);
+  }
+  ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(width));
+  mlp = register_module("mlp", std::make_shared<Mlp>(width, proj_std));
+}
+
+Tensor GPTBlock::forward(const Tensor& x) {
+  Tensor h = add(x, attn->forward(ln_1->forward(x)));
+  return add(h, mlp->forward(ln_2->forward(h)));
+}
+
+GPT::GPT(GPTConfig config) : config_(config) {
+  LOOM_CHECK(config.vocab_size > 0 && config.context > 0 && config.layers > 0, "GPT: vocabulary (",
+             config.vocab_size, "), context (", config.context, ") and layers (", config.layers,
+             ") must be positive");
+  auto transformer = register_module("transformer", std::make_shared<Container>());
+  wte = transformer->register_module("wte", std::make_shared<Embedding>(config.vocab_size, config.width));
+  wpe = transformer->register_module("wpe", std::make_shared<Embedding>(config.context, config.width));
+  {
+    NoGradGuard no_grad;
+    normal_(wte->weight, 0.0, 0.02);
+    normal_(wpe->weight, 0.0, 0.02);
+  }
+  auto h = transformer->register_module("h", std::make_shared<Container>());
+  for (int64_t i = 0; i < config.layers; ++i)
+    blocks.push_back(h->register_module(std::to_string(i),
+                                        std::make_shared<GPTBlock>(config.width, config.heads, config.layers)));
+  ln_f = transformer->register_module("ln_f", std::make_shared<LayerNorm>(config.width));
+  // Weight tying: the output layer is the token embedding, registered a second time (one
+  // parameter, listed once by parameters(), under both names in the state dict).
+  lm_head = wte->weight;
+  register_module("lm_head", std::make_shared<Container>())->register_parameter("weight", lm_head);
+}
+
+Tensor GPT::forward(const Tensor& ids) {
+  LOOM_CHECK(ids.dim() == 2 && ids.dtype() == DType::i64, "GPT: expected token ids (B, T) of i64, got ",
+             shape_str(ids.shape()), " ", dtype_name(ids.dtype()));
+  const int64_t T = ids.size(1);
+  LOOM_CHECK(T <= config_.context, "GPT: a sequence of ", T, " tokens is longer than the context of ",
+             config_.context);
+  Tensor pos = arange(0, double(T), 1, DType::i64, ids.device());
+  Tensor x = add(wte->forward(ids), wpe->forward(pos));
+  for (const auto& block : blocks) x = block->forward(x);
+  return matmul(ln_f->forward(x), lm_head.t());
+}
+
+Tensor GPT::loss(const Tensor& ids, const Tensor& targets) {
+  Tensor logits = forward(ids);
+  const int64_t N = logits.size(0) * logits.size(1), V = logits.size(2);
+  return cross_entropy(logits.reshape({N, V}).to(DType::f32), targets.reshape({N}));
+}
+
+}  // namespace loom::nn

@@ -1,0 +1,61 @@
+// GPT: GPT-2's architecture with nanoGPT's module names, so a nanoGPT or Hugging Face GPT-2
+// state dict maps one to one ("transformer.h.0.attn.c_attn.weight", ...; Loom's Linear keeps
+// PyTorch's (out, in) weight layout, so the Conv1D weights of Hugging Face checkpoints need a
+// transpose). Token and position embeddings, pre-LayerNorm blocks (attention, then a GELU
+// MLP four times wider), a final LayerNorm and an output layer tied to the token embedding.
+// Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, and the residual
+// projections scaled by 1/sqrt(2 * layers).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/attention.h"
+#include "layers/embedding.h"
+#include "layers/layer_norm.h"
+#include "layers/sequential.h"
+
+namespace loom::nn {
+
+struct GPTConfig {
+  int64_t vocab_size = 50304;  // GPT-2's 50257, padded to a multiple of 64
+  int64_t context = 1024;      // longest sequence (position embeddings)
+  int64_t layers = 12, heads = 12, width = 768;
+
+  // "gpt2-124m" (12 x 768, 12 heads), "guide" (the guide's six-block transformer: width 256,
+  // 8 heads), "tiny" (2 x 64, 4 heads, context 256, byte vocabulary); unknown names throw.
+  static GPTConfig named(const std::string& name);
+};
+
+class GPTBlock : public Module {
+ public:
+  GPTBlock(int64_t width, int64_t heads, int64_t layers);
+  Tensor forward(const Tensor& x) override;  // (B, T, C) -> (B, T, C)
+  std::string type_name() const override { return "GPTBlock"; }
+
+  std::shared_ptr<LayerNorm> ln_1, ln_2;
+  std::shared_ptr<CausalSelfAttention> attn;
+  std::shared_ptr<Sequential> mlp;  // c_fc, gelu, c_proj (registered under those names)
+};
+
+class GPT : public Module {
+ public:
+  explicit GPT(GPTConfig config);
+  // Token ids (B, T), i64, T <= context -> logits (B, T, vocab).
+  Tensor forward(const Tensor& ids) override;
+  // Mean next-token cross-entropy of forward(ids) against targets (B, T).
+  Tensor loss(const Tensor& ids, const Tensor& targets);
+  std::string type_name() const override { return "GPT"; }
+  const GPTConfig& config() const { return config_; }
+
+  std::shared_ptr<Embedding> wte, wpe;
+  std::vector<std::shared_ptr<GPTBlock>> blocks;
+  std::shared_ptr<LayerNorm> ln_f;
+  Tensor lm_head;  // the token embedding's weight, tied
+
+ private:
+  GPTConfig config_;
+};
+
+}  // namespace loom::nn
