@@ -84,6 +84,21 @@ TEST(TrainCnnDist, ScalingReportsSpeedupAndEfficiencyForOneAndTwoRanks) {
   EXPECT_TRUE(std::filesystem::exists(svg));
 }
 
+TEST(TrainGptDist, TinyGptLearnsFortunesOnTwoCpuRanks) {
+  if (!std::filesystem::exists("/usr/share/games/fortunes"))
+    GTEST_SKIP() << "Debian's fortunes are not installed (apt-get install fortunes)";
+  RunResult r = run(std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 " + std::getenv("TRAIN_GPT") +
+                        " --device cpu --max-steps 40 --batch-size 8 --context 32 --workers 1 --generate 40"
+                        " --metrics '' --plot ''",
+                    300);
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("train loss ([0-9.]+)  validation loss ([0-9.]+)")))
+      << r.output;
+  EXPECT_LT(std::stod(m[2]), 4.5) << r.output;  // ln(256) = 5.55 before any training
+  EXPECT_NE(r.output.find("--- sample"), std::string::npos) << r.output;
+}
+
 TEST(TrainCnnDist, AskingForMoreGpusThanVisibleSaysSo) {
   RunResult r = run("env CUDA_VISIBLE_DEVICES= " + std::string(std::getenv("TRAIN_CNN")) + " --gpus 2", 60);
   EXPECT_EQ(r.code, 2) << r.output;

@@ -1,0 +1,256 @@
+// train_gpt: trains a byte-level GPT on a text corpus (default: Debian's fortunes,
+// /usr/share/games/fortunes) or on uint16 token shards (nanoGPT / llm.c format), then prints
+// text it generates. Same conventions as train_cnn: a progress line, JSON lines, an SVG chart,
+// checkpoints and --resume, data parallel under loomrun or with --gpus N. `--help` lists it all.
+//
+// The text is cut into non-overlapping windows of --context tokens, held out 10% at the end
+// for validation, and visited in a random order each epoch (a distributed shard per rank).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <string>
+
+#include "data/loader.h"
+#include "data/text.h"
+#include "data/token_shard.h"
+#include "engine/autocast.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "layers/layers.h"
+#include "parallel/ddp.h"
+#include "parallel/rendezvous.h"
+#include "samples/common/distributed.h"
+#include "samples/common/flags.h"
+#include "samples/common/metrics.h"
+#include "samples/common/progress.h"
+
+using namespace loom;
+
+namespace {
+
+struct Options {
+  std::string config = "tiny", data = data::kFortunesDir, shards, precision = "f32", device = "auto";
+  std::string save, resume, metrics = "train_gpt.jsonl", plot = "train_gpt.svg", prompt = "Q: ";
+  int64_t epochs = 1, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
+  int64_t generate = 300, top_k = 40, timeout_s = 600;
+  double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
+};
+
+// Samples `count` bytes after `prompt` (temperature, top-k) with the model on `device`.
+std::string generate(nn::GPT& model, const std::string& prompt, int64_t count, double temperature, int64_t top_k,
+                     Device device, uint64_t seed) {
+  NoGradGuard no_grad;
+  model.eval();
+  std::vector<int64_t> ids;
+  for (unsigned char c : prompt) ids.push_back(c);
+  std::mt19937_64 rng(seed);
+  std::string out = prompt;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - model.config().context);
+    std::vector<int64_t> window(ids.begin() + start, ids.end());
+    Tensor logits = model.forward(from_vector(window, {1, int64_t(window.size())}, device));
+    std::vector<float> last = logits.select(1, logits.size(1) - 1).to(Device::cpu()).to(DType::f32).to_vector<float>();
+    std::vector<float> sorted = last;
+    const int64_t k = std::min<int64_t>(top_k, int64_t(last.size()));
+    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(), std::greater<float>());
+    const float cutoff = sorted[size_t(k - 1)], top = *std::max_element(last.begin(), last.end());
+    std::vector<double> p(last.size());
+    for (size_t j = 0; j < last.size(); ++j)
+      p[j] = last[j] < cutoff ? 0.0 : std::exp((double(last[j]) - top) / temperature);
+    const int64_t next = std::discrete_distribution<int64_t>(p.begin(), p.end())(rng);
+    ids.push_back(next);
+    out += char(next);
+  }
+  model.train();
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  samples::Flags flags("train_gpt",
+                       "Trains a GPT on text (bytes as tokens; default Debian's fortunes) or token shards, then\n"
+                       "generates text from it.");
+  flags.add("config", &o.config, "model size (gpt2-124m: 12 x 768; guide: the guide's 6 blocks of 256)",
+            {"tiny", "guide", "gpt2-124m"});
+  flags.add("data", &o.data, "a text file or a folder of them, read as bytes", {}, "PATH");
+  flags.add("shards", &o.shards, "uint16 token shards instead (a glob, e.g. 'fineweb_train_*.bin')", {}, "GLOB");
+  flags.add("epochs", &o.epochs, "passes over the training windows", 1);
+  flags.add("batch-size", &o.batch_size, "sequences per step (per rank)", 1);
+  flags.add("context", &o.context, "tokens per sequence (at most the config's context)", 2);
+  flags.add("lr", &o.lr, "peak learning rate (AdamW, cosine decay)", 0);
+  flags.add("weight-decay", &o.weight_decay, "AdamW weight decay", 0);
+  flags.add("clip", &o.clip, "clip the gradients' global norm (0: no clipping)", 0);
+  flags.add("precision", &o.precision, "f32, or bf16 autocast (f32 master weights)", {"f32", "bf16"});
+  flags.add("device", &o.device, "cpu, cuda or cuda:N (auto: the first GPU, else the CPU)", {}, "DEVICE");
+  flags.add("workers", &o.workers, "data-loader threads", 0, 64);
+  flags.add("max-steps", &o.max_steps, "stop after this many steps (0: no limit)", 0);
+  flags.add("gpus", &o.gpus, "data-parallel over N GPUs of this node (starts N ranks)", 0, 1024);
+  flags.add("timeout-s", &o.timeout_s, "data parallel: seconds before a stuck collective ends the run", 1);
+  flags.add("save", &o.save, "write a training checkpoint here after every epoch", {}, "FILE");
+  flags.add("resume", &o.resume, "continue the run saved in this checkpoint", {}, "FILE");
+  flags.add("seed", &o.seed, "seed for weights, data order and sampling", 0);
+  flags.add("generate", &o.generate, "bytes to generate at the end (0: none)", 0);
+  flags.add("temperature", &o.temperature, "sampling temperature", 1e-3);
+  flags.add("top-k", &o.top_k, "sample among the k likeliest tokens", 1);
+  flags.add("prompt", &o.prompt, "text the generation starts from", {}, "TEXT");
+  flags.add("metrics", &o.metrics, "append one JSON line per epoch here (\"\": none)", {}, "FILE");
+  flags.add("plot", &o.plot, "draw the loss curves here as SVG (\"\": none)", {}, "FILE");
+  flags.parse(argc, argv);
+  if (o.gpus > 1 && !dist::launched_with_rank()) {
+    if (cuda_device_count() < o.gpus)
+      flags.fail("--gpus " + std::to_string(o.gpus) + ": only " + std::to_string(cuda_device_count()) +
+                 " GPU(s) are visible");
+    return samples::relaunch(argc, argv, int(o.gpus), "gpus");
+  }
+  try {
+    samples::DistContext ctx = samples::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
+    const Device device = ctx.device;
+    const bool main_rank = ctx.is_main();
+    nn::GPTConfig config = nn::GPTConfig::named(o.config);
+    if (o.context > config.context) flags.fail("--context " + std::to_string(o.context) + " is longer than the " +
+                                               o.config + " config's " + std::to_string(config.context));
+
+    // ---- data: a token stream, split 90/10 into training and validation ----------------
+    data::TokenShard all;
+    if (!o.shards.empty()) {
+      for (const std::string& path : data::glob_shards(o.shards)) {
+        data::TokenShard s = data::load_token_shard(path, config.vocab_size);
+        all.tokens.insert(all.tokens.end(), s.tokens.begin(), s.tokens.end());
+      }
+    } else {
+      if (config.vocab_size < data::kByteVocab)
+        flags.fail("--config " + o.config + " has a vocabulary of " + std::to_string(config.vocab_size) +
+                   ", fewer than the 256 byte values of text input");
+      if (!std::filesystem::exists(o.data))
+        flags.fail("--data " + o.data + " does not exist (install Debian's fortunes package for the default corpus)");
+      all = data::load_text(o.data);
+    }
+    const size_t split = all.tokens.size() * 9 / 10;
+    data::TokenShard train_tokens{{all.tokens.begin(), all.tokens.begin() + int64_t(split)}};
+    data::TokenShard val_tokens{{all.tokens.begin() + int64_t(split), all.tokens.end()}};
+    auto train_set = std::make_shared<data::TokenWindowDataset>(train_tokens, o.context);
+    auto val_set = std::make_shared<data::TokenWindowDataset>(val_tokens, o.context);
+    if (train_set->size() < o.batch_size * ctx.size)
+      flags.fail("the corpus gives " + std::to_string(train_set->size()) + " training windows of " +
+                 std::to_string(o.context) + " tokens, fewer than one batch on every rank");
+    std::shared_ptr<data::Sampler> sampler;
+    if (ctx.active)
+      sampler = std::make_shared<data::DistributedSampler>(train_set->size(), ctx.rank, ctx.size, data::Shuffle::yes,
+                                                           uint64_t(o.seed), data::DropLast::no);
+    else
+      sampler = std::make_shared<data::RandomSampler>(train_set->size(), uint64_t(o.seed));
+    data::LoaderOptions lo;
+    lo.batch_size = o.batch_size;
+    lo.num_workers = int(o.workers);
+    lo.device = device;
+    lo.drop_last = data::DropLast::yes;
+    data::DataLoader train_loader(train_set, sampler, lo);
+    data::LoaderOptions vo = lo;
+    vo.drop_last = data::DropLast::no;
+    data::DataLoader val_loader(val_set, std::make_shared<data::SequentialSampler>(val_set->size()), vo);
+    const int64_t steps_per_epoch = train_loader.num_batches();
+    const int64_t total_steps = o.max_steps > 0 ? std::min(o.max_steps, steps_per_epoch * o.epochs)
+                                                : steps_per_epoch * o.epochs;
+
+    // ---- model and optimizer -------------------------------------------------------------
+    manual_seed(uint64_t(o.seed));
+    auto model = std::make_shared<nn::GPT>(config);
+    model->to(device);
+    std::shared_ptr<dist::DistributedDataParallel> ddp;
+    if (ctx.active) {
+      dist::DDPOptions options;
+      options.gradient_as_bucket_view = true;
+      ddp = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, options);
+    }
+    optim::AdamW opt(model->parameters(), {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
+    optim::LRScheduler sched(opt, optim::cosine_annealing(std::max<int64_t>(total_steps, 1), o.lr * 0.1));
+    const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+    int64_t epoch = 0, batch = 0, step = 0;
+    if (!o.resume.empty()) {
+      auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched});
+      for (const char* key : {"epoch", "batch", "step"})
+        LOOM_CHECK(user.count(key), o.resume, ": the checkpoint has no ", key, " entry; was it written by train_gpt?");
+      epoch = std::stoll(user.at("epoch")), batch = std::stoll(user.at("batch")), step = std::stoll(user.at("step"));
+    }
+    if (main_rank)
+      std::printf("train_gpt: GPT %s (%lld parameters; %lld layers, width %lld, %lld heads) on %lld tokens "
+                  "(%lld training windows of %lld), batch %lld, %s on %s%s\n",
+                  o.config.c_str(), (long long)model->num_parameters(), (long long)config.layers,
+                  (long long)config.width, (long long)config.heads, (long long)all.tokens.size(),
+                  (long long)train_set->size(), (long long)o.context, (long long)o.batch_size, o.precision.c_str(),
+                  device.str().c_str(), ctx.active ? (", " + std::to_string(ctx.size) + " ranks").c_str() : "");
+
+    samples::MetricsLog metrics(main_rank ? o.metrics : "");
+    std::vector<std::pair<double, double>> train_curve, val_curve;
+    for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
+      samples::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o.epochs),
+                                 steps_per_epoch, "tok");
+      const auto start = std::chrono::steady_clock::now();
+      Tensor loss_sum;
+      int64_t steps = 0;
+      data::Epoch batches = train_loader.epoch(epoch, batch);
+      for (data::Batch& b : batches) {
+        opt.zero_grad();
+        Tensor loss;
+        {
+          AutocastGuard cast(autocast);
+          loss = ddp ? ddp->call([&] { return model->loss(b.inputs, b.targets); }) : model->loss(b.inputs, b.targets);
+        }
+        loss.backward();
+        if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
+        opt.step();
+        sched.step();
+        ++step, ++batch, ++steps;
+        Tensor l = loss.detach();
+        loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
+        if (main_rank && (batch % 10 == 0 || batch == steps_per_epoch))
+          progress.update(batch, batch * o.batch_size * o.context, l.item());
+        if (step >= total_steps) break;
+      }
+      if (main_rank) progress.finish();
+      const double train_loss = samples::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      double val_loss = 0;
+      int64_t val_batches = 0;
+      {
+        NoGradGuard no_grad;
+        AutocastGuard cast(autocast);
+        data::Epoch val = val_loader.epoch(0);
+        for (data::Batch& b : val) val_loss += model->loss(b.inputs, b.targets).item(), ++val_batches;
+      }
+      val_loss = val_batches ? val_loss / double(val_batches) : NAN;
+      const double tokens_per_s = double(steps * o.batch_size * o.context * ctx.size) / seconds;
+      if (main_rank) {
+        std::printf("epoch %lld: train loss %.4f  validation loss %.4f  %.0f tok/s\n", (long long)epoch + 1,
+                    train_loss, val_loss, tokens_per_s);
+        std::fflush(stdout);
+      }
+      metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss},
+                     {"tokens_per_s", tokens_per_s}, {"config", o.config}, {"precision", o.precision},
+                     {"device", device.str()}});
+      train_curve.emplace_back(double(epoch + 1), train_loss);
+      val_curve.emplace_back(double(epoch + 1), val_loss);
+      if (main_rank && !o.plot.empty())
+        samples::write_svg_chart(o.plot, "GPT " + o.config,
+                                 {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"validation", val_curve}}}});
+      const bool finished = batch >= steps_per_epoch;
+      if (main_rank && !o.save.empty())
+        nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched,
+                                     .user = {{"epoch", std::to_string(finished ? epoch + 1 : epoch)},
+                                              {"batch", std::to_string(finished ? 0 : batch)},
+                                              {"step", std::to_string(step)}}});
+    }
+    if (main_rank && o.generate > 0 && o.shards.empty())
+      std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s\n", o.temperature, (long long)o.top_k,
+                  generate(*model, o.prompt, o.generate, o.temperature, o.top_k, device, uint64_t(o.seed)).c_str());
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 1;
+  }
+}
