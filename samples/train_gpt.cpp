@@ -26,6 +26,7 @@
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 #include "samples/common/progress.h"
+#include "samples/common/scaling.h"
 
 using namespace loom;
 
@@ -35,7 +36,7 @@ struct Options {
   std::string config = "tiny", data = data::kFortunesDir, shards, precision = "f32", device = "auto";
   std::string save, resume, metrics = "train_gpt.jsonl", plot = "train_gpt.svg", prompt = "Q: ";
   int64_t epochs = 1, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
-  int64_t generate = 300, top_k = 40, timeout_s = 600;
+  int64_t generate = 300, top_k = 40, timeout_s = 600, scaling = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
 };
 
@@ -100,7 +101,23 @@ int main(int argc, char** argv) {
   flags.add("prompt", &o.prompt, "text the generation starts from", {}, "TEXT");
   flags.add("metrics", &o.metrics, "append one JSON line per epoch here (\"\": none)", {}, "FILE");
   flags.add("plot", &o.plot, "draw the loss curves here as SVG (\"\": none)", {}, "FILE");
+  flags.add("scaling", &o.scaling,
+            "run the same training on 1, 2, 4, ... N ranks and report speedup and efficiency (table, "
+            "--metrics JSON lines, --plot SVG); add --device cpu for CPU ranks",
+            0, 1024);
   flags.parse(argc, argv);
+  if (o.scaling > 0 && !dist::launched_with_rank()) {
+    samples::ScalingOptions so;
+    so.max_ranks = int(o.scaling);
+    so.throughput_key = "tokens_per_s";
+    so.unit = "tok/s";
+    so.json_path = o.metrics == "train_gpt.jsonl" ? "train_gpt_scaling.jsonl" : o.metrics;
+    so.svg_path = o.plot == "train_gpt.svg" ? "train_gpt_scaling.svg" : o.plot;
+    so.drop_flags.push_back("generate");
+    so.extra_args = {"--generate", "0"};  // measure training only
+    so.quiet_flag = false;
+    return samples::run_scaling(argc, argv, so);
+  }
   if (o.gpus > 1 && !dist::launched_with_rank()) {
     if (cuda_device_count() < o.gpus)
       flags.fail("--gpus " + std::to_string(o.gpus) + ": only " + std::to_string(cuda_device_count()) +

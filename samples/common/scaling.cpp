@@ -61,7 +61,9 @@ int run_scaling(int argc, char** argv, const ScalingOptions& options) {
     std::filesystem::remove(tmp);
     dist::LaunchOptions launch;
     launch.command = base;
-    for (const char* extra : {"--metrics", tmp.c_str(), "--plot", "", "--quiet"}) launch.command.push_back(extra);
+    for (const std::string& extra : options.extra_args) launch.command.push_back(extra);
+    for (const char* extra : {"--metrics", tmp.c_str(), "--plot", ""}) launch.command.push_back(extra);
+    if (options.quiet_flag) launch.command.push_back("--quiet");
     launch.nproc_per_node = ranks;
     launch.master_port = dist::net::free_port();
     std::fflush(stdout);

@@ -20,9 +20,12 @@ struct ScalingOptions {
   std::string json_path, svg_path;               // "" : not written
   // Flags (with their values) removed from the command line before each run.
   std::vector<std::string> drop_flags = {"scaling", "metrics", "plot", "gpus"};
+  // Arguments added to every run, and whether the program takes --quiet.
+  std::vector<std::string> extra_args;
+  bool quiet_flag = true;
 };
 
-// Runs argv[0] with the remaining arguments plus --metrics TMP --plot '' --quiet for each
+// Runs argv[0] with the remaining arguments plus --metrics TMP --plot '' (and --quiet) for each
 // count, prints the table and writes the reports. Returns 0, or the exit code of the first
 // failed run.
 int run_scaling(int argc, char** argv, const ScalingOptions& options);
