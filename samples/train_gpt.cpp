@@ -232,15 +232,20 @@ int main(int argc, char** argv) {
       if (main_rank) progress.finish();
       const double train_loss = samples::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      double val_loss = 0;
+      // Summed on the device and read once, so validation does not wait for the GPU per batch.
+      Tensor val_sum;
       int64_t val_batches = 0;
       {
         NoGradGuard no_grad;
         AutocastGuard cast(autocast);
         data::Epoch val = val_loader.epoch(0);
-        for (data::Batch& b : val) val_loss += model->loss(b.inputs, b.targets).item(), ++val_batches;
+        for (data::Batch& b : val) {
+          Tensor l = model->loss(b.inputs, b.targets);
+          val_sum = val_sum.defined() ? add(val_sum, l) : l;
+          ++val_batches;
+        }
       }
-      val_loss = val_batches ? val_loss / double(val_batches) : NAN;
+      const double val_loss = val_batches ? val_sum.item() / double(val_batches) : NAN;
       const double tokens_per_s = double(steps * o.batch_size * o.context * ctx.size) / seconds;
       if (main_rank) {
         std::printf("epoch %lld: train loss %.4f  validation loss %.4f  %.0f tok/s\n", (long long)epoch + 1,

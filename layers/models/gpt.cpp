@@ -15,7 +15,7 @@ class Container : public Module {
   std::string type_name() const override { return "ModuleDict"; }
 };
 
-// Linear registered under `name` inside a Sequential-like container, GPT-2's initialisation.
+// A Linear with GPT-2's initialisation: N(0, std) weight, zero bias.
 std::shared_ptr<Linear> gpt_linear(int64_t in, int64_t out, double std) {
   auto l = std::make_shared<Linear>(in, out);
   NoGradGuard no_grad;
@@ -25,7 +25,7 @@ std::shared_ptr<Linear> gpt_linear(int64_t in, int64_t out, double std) {
 }
 
 // GELU's MLP with nanoGPT's names: c_fc, then gelu, then c_proj.
-class Mlp : public Sequential {
+class Mlp : public Module {
  public:
   Mlp(int64_t width, double proj_std) {
     c_fc = register_module("c_fc", gpt_linear(width, 4 * width, 0.02));

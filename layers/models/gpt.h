@@ -14,7 +14,6 @@
 #include "layers/attention.h"
 #include "layers/embedding.h"
 #include "layers/layer_norm.h"
-#include "layers/sequential.h"
 
 namespace loom::nn {
 
@@ -36,7 +35,7 @@ class GPTBlock : public Module {
 
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
-  std::shared_ptr<Sequential> mlp;  // c_fc, gelu, c_proj (registered under those names)
+  std::shared_ptr<Module> mlp;  // c_fc, gelu, c_proj (children c_fc and c_proj)
 };
 
 class GPT : public Module {

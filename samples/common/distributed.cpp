@@ -41,20 +41,31 @@ DistContext init_distributed(const std::string& device_flag, dist::Duration time
   return ctx;
 }
 
-int relaunch(int argc, char** argv, int ranks, const std::string& drop_flag) {
-  dist::LaunchOptions options;
+std::vector<std::string> command_without(int argc, char** argv, const std::vector<std::string>& drop_flags) {
   char self[PATH_MAX];
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-  options.command.push_back(n > 0 ? std::string(self, size_t(n)) : std::string(argv[0]));
+  std::vector<std::string> command{n > 0 ? std::string(self, size_t(n)) : std::string(argv[0])};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--" + drop_flag) {
-      ++i;  // and its value
-      continue;
+    bool dropped = false;
+    for (const std::string& flag : drop_flags) {
+      if (arg == "--" + flag) {
+        ++i, dropped = true;  // and its value
+        break;
+      }
+      if (arg.starts_with("--" + flag + "=")) {
+        dropped = true;
+        break;
+      }
     }
-    if (arg.starts_with("--" + drop_flag + "=")) continue;
-    options.command.push_back(arg);
+    if (!dropped) command.push_back(arg);
   }
+  return command;
+}
+
+int relaunch(int argc, char** argv, int ranks, const std::string& drop_flag) {
+  dist::LaunchOptions options;
+  options.command = command_without(argc, argv, {drop_flag});
   options.nproc_per_node = ranks;
   options.master_addr = "127.0.0.1";
   options.master_port = dist::net::free_port();

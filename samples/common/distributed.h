@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/device.h"
 #include "parallel/process_group.h"
@@ -30,6 +31,10 @@ struct DistContext {
 // cuda:LOCAL_RANK ("auto" or "cuda" with GPUs) or the CPU ("cpu", or no GPU), and a group
 // of the matching backend is opened. Errors name the variable or the flag.
 DistContext init_distributed(const std::string& device_flag, dist::Duration timeout);
+
+// This program's command line for starting it again: its own executable, then argv[1..] with
+// each flag of `drop_flags` (as --name value or --name=value) removed.
+std::vector<std::string> command_without(int argc, char** argv, const std::vector<std::string>& drop_flags);
 
 // Runs argv[0] again as `ranks` processes on this node (a free port, the env:// variables,
 // output prefixed by rank, the group stopped when one fails), with `drop_flag` and its value

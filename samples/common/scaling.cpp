@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +9,7 @@
 
 #include "parallel/launcher.h"
 #include "parallel/socket.h"
+#include "samples/common/distributed.h"
 #include "samples/common/metrics.h"
 
 namespace loom::samples {
@@ -33,24 +33,7 @@ double last_metric(const std::string& path, const std::string& key) {
 }
 
 int run_scaling(int argc, char** argv, const ScalingOptions& options) {
-  char self[PATH_MAX];
-  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-  std::vector<std::string> base{n > 0 ? std::string(self, size_t(n)) : std::string(argv[0])};
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    bool dropped = false;
-    for (const std::string& flag : options.drop_flags) {
-      if (arg == "--" + flag) {
-        ++i, dropped = true;  // and its value
-        break;
-      }
-      if (arg.starts_with("--" + flag + "=")) {
-        dropped = true;
-        break;
-      }
-    }
-    if (!dropped) base.push_back(arg);
-  }
+  const std::vector<std::string> base = command_without(argc, argv, options.drop_flags);
   const std::string tmp = (std::filesystem::temp_directory_path() /
                            ("loom_scaling_" + std::to_string(::getpid()) + ".jsonl")).string();
   MetricsLog json(options.json_path);
