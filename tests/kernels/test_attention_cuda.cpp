@@ -16,12 +16,15 @@
 
 #include "kernels/table.h"
 #include "tests/common/device_buffer.h"
+#include "tests/common/float_bytes.h"
 #include "tests/common/gpu.h"
 
 namespace loom {
 namespace {
 
 using test::DeviceBuffer;
+using test::decode;
+using test::encode;
 
 struct Case {
   int64_t B, H, Tq, Tk, D;
@@ -54,43 +57,6 @@ std::vector<Case> cases() {
   return out;
 }
 
-// Floats as raw bytes of a float dtype, and back.
-std::vector<uint8_t> encode(const std::vector<double>& v, DType dt) {
-  const size_t es = dtype_size(dt);
-  std::vector<uint8_t> b(v.size() * es);
-  for (size_t e = 0; e < v.size(); ++e) {
-    uint8_t* p = b.data() + e * es;
-    const float f = float(v[e]);
-    const bf16 h(f);
-    const f16 g(f);
-    switch (dt) {
-      case DType::f32: std::memcpy(p, &f, 4); break;
-      case DType::f64: std::memcpy(p, &v[e], 8); break;
-      case DType::bf16: std::memcpy(p, &h.bits, 2); break;
-      case DType::f16: std::memcpy(p, &g.bits, 2); break;
-      default: ADD_FAILURE() << "not a float dtype";
-    }
-  }
-  return b;
-}
-std::vector<double> decode(const std::vector<uint8_t>& b, DType dt) {
-  const size_t es = dtype_size(dt);
-  std::vector<double> v(b.size() / es);
-  for (size_t e = 0; e < v.size(); ++e) {
-    const uint8_t* p = b.data() + e * es;
-    float f;
-    bf16 h;
-    f16 g;
-    switch (dt) {
-      case DType::f32: std::memcpy(&f, p, 4), v[e] = f; break;
-      case DType::f64: std::memcpy(&v[e], p, 8); break;
-      case DType::bf16: std::memcpy(&h.bits, p, 2), v[e] = float(h); break;
-      case DType::f16: std::memcpy(&g.bits, p, 2), v[e] = float(g); break;
-      default: ADD_FAILURE() << "not a float dtype";
-    }
-  }
-  return v;
-}
 
 std::vector<uint8_t> random_bytes(int64_t n, uint32_t seed, DType dt) {
   std::mt19937 gen(seed);

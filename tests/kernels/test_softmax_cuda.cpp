@@ -13,12 +13,15 @@
 
 #include "kernels/table.h"
 #include "tests/common/device_buffer.h"
+#include "tests/common/float_bytes.h"
 #include "tests/common/gpu.h"
 
 namespace loom {
 namespace {
 
 using test::DeviceBuffer;
+using test::decode;
+using test::encode;
 
 constexpr DType kDtypes[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
 
@@ -44,43 +47,6 @@ const Shape kShapes[] = {
     {1, 1, 1},
 };
 
-// Floats as raw bytes of any float dtype, and back.
-std::vector<uint8_t> encode(const std::vector<double>& v, DType dt) {
-  const size_t es = dtype_size(dt);
-  std::vector<uint8_t> b(v.size() * es);
-  for (size_t k = 0; k < v.size(); ++k) {
-    uint8_t* p = b.data() + k * es;
-    const float f = float(v[k]);
-    const bf16 h(f);
-    const f16 g(f);
-    switch (dt) {
-      case DType::f32: std::memcpy(p, &f, 4); break;
-      case DType::f64: std::memcpy(p, &v[k], 8); break;
-      case DType::bf16: std::memcpy(p, &h.bits, 2); break;
-      case DType::f16: std::memcpy(p, &g.bits, 2); break;
-      default: ADD_FAILURE() << "not a float dtype";
-    }
-  }
-  return b;
-}
-std::vector<double> decode(const std::vector<uint8_t>& b, DType dt) {
-  const size_t es = dtype_size(dt);
-  std::vector<double> v(b.size() / es);
-  for (size_t k = 0; k < v.size(); ++k) {
-    const uint8_t* p = b.data() + k * es;
-    float f;
-    bf16 h;
-    f16 g;
-    switch (dt) {
-      case DType::f32: std::memcpy(&f, p, 4), v[k] = f; break;
-      case DType::f64: std::memcpy(&v[k], p, 8); break;
-      case DType::bf16: std::memcpy(&h.bits, p, 2), v[k] = float(h); break;
-      case DType::f16: std::memcpy(&g.bits, p, 2), v[k] = float(g); break;
-      default: ADD_FAILURE() << "not a float dtype";
-    }
-  }
-  return v;
-}
 
 std::vector<double> random_values(int64_t n, uint32_t seed, double lo, double hi) {
   std::mt19937 gen(seed);
