@@ -1,0 +1,185 @@
+// bench_gpt: training throughput of a GPT on one GPU, the figure samples/bench_gpt_torch.py
+// measures for PyTorch (eager and torch.compile) with the same model, batch and optimizer:
+// AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1 on the matrices only), bf16 autocast over
+// f32 master weights, random tokens already on the GPU. A step is forward, loss, backward and
+// the optimizer step. Each step is bracketed by CUDA events (no host synchronisation between
+// steps) and the median step is reported, with tokens/s, MFU and peak memory:
+//   FLOPs per token = 6 N + 12 L d T   (N parameters, L layers, d width, T sequence)
+//   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
+//   bench_gpt [--config gpt2-124m] [--batch 16] [--seq 1024] [--precision bf16|f32]
+//             [--warmup N] [--steps N] [--ddp] [--json FILE]
+// --ddp measures what data parallelism costs on one GPU: the same model is stepped plainly and
+// through DistributedDataParallel (NCCL, world size 1) in alternating rounds within one run,
+// so both see the same clocks and memory state, and the two medians are compared.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/allocator.h"
+#include "engine/autocast.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "layers/layers.h"
+#include "parallel/ddp.h"
+#include "samples/common/flags.h"
+#include "samples/common/metrics.h"
+
+using namespace loom;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Runs `steps` steps back to back, an event between each two, and returns each step's ms.
+std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps, Device dev) {
+  StreamHandle s = compute_stream(dev);
+  std::vector<std::unique_ptr<Event>> events;
+  events.push_back(std::make_unique<Event>());
+  events.back()->record(s);
+  for (int64_t i = 0; i < steps; ++i) {
+    step();
+    events.push_back(std::make_unique<Event>());
+    events.back()->record(s);
+  }
+  events.back()->synchronize();
+  std::vector<double> ms;
+  for (size_t i = 1; i < events.size(); ++i) ms.push_back(events[i]->elapsed_ms_since(*events[i - 1]));
+  return ms;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config_name = "gpt2-124m", precision = "bf16", json;
+  int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
+  bool ddp = false;
+  samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
+  flags.add("config", &config_name, "model size", {"gpt2-124m", "guide", "tiny"});
+  flags.add("batch", &batch, "sequences per step", 1);
+  flags.add("seq", &seq, "tokens per sequence (at most the config's context)", 1);
+  flags.add("precision", &precision, "bf16 autocast over f32 weights, or f32 (TF32 products)", {"bf16", "f32"});
+  flags.add("warmup", &warmup, "untimed steps first", 0);
+  flags.add("steps", &steps, "timed steps (with --ddp: per mode)", 2);
+  flags.add_switch("ddp", &ddp, "also step through DistributedDataParallel (NCCL, one rank) and compare");
+  flags.add("json", &json, "append the results here as JSON lines", {}, "FILE");
+  flags.parse(argc, argv);
+  try {
+    if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
+    const Device dev = Device::cuda(0);
+    const nn::GPTConfig config = nn::GPTConfig::named(config_name);
+    if (seq > config.context) flags.fail("--seq " + std::to_string(seq) + " is longer than the context of " +
+                                         config_name + " (" + std::to_string(config.context) + ")");
+    manual_seed(0);
+    auto model = std::make_shared<nn::GPT>(config);
+    model->to(dev);
+    model->train();
+    TensorList decay, no_decay;
+    int64_t n_params = 0;
+    for (const Tensor& p : model->parameters()) {
+      n_params += p.numel();
+      (p.dim() >= 2 ? decay : no_decay).push_back(p);
+    }
+    optim::AdamW opt(decay, {.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
+    opt.add_param_group(no_decay, {.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.0});
+    std::shared_ptr<dist::DistributedDataParallel> wrapped;
+    if (ddp) {
+      auto store = std::make_shared<dist::TcpStore>("127.0.0.1", 0, dist::TcpStore::Role::server);
+      wrapped = std::make_shared<dist::DistributedDataParallel>(model, dist::new_nccl_group(store, 0, 1, dev));
+    }
+    // Uniform token ids in [0, vocab): U[0, 1) scaled, truncated by the conversion to i64.
+    Tensor ids = mul(rand({batch, seq + 1}, DType::f32, dev), double(config.vocab_size)).to(DType::i64);
+    Tensor x = ids.slice(1, 0, seq).contiguous(), y = ids.slice(1, 1, seq + 1).contiguous();
+    std::optional<DType> cast = precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+    // marks, when given, gets an event recorded after the forward and after the backward.
+    auto step_with = [&](bool through_ddp, Event* marks = nullptr) {
+      opt.zero_grad();
+      Tensor loss;
+      {
+        AutocastGuard guard(cast);
+        loss = through_ddp ? wrapped->call([&] { return model->loss(x, y); }) : model->loss(x, y);
+      }
+      if (marks) marks[0].record(compute_stream(dev));
+      loss.backward();
+      if (marks) marks[1].record(compute_stream(dev));
+      opt.step();
+    };
+    std::function<void()> plain = [&] { step_with(false); }, data_parallel = [&] { step_with(true); };
+
+    for (int64_t i = 0; i < warmup; ++i) {
+      plain();
+      if (ddp) data_parallel();
+    }
+    synchronize(dev);
+    memory::reset_peak(dev);
+    std::vector<double> plain_ms, ddp_ms;
+    if (!ddp) {
+      plain_ms = timed_steps(plain, steps, dev);
+    } else {
+      // Alternating rounds (plain, ddp, ddp, plain, ...) so drifting clocks hit both alike.
+      const int64_t rounds = 6, per_round = std::max<int64_t>(1, steps / rounds);
+      for (int64_t r = 0; r < rounds; ++r) {
+        auto& first = r % 2 ? ddp_ms : plain_ms;
+        auto& second = r % 2 ? plain_ms : ddp_ms;
+        auto a = timed_steps(r % 2 ? data_parallel : plain, per_round, dev);
+        auto b = timed_steps(r % 2 ? plain : data_parallel, per_round, dev);
+        first.insert(first.end(), a.begin(), a.end());
+        second.insert(second.end(), b.begin(), b.end());
+      }
+    }
+    const double peak_mib = double(memory::stats(dev).peak_allocated) / (1 << 20);
+    const double flop_per_token =
+        6.0 * double(n_params) + 12.0 * double(config.layers) * double(config.width) * double(seq);
+    auto report = [&](const std::vector<double>& ms, const std::string& mode) {
+      const double step_ms = median(ms);
+      const double tokens_per_s = double(batch * seq) / (step_ms * 1e-3);
+      const samples::MetricRecord record{{"engine", std::string("loom")},
+                                           {"mode", mode},
+                                           {"config", config_name},
+                                           {"batch", batch},
+                                           {"seq", seq},
+                                           {"precision", precision},
+                                           {"params", n_params},
+                                           {"ms_per_step", step_ms},
+                                           {"tokens_per_s", tokens_per_s},
+                                           {"mfu", tokens_per_s * flop_per_token / 989e12},
+                                           {"peak_mib", peak_mib}};
+      std::printf("%s\n", samples::to_json(record).c_str());
+      if (!json.empty()) samples::MetricsLog(json).write(record);
+      return step_ms;
+    };
+    const double plain_step = report(plain_ms, "plain");
+    {
+      // Where a plain step's time goes: forward with the loss, backward, optimizer step.
+      std::vector<double> fwd, bwd, opt_ms;
+      for (int64_t i = 0; i < std::min<int64_t>(steps, 20); ++i) {
+        Event start, marks[2], stop;
+        start.record(compute_stream(dev));
+        step_with(false, marks);
+        stop.record(compute_stream(dev));
+        stop.synchronize();
+        fwd.push_back(marks[0].elapsed_ms_since(start));
+        bwd.push_back(marks[1].elapsed_ms_since(marks[0]));
+        opt_ms.push_back(stop.elapsed_ms_since(marks[1]));
+      }
+      std::printf("phases (median ms): forward+loss %.2f, backward %.2f, optimizer %.2f\n", median(fwd), median(bwd),
+                  median(opt_ms));
+    }
+    if (ddp) {
+      const double ddp_step = report(ddp_ms, "ddp");
+      std::printf("DDP (NCCL, world size 1) over plain: %+.2f%% per step (medians %.2f vs %.2f ms)\n",
+                  100.0 * (ddp_step / plain_step - 1.0), ddp_step, plain_step);
+    }
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_gpt: %s\n", e.what());
+    return 1;
+  }
+}
