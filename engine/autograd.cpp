@@ -15,8 +15,8 @@ std::atomic<uint64_t> g_sequence{0};
 // The callbacks of the backward pass running on this thread (null outside one).
 thread_local std::vector<std::function<void()>>* g_callbacks = nullptr;
 
-// Points g_callbacks at one pass's list for its scope; a nested pass (a backward run from
-// a hook) gets its own list and restores the outer one.
+// Points g_callbacks at one pass's list for its scope; a nested pass gets its own list (or,
+// joined, keeps the enclosing one) and restores the outer one.
 class CallbackScope {
  public:
   explicit CallbackScope(std::vector<std::function<void()>>* list) : previous_(g_callbacks) { g_callbacks = list; }
@@ -102,11 +102,14 @@ void queue_callback(std::function<void()> callback) {
   g_callbacks->push_back(std::move(callback));
 }
 
-void run_backward(const TensorList& roots, const TensorList& grads) {
+void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting) {
   LOOM_ASSERT(roots.size() == grads.size(), "one gradient per root");
   NoGradGuard no_grad;
+  // A joined pass queues into the enclosing pass's list, so its own stays empty and the loop
+  // at the end runs nothing: the enclosing pass runs those callbacks when it ends.
   std::vector<std::function<void()>> callbacks;
-  CallbackScope callback_scope(&callbacks);
+  const bool joined = nesting == Nesting::joined && g_callbacks != nullptr;
+  CallbackScope callback_scope(joined ? g_callbacks : &callbacks);
 
   struct Pending {
     TensorList grads;

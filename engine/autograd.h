@@ -7,6 +7,7 @@
 // done and then fires the leaf's post-accumulate hooks: that is when DDP can start
 // reducing that gradient while the rest of backward goes on. A hook may also queue a
 // callback that runs once the whole pass is done (queue_callback): DDP finishes there.
+// A node's backward may itself run a backward pass (engine/recompute.h does): see Nesting.
 //
 // Saved tensors are captured detached (data only) so a node never keeps its own output
 // alive through a cycle. Gradients of gradients are not supported: backward runs under
@@ -70,11 +71,28 @@ bool any_requires_grad(std::initializer_list<Tensor> inputs);
 bool any_requires_grad(const TensorList& inputs);
 
 // Records `backward` as the gradient of `outputs` with respect to `inputs`; marks the
-// outputs as requiring grad. Call only when any_requires_grad(inputs).
+// outputs as requiring grad. Ops call it only when any_requires_grad(inputs); recompute
+// (engine/recompute.h) also records when no input requires a gradient, as the function it
+// reruns may use parameters.
 void record(const char* name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward);
 
-// Runs backward from `roots` seeded with `grads` (one per root, same shapes).
-void run_backward(const TensorList& roots, const TensorList& grads);
+// How a backward pass started while another runs on this thread (from a hook, or from a
+// node's backward) relates to it. Either way the inner pass is complete on its own: its
+// nodes run, its leaves accumulate and fire their hooks before it returns. What differs is
+// where queue_callback puts the callbacks queued during it.
+enum class Nesting {
+  // An independent pass: its callbacks run when it ends, the enclosing pass's stay queued.
+  separate,
+  // A part of the enclosing pass (recompute's backward, engine/recompute.h): callbacks
+  // queued during it join the enclosing pass's list and run when that pass ends, as they
+  // would without recomputation. DDP's end-of-backward callback needs this when its first
+  // hook fires inside a recomputed block. Outside any pass it is the same as `separate`.
+  joined,
+};
+
+// Runs backward from `roots` seeded with `grads` (one per root, same shapes). May be called
+// from a node's backward or a hook (see Nesting): a pass keeps its state on its own stack.
+void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting = Nesting::separate);
 
 // Runs `callback` once the backward pass running on this thread has finished, after its
 // last node, as PyTorch's Variable._execution_engine.queue_callback. Hooks use it to act

@@ -55,6 +55,8 @@ void copy_(const Tensor& dst, const Tensor& src);
 Tensor cat(const TensorList& tensors, int dim);
 Tensor stack(const TensorList& tensors, int dim);
 TensorList split(const Tensor& t, int64_t split_size, int dim);
+// The slices of x along dim as views, dim removed (torch.unbind); one autograd node for all.
+TensorList unbind(const Tensor& x, int dim);
 // Sums `t` over broadcast dimensions down to `shape` (the gradient of a broadcast).
 Tensor sum_to(const Tensor& t, const Shape& shape);
 Shape broadcast_shapes(const Shape& a, const Shape& b);
@@ -119,12 +121,17 @@ Tensor argmin(const Tensor& x, int dim, bool keepdim = false);
 // ---- matrix products (ops/matmul.cpp) ------------------------------------------
 // (..., m, k) @ (..., k, n) with broadcast batch dims; 1-d operands as in torch.matmul.
 Tensor matmul(const Tensor& a, const Tensor& b);
+// A linear layer: x (..., in) @ weight (out, in)^T + bias (out; may be undefined), as
+// torch.nn.functional.linear; one GEMM with the bias added in its epilogue.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 
 // ---- softmax and losses (ops/softmax.cpp) --------------------------------------
 Tensor softmax(const Tensor& x, int dim);
 Tensor log_softmax(const Tensor& x, int dim);
 // Mean cross-entropy of logits (N, C) against i64 targets (N), ignoring rows whose target
 // is ignore_index; label_smoothing in [0, 1). Fused: never materialises probabilities.
+// The loss is in the accumulation type: f64 for f64 logits, else f32 (16-bit logits, such as a
+// bf16 language-model head, are read as they are and their gradient is written in their dtype).
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      double label_smoothing = 0.0);
 
@@ -185,6 +192,17 @@ Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int, 2> output_size);
 // x), so bf16 activations keep f32 parameters.
 Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
+
+// ---- layer normalisation (ops/layer_norm.cpp) -----------------------------------
+// PyTorch's F.layer_norm over the last dim: x (..., D) normalised per row with the row's
+// mean and biased variance, y = (x - mean) / sqrt(var + eps) * weight + bias. weight and
+// bias (D) may be undefined (1 and 0); when both are given they share a dtype, f32 or x's
+// typically, and their gradients come in it. One fused kernel each way; differentiable in
+// x, weight and bias. y is in x's dtype, under autocast too, unless out_dtype asks for
+// another: a layer whose output feeds an autocast matrix product asks for the 16-bit
+// compute dtype, which saves the product a cast of its own.
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5,
+                  std::optional<DType> out_dtype = std::nullopt);
 
 // ---- fused optimizer updates (ops/optim.cpp) ------------------------------------
 // In-place multi-tensor updates with torch.optim's arithmetic (kernels/table.h gives the

@@ -62,6 +62,9 @@ struct GemmArgs {
   void* c = nullptr;
   int64_t ldc = 0, stride_c = 0;
   float alpha = 1.f, beta = 0.f;
+  // Optional bias (n), C's dtype, added to every row after alpha and beta: C += bias
+  // (a linear layer's y = x W^T + b in one pass; on CUDA a cuBLASLt epilogue).
+  const void* bias = nullptr;
 };
 
 // A 2-d convolution (cross-correlation, as in PyTorch) over NCHW contiguous buffers:
@@ -105,6 +108,21 @@ struct BatchNormArgs {
   int64_t n = 0, c = 0, s = 1;
   double eps = 1e-5;
   double momentum = 0.1;  // running = (1 - momentum) * running + momentum * batch statistic
+};
+
+// Layer normalisation over the last axis of a contiguous (rows, dim) buffer, PyTorch's
+// F.layer_norm with normalized_shape (dim). x and dx have `dtype` (f32, f64, bf16, f16).
+// y and dy have `out_dtype`: f64 for f64 x, else any of f32, bf16 and f16, so a 16-bit y can
+// feed an autocast matrix product without a cast of its own. weight, bias, dweight and dbias
+// (dim) have `param_dtype` (any floating dtype; f32 or x's dtype in practice). mean and rstd
+// (rows) are in the accumulation type (f64 for f64 x, f32 otherwise): the forward saves them
+// and the backward reads them instead of recomputing the statistics.
+struct LayerNormArgs {
+  DType dtype = DType::f32;        // x, dx
+  DType out_dtype = DType::f32;    // y, dy
+  DType param_dtype = DType::f32;  // weight, bias, dweight, dbias
+  int64_t rows = 0, dim = 0;
+  double eps = 1e-5;
 };
 
 // Multi-tensor optimizer updates: one call updates `count` tensors of any sizes (on CUDA in
@@ -294,6 +312,23 @@ struct KernelTable {
   void (*batch_norm_backward)(const BatchNormArgs& args, void* dx, void* dgamma, void* dbeta, const void* dy,
                               const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
                               StreamHandle stream);
+
+  // ---- layer normalisation (LayerNormArgs) ---------------------------------------------
+  // Per row: mean and biased variance (correction 0) over dim, rstd = 1 / sqrt(var + eps),
+  //   y = (x - mean) * rstd * weight + bias      (weight null means 1, bias null means 0);
+  // mean and rstd written.
+  void (*layer_norm_forward)(const LayerNormArgs& args, void* y, void* mean, void* rstd, const void* x,
+                             const void* weight, const void* bias, StreamHandle stream);
+  // Bytes of device scratch layer_norm_backward needs for these shapes on the current device
+  // when it writes dweight or dbias (0 on the CPU); the caller allocates it, 16-byte aligned.
+  size_t (*layer_norm_workspace_size)(const LayerNormArgs& args);
+  // Backward of the forward, xhat = (x - mean) * rstd, g = dy * weight, means over the row:
+  //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
+  //   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy.
+  // Each of dx, dweight, dbias may be null (not wanted). Deterministic: no atomics.
+  void (*layer_norm_backward)(const LayerNormArgs& args, void* dx, void* dweight, void* dbias, const void* dy,
+                              const void* x, const void* mean, const void* rstd, const void* weight,
+                              void* workspace, StreamHandle stream);
 
   // ---- optimizers (MultiTensorArgs) ----------------------------------------------------
   void (*sgd_step)(const MultiTensorArgs& args, const SgdHyper& hyper, StreamHandle stream);

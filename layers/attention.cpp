@@ -18,7 +18,8 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), H = num_heads_, D = embed_dim_ / num_heads_;
   // (B, T, 3C) -> (3, B, H, T, D): one view and one copy for q, k and v together.
   Tensor qkv = c_attn->forward(x).view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4}).contiguous();
-  Tensor y = scaled_dot_product_attention(qkv.select(0, 0), qkv.select(0, 1), qkv.select(0, 2), causal_);
+  TensorList q_k_v = unbind(qkv, 0);
+  Tensor y = scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], causal_);
   return c_proj->forward(y.transpose(1, 2).reshape({B, T, embed_dim_}));
 }
 

@@ -1,6 +1,8 @@
-// LayerNorm as a composite of mean, mul, rsqrt and add over the last dimension.
+// LayerNorm as a call of the fused layer_norm op; the shape check is the layer's, so its
+// message names the layer's configured size.
 #include "layers/layer_norm.h"
 
+#include "engine/autocast.h"
 #include "engine/ops.h"
 
 namespace loom::nn {
@@ -14,13 +16,16 @@ LayerNorm::LayerNorm(int64_t normalized_dim, double eps, Affine affine) : dim_(n
   }
 }
 
-Tensor LayerNorm::forward(const Tensor& input) {
+Tensor LayerNorm::forward(const Tensor& input) { return run(input, input.dtype()); }
+
+Tensor LayerNorm::forward_for_product(const Tensor& input) {
+  return run(input, input.dtype() == DType::f32 ? autocast_compute_dtype(DType::f32) : input.dtype());
+}
+
+Tensor LayerNorm::run(const Tensor& input, DType out_dtype) {
   LOOM_CHECK(input.dim() >= 1 && input.size(-1) == dim_, "LayerNorm(", dim_, "): expected input of shape (..., ",
              dim_, "), got ", shape_str(input.shape()));
-  Tensor centred = sub(input, mean(input, {-1}, true));           // (..., dim)
-  Tensor variance = mean(mul(centred, centred), {-1}, true);       // (..., 1), correction 0
-  Tensor y = mul(centred, rsqrt(add(variance, eps_)));             // (..., dim)
-  return weight.defined() ? add(mul(y, weight), bias) : y;
+  return layer_norm(input, weight, bias, eps_, out_dtype);
 }
 
 }  // namespace loom::nn

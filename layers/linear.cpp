@@ -1,5 +1,5 @@
-// Linear: PyTorch's initialisation and a forward built from matmul and add, whose
-// gradients come from those ops.
+// Linear: PyTorch's initialisation and a forward through the linear op (one GEMM with the
+// bias in its epilogue).
 #include "layers/linear.h"
 
 #include <cmath>
@@ -27,9 +27,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, Bias with_bias)
 Tensor Linear::forward(const Tensor& input) {
   LOOM_CHECK(input.dim() >= 1 && input.size(-1) == in_features_, "Linear(", in_features_, ", ", out_features_,
              "): expected input of shape (..., ", in_features_, "), got ", shape_str(input.shape()));
-  Tensor y = matmul(input, weight.t());
-  // The bias follows the product's dtype, so under autocast the output stays 16-bit.
-  return bias.defined() ? add(y, bias.to(y.dtype())) : y;
+  return linear(input, weight, bias);
 }
 
 }  // namespace loom::nn

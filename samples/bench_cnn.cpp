@@ -4,10 +4,16 @@
 // so the figure is the engine's: forward, loss, backward, optimizer step.
 //   bench_cnn [--model simplecnn|resnet18] [--image 1x28x28|3x32x32] [--batch N]
 //             [--precision f32|bf16] [--warmup N] [--steps N] [--ddp] [--json FILE]
-// --ddp runs the step through DistributedDataParallel over an NCCL group of one rank: the
-// cost of data parallelism's machinery (hooks, buckets, the all-reduce) on one GPU.
-// Prints one JSON object (images/s, ms per step, peak memory) and appends it to --json.
-#include <chrono>
+// --ddp also runs the step through DistributedDataParallel over an NCCL group of one rank,
+// alternating rounds of plain and DDP steps of the same model: the cost of data
+// parallelism's machinery (hooks, buckets, the all-reduce) on one GPU.
+// Steps are bracketed by CUDA events and the median is reported. Prints one JSON object
+// (images/s, ms per step, peak memory; with --ddp the DDP step and the plain one beside it)
+// and appends it to --json.
+#include <algorithm>
+#include <functional>
+#include <tuple>
+#include <vector>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -20,6 +26,7 @@
 #include "parallel/ddp.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
+#include "samples/common/step_timing.h"
 
 using namespace loom;
 
@@ -59,33 +66,43 @@ int main(int argc, char** argv) {
     Tensor x = randn({batch, c, side, side}, DType::f32, dev);
     Tensor y = argmax(randn({batch, 10}, DType::f32, dev), 1);
     std::optional<DType> cast = precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
-    auto step = [&] {
+    auto step = [&](const std::shared_ptr<nn::Module>& net) {
       opt.zero_grad();
       Tensor loss;
       {
         AutocastGuard guard(cast);
-        loss = cross_entropy(trained->forward(x).to(DType::f32), y);
+        loss = cross_entropy(net->forward(x).to(DType::f32), y);
       }
       loss.backward();
       opt.step();
     };
-    for (int64_t i = 0; i < warmup; ++i) step();
+    std::function<void()> plain = [&] { step(model); }, data_parallel = [&] { step(trained); };
+    for (int64_t i = 0; i < warmup; ++i) {
+      plain();
+      if (ddp) data_parallel();
+    }
     synchronize(dev);
     memory::reset_peak(dev);
-    auto t0 = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < steps; ++i) step();
-    synchronize(dev);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::vector<double> plain_ms, ddp_ms;
+    if (ddp) {
+      // Plain and DDP steps of the same model in alternating rounds, so both see the same clocks.
+      std::tie(plain_ms, ddp_ms) =
+          samples::alternating_steps(plain, data_parallel, 6, std::max<int64_t>(1, steps / 6), dev);
+    } else {
+      plain_ms = samples::timed_steps(plain, steps, dev);
+    }
+    const double step_ms = samples::median(ddp ? ddp_ms : plain_ms);
     const double peak_mib = double(memory::stats(dev).peak_allocated) / (1 << 20);
-    const samples::MetricRecord record{{"engine", std::string("loom")},
-                                         {"model", model_name},
-                                         {"image", image},
-                                         {"batch", batch},
-                                         {"precision", precision},
-                                         {"ddp", int64_t(ddp) + int64_t(ddp && bucket_view)},
-                                         {"images_per_s", double(batch * steps) / seconds},
-                                         {"ms_per_step", seconds * 1e3 / double(steps)},
-                                         {"peak_mib", peak_mib}};
+    samples::MetricRecord record{{"engine", std::string("loom")},
+                                 {"model", model_name},
+                                 {"image", image},
+                                 {"batch", batch},
+                                 {"precision", precision},
+                                 {"ddp", int64_t(ddp) + int64_t(ddp && bucket_view)},
+                                 {"images_per_s", double(batch) / (step_ms * 1e-3)},
+                                 {"ms_per_step", step_ms},
+                                 {"peak_mib", peak_mib}};
+    if (ddp) record.push_back({"plain_ms_per_step", samples::median(plain_ms)});
     std::printf("%s\n", samples::to_json(record).c_str());
     if (!json.empty()) samples::MetricsLog(json).write(record);
     return 0;

@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/allocator.h"
@@ -27,40 +28,16 @@
 #include "parallel/ddp.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
+#include "samples/common/step_timing.h"
 
 using namespace loom;
+using samples::median;
 
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// Runs `steps` steps back to back, an event between each two, and returns each step's ms.
-std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps, Device dev) {
-  StreamHandle s = compute_stream(dev);
-  std::vector<std::unique_ptr<Event>> events;
-  events.push_back(std::make_unique<Event>());
-  events.back()->record(s);
-  for (int64_t i = 0; i < steps; ++i) {
-    step();
-    events.push_back(std::make_unique<Event>());
-    events.back()->record(s);
-  }
-  events.back()->synchronize();
-  std::vector<double> ms;
-  for (size_t i = 1; i < events.size(); ++i) ms.push_back(events[i]->elapsed_ms_since(*events[i - 1]));
-  return ms;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   std::string config_name = "gpt2-124m", precision = "bf16", json;
   int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
-  bool ddp = false;
+  bool ddp = false, components = false;
   samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
   flags.add("config", &config_name, "model size", {"gpt2-124m", "guide", "tiny"});
   flags.add("batch", &batch, "sequences per step", 1);
@@ -69,6 +46,7 @@ int main(int argc, char** argv) {
   flags.add("warmup", &warmup, "untimed steps first", 0);
   flags.add("steps", &steps, "timed steps (with --ddp: per mode)", 2);
   flags.add_switch("ddp", &ddp, "also step through DistributedDataParallel (NCCL, one rank) and compare");
+  flags.add_switch("components", &components, "also time each part of the model (forward, forward + backward)");
   flags.add("json", &json, "append the results here as JSON lines", {}, "FILE");
   flags.parse(argc, argv);
   try {
@@ -121,18 +99,11 @@ int main(int argc, char** argv) {
     memory::reset_peak(dev);
     std::vector<double> plain_ms, ddp_ms;
     if (!ddp) {
-      plain_ms = timed_steps(plain, steps, dev);
+      plain_ms = samples::timed_steps(plain, steps, dev);
     } else {
       // Alternating rounds (plain, ddp, ddp, plain, ...) so drifting clocks hit both alike.
-      const int64_t rounds = 6, per_round = std::max<int64_t>(1, steps / rounds);
-      for (int64_t r = 0; r < rounds; ++r) {
-        auto& first = r % 2 ? ddp_ms : plain_ms;
-        auto& second = r % 2 ? plain_ms : ddp_ms;
-        auto a = timed_steps(r % 2 ? data_parallel : plain, per_round, dev);
-        auto b = timed_steps(r % 2 ? plain : data_parallel, per_round, dev);
-        first.insert(first.end(), a.begin(), a.end());
-        second.insert(second.end(), b.begin(), b.end());
-      }
+      std::tie(plain_ms, ddp_ms) =
+          samples::alternating_steps(plain, data_parallel, 6, std::max<int64_t>(1, steps / 6), dev);
     }
     const double peak_mib = double(memory::stats(dev).peak_allocated) / (1 << 20);
     const double flop_per_token =
@@ -156,6 +127,66 @@ int main(int argc, char** argv) {
       return step_ms;
     };
     const double plain_step = report(plain_ms, "plain");
+    if (components) {
+      // Each part of the model alone at the step's shapes: median ms of its forward, and of its
+      // forward plus a backward from a random output gradient.
+      const int64_t C = config.width;
+      Tensor h = randn({batch, seq, C}, DType::f32, dev).set_requires_grad(true);
+      Tensor h16 = randn({batch, seq, C}, DType::bf16, dev).set_requires_grad(true);
+      Tensor ids2 = x;
+      const int64_t H = config.heads, D = C / H;
+      Tensor h4 = randn({batch, seq, 4 * C}, DType::bf16, dev).set_requires_grad(true);
+      Tensor logits16 = randn({batch * seq, config.vocab_size}, DType::bf16, dev).set_requires_grad(true);
+      Tensor q = randn({batch, H, seq, D}, DType::bf16, dev).set_requires_grad(true);
+      Tensor k = randn({batch, H, seq, D}, DType::bf16, dev).set_requires_grad(true);
+      Tensor v = randn({batch, H, seq, D}, DType::bf16, dev).set_requires_grad(true);
+      auto& blk = *model->blocks[0];
+      struct Part {
+        const char* name;
+        std::function<Tensor()> run;
+      };
+      const Part parts[] = {
+          {"embeddings", [&] { return add(model->wte->forward(ids2), model->wpe->forward(arange(0, double(seq), 1, DType::i64, dev))); }},
+          {"layer norm (f32 in)", [&] { return blk.ln_1->forward_for_product(h); }},
+          {"attention block (bf16 in)", [&] { return blk.attn->forward(h16); }},
+          {"mlp (bf16 in)", [&] { return blk.mlp->forward(h16); }},
+          {"  c_attn linear", [&] { return blk.attn->c_attn->forward(h16); }},
+          {"  scaled_dot_product_attn", [&] { return scaled_dot_product_attention(q, k, v, true); }},
+          {"  c_proj linear", [&] { return blk.attn->c_proj->forward(h16); }},
+          {"  mlp c_fc linear", [&] { return blk.mlp->named_children()[0].second->forward(h16); }},
+          {"  gelu", [&] { return gelu(h4); }},
+          {"  mlp c_proj linear", [&] { return blk.mlp->named_children()[1].second->forward(h4); }},
+          {"  residual add (f32 + bf16)", [&] { return add(h, h16); }},
+          {"transformer block (f32 in)", [&] { return blk.forward(h); }},
+          {"  lm_head matmul (bf16 in)", [&] { return matmul(h16, model->lm_head.t()); }},
+          {"  cross_entropy (bf16 logits)", [&] { return cross_entropy(logits16, y.reshape({batch * seq})); }},
+          {"ln_f + lm_head + loss", [&] { return cross_entropy(matmul(model->ln_f->forward_for_product(h), model->lm_head.t()).reshape({batch * seq, config.vocab_size}), y.reshape({batch * seq})); }},
+      };
+      for (const Part& part : parts) {
+        std::vector<double> f, fb;
+        Tensor out;
+        {
+          AutocastGuard guard(cast);
+          out = part.run();
+        }
+        Tensor grad = randn(out.shape(), out.dtype(), dev);
+        for (int i = 0; i < 23; ++i) {
+          Event a, b, c;
+          a.record(compute_stream(dev));
+          {
+            AutocastGuard guard(cast);
+            out = part.run();
+          }
+          b.record(compute_stream(dev));
+          out.backward(grad);
+          c.record(compute_stream(dev));
+          c.synchronize();
+          if (i >= 3) f.push_back(b.elapsed_ms_since(a)), fb.push_back(c.elapsed_ms_since(a));
+        }
+        std::printf("  %-28s forward %7.3f ms   forward+backward %7.3f ms\n", part.name, median(f), median(fb));
+      }
+      opt.zero_grad();
+    }
     {
       // Where a plain step's time goes: forward with the loss, backward, optimizer step.
       std::vector<double> fwd, bwd, opt_ms;

@@ -38,6 +38,7 @@ struct Options {
   int64_t epochs = 1, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
   int64_t generate = 300, top_k = 40, timeout_s = 600, scaling = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
+  bool recompute = false;
 };
 
 // Samples `count` bytes after `prompt` (temperature, top-k) with the model on `device`.
@@ -87,6 +88,8 @@ int main(int argc, char** argv) {
   flags.add("weight-decay", &o.weight_decay, "AdamW weight decay", 0);
   flags.add("clip", &o.clip, "clip the gradients' global norm (0: no clipping)", 0);
   flags.add("precision", &o.precision, "f32, or bf16 autocast (f32 master weights)", {"f32", "bf16"});
+  flags.add_switch("recompute", &o.recompute,
+                   "recompute each block's activations in backward: less memory, about a third more compute");
   flags.add("device", &o.device, "cpu, cuda or cuda:N (auto: the first GPU, else the CPU)", {}, "DEVICE");
   flags.add("workers", &o.workers, "data-loader threads", 0, 64);
   flags.add("max-steps", &o.max_steps, "stop after this many steps (0: no limit)", 0);
@@ -129,6 +132,7 @@ int main(int argc, char** argv) {
     const Device device = ctx.device;
     const bool main_rank = ctx.is_main();
     nn::GPTConfig config = nn::GPTConfig::named(o.config);
+    config.recompute = o.recompute;
     if (o.context > config.context) flags.fail("--context " + std::to_string(o.context) + " is longer than the " +
                                                o.config + " config's " + std::to_string(config.context));
 

@@ -105,6 +105,17 @@ Tensor matmul(const Tensor& a0, const Tensor& b0) {
   LOOM_CHECK(is_floating(t), "matmul needs floating-point tensors, got ", dtype_name(t));
   t = autocast_compute_dtype(t);
   Tensor a = a0.to(t), b = b0.to(t);
+  // (..., m, k) @ (k, n), as every linear layer does: the leading dims fold into the rows, so
+  // the product is one large GEMM, and so is each of its gradients (the weight's would
+  // otherwise be a batch of products summed afterwards). reshape is differentiable, and
+  // copies only when a's leading dims cannot be merged.
+  if (a.dim() > 2 && b.dim() == 2 && a.size(-1) > 0 && a.numel() > 0) {
+    Shape out_shape(a.shape().begin(), a.shape().end() - 1);
+    out_shape.push_back(b.size(1));
+    LOOM_CHECK(b.size(0) == a.size(-1), "matmul: shapes ", shape_str(a.shape()), " and ", shape_str(b.shape()),
+               " cannot be multiplied (", a.size(-1), " columns vs ", b.size(0), " rows)");
+    return matmul(a.reshape({-1, a.size(-1)}), b).reshape(out_shape);
+  }
   // 1-d operands: a vector on the left is a row, on the right a column; dropped after.
   bool a_vec = a.dim() == 1, b_vec = b.dim() == 1;
   if (a_vec) a = a.unsqueeze(0);
@@ -127,6 +138,56 @@ Tensor matmul(const Tensor& a0, const Tensor& b0) {
   if (a_vec) out = out.squeeze(-2);
   if (b_vec) out = out.squeeze(-1);
   return out;
+}
+
+// A linear layer's product: x (..., in) @ weight (out, in)^T + bias (out), with the leading
+// dims folded into one GEMM whose epilogue adds the bias (on CUDA, cuBLASLt), so the output
+// is written once. Backward: dx = g W and dW = g^T x as GEMMs, db the column sums of g.
+Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0) {
+  ops::check_defined(x0, "linear", "input");
+  ops::check_defined(w0, "linear", "weight");
+  ops::check_same_device(x0, w0, "linear");
+  LOOM_CHECK(w0.dim() == 2 && x0.dim() >= 1 && x0.size(-1) == w0.size(1), "linear: input ", shape_str(x0.shape()),
+             " does not match weight ", shape_str(w0.shape()), " (expected input (..., ", w0.dim() == 2 ? w0.size(1) : -1,
+             ") and weight (out, in))");
+  const int64_t in = w0.size(1), out_features = w0.size(0);
+  if (b0.defined()) {
+    ops::check_same_device(x0, b0, "linear");
+    LOOM_CHECK(b0.dim() == 1 && b0.size(0) == out_features, "linear: bias ", shape_str(b0.shape()),
+               " does not match weight ", shape_str(w0.shape()), " (expected (", out_features, ",))");
+  }
+  if (!b0.defined() || x0.numel() == 0 || in == 0) {
+    Tensor y = matmul(x0, w0.t());
+    return b0.defined() ? add(y, b0.to(y.dtype())) : y;
+  }
+  DType t = ops::promote(ops::promote(x0.dtype(), w0.dtype()), b0.dtype());
+  LOOM_CHECK(is_floating(t), "linear needs floating-point tensors, got ", dtype_name(t));
+  t = autocast_compute_dtype(t);
+  Shape out_shape(x0.shape().begin(), x0.shape().end() - 1);
+  out_shape.push_back(out_features);
+  Tensor x = x0.to(t).reshape({-1, in}), w = w0.to(t), b = b0.to(t).contiguous();
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    Operand ox = as_operand(x), ow = as_operand(w.t());
+    y = Tensor::empty({x.size(0), out_features}, t, x.device());
+    GemmArgs g;
+    g.dtype = t;
+    g.trans_a = ox.trans, g.trans_b = ow.trans;
+    g.m = x.size(0), g.n = out_features, g.k = in;
+    g.a = ox.t.data_ptr(), g.lda = ox.ld;
+    g.b = ow.t.data_ptr(), g.ldb = ow.ld;
+    g.c = y.data_ptr(), g.ldc = out_features;
+    g.bias = b.data_ptr();
+    ops::kernels(x.device()).gemm(g, ops::stream(x));
+  }
+  if (any_requires_grad({x, w, b})) {
+    Tensor sx = x.detach(), sw = w.detach();
+    record("linear", {x, w, b}, {y}, [sx, sw](const TensorList& g) {
+      return TensorList{matmul(g[0], sw), matmul(g[0].t(), sx), sum(g[0], {0})};
+    });
+  }
+  return y.reshape(out_shape);
 }
 
 }  // namespace loom

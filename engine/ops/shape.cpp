@@ -126,6 +126,28 @@ Tensor Tensor::select(int d, int64_t index) const {
   return slice(d, index, index + 1).squeeze(d);
 }
 
+TensorList unbind(const Tensor& x, int d) {
+  LOOM_CHECK(x.dim() > 0, "unbind of a 0-d tensor: it has no dimension to split");
+  d = wrap_dim(d, x.dim(), "unbind");
+  Shape shape = x.shape(), strides = x.strides();
+  const int64_t n = shape[d], step = strides[d];
+  shape.erase(shape.begin() + d);
+  strides.erase(strides.begin() + d);
+  TensorList parts;
+  for (int64_t i = 0; i < n; ++i) parts.push_back(make_view(x, shape, strides, x.offset() + i * step));
+  if (any_requires_grad({x})) {
+    // One node for all the parts: backward writes every part's gradient into one buffer,
+    // where a select per part would each zero a whole copy of x and sum them.
+    Shape in_shape = x.shape();
+    record("Unbind", {x}, parts, [in_shape, d](const TensorList& g) {
+      Tensor full = Tensor::empty(in_shape, g[0].dtype(), g[0].device());
+      for (int64_t i = 0; i < int64_t(g.size()); ++i) copy_(full.select(d, i), g[size_t(i)]);
+      return TensorList{full};
+    });
+  }
+  return parts;
+}
+
 Tensor Tensor::expand(const Shape& shape) const {
   LOOM_CHECK(int(shape.size()) >= dim(), "expand: cannot expand ", shape_str(this->shape()), " to fewer dims ",
              shape_str(shape));

@@ -68,7 +68,7 @@ Tensor cross_entropy(const Tensor& logits0, const Tensor& target0, int64_t ignor
     NoGradGuard no_grad;
     counted = ne(target, full({}, double(ignore_index), DType::i64, dev)).to(acc);
     Tensor denom = maximum(sum(counted), ones({}, acc, dev));
-    loss = div(sum(loss_rows), denom).to(logits.dtype());
+    loss = div(sum(loss_rows), denom);  // f32 for 16-bit logits: a bf16 loss would keep 3 digits
     counted = div(counted, denom);  // per-row weight of the mean: 1/count or 0
   }
   if (any_requires_grad({logits})) {

@@ -104,13 +104,16 @@ void gemm_typed(const GemmArgs& g) {
             micro_kernel<A, MR, NR>(kc, a_pack.data() + ir * kc, b_pack.data() + jr * kc,
                                     c_tile.data() + ir * nc_pad + jr, nc_pad);
       }
+      const T* bias = g.bias ? static_cast<const T*>(g.bias) + j0 : nullptr;
       for (int64_t i = 0; i < mc; ++i) {
         const A* acc = c_tile.data() + i * nc_pad;
         T* row = c + i * g.ldc;
-        if (beta == A(0))
-          for (int64_t j = 0; j < nc; ++j) row[j] = store<T>(alpha * acc[j]);
-        else
-          for (int64_t j = 0; j < nc; ++j) row[j] = store<T>(alpha * acc[j] + beta * A(row[j]));
+        for (int64_t j = 0; j < nc; ++j) {
+          A v = alpha * acc[j];
+          if (beta != A(0)) v += beta * A(row[j]);
+          if (bias) v += A(bias[j]);
+          row[j] = store<T>(v);
+        }
       }
     }
   });

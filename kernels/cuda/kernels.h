@@ -71,6 +71,13 @@ void batch_norm_backward(const BatchNormArgs& args, void* dx, void* dgamma, void
                          const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
                          StreamHandle stream);
 
+// layer_norm.cu
+void layer_norm_forward(const LayerNormArgs& args, void* y, void* mean, void* rstd, const void* x, const void* weight,
+                        const void* bias, StreamHandle stream);
+size_t layer_norm_workspace_size(const LayerNormArgs& args);
+void layer_norm_backward(const LayerNormArgs& args, void* dx, void* dweight, void* dbias, const void* dy, const void* x,
+                         const void* mean, const void* rstd, const void* weight, void* workspace, StreamHandle stream);
+
 // optim.cu
 void sgd_step(const MultiTensorArgs& args, const SgdHyper& hyper, StreamHandle stream);
 void adam_step(const MultiTensorArgs& args, const AdamHyper& hyper, StreamHandle stream);

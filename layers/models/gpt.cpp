@@ -4,6 +4,7 @@
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "engine/recompute.h"
 #include "layers/activation.h"
 
 namespace loom::nn {
@@ -61,8 +62,9 @@ GPTBlock::GPTBlock(int64_t width, int64_t heads, int64_t layers) {
 }
 
 Tensor GPTBlock::forward(const Tensor& x) {
-  Tensor h = add(x, attn->forward(ln_1->forward(x)));
-  return add(h, mlp->forward(ln_2->forward(h)));
+  // Each LayerNorm feeds a product: under autocast it writes bf16 itself (no separate cast).
+  Tensor h = add(x, attn->forward(ln_1->forward_for_product(x)));
+  return add(h, mlp->forward(ln_2->forward_for_product(h)));
 }
 
 GPT::GPT(GPTConfig config) : config_(config) {
@@ -96,14 +98,19 @@ Tensor GPT::forward(const Tensor& ids) {
              config_.context);
   Tensor pos = arange(0, double(T), 1, DType::i64, ids.device());
   Tensor x = add(wte->forward(ids), wpe->forward(pos));
-  for (const auto& block : blocks) x = block->forward(x);
-  return matmul(ln_f->forward(x), lm_head.t());
+  const bool recomputing = config_.recompute && grad_enabled() && is_training();
+  for (const auto& block : blocks)
+    x = recomputing ? recompute([block](const TensorList& in) { return block->forward(in[0]); }, {x})
+                    : block->forward(x);
+  return matmul(ln_f->forward_for_product(x), lm_head.t());
 }
 
 Tensor GPT::loss(const Tensor& ids, const Tensor& targets) {
   Tensor logits = forward(ids);
   const int64_t N = logits.size(0) * logits.size(1), V = logits.size(2);
-  return cross_entropy(logits.reshape({N, V}).to(DType::f32), targets.reshape({N}));
+  // Under autocast the logits stay bf16: the fused loss reads them as they are (accumulating
+  // in f32) and writes their gradient in bf16, with no f32 copy of the (B T, V) logits.
+  return cross_entropy(logits.reshape({N, V}), targets.reshape({N}));
 }
 
 }  // namespace loom::nn

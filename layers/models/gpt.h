@@ -21,6 +21,11 @@ struct GPTConfig {
   int64_t vocab_size = 50304;  // GPT-2's 50257, padded to a multiple of 64
   int64_t context = 1024;      // longest sequence (position embeddings)
   int64_t layers = 12, heads = 12, width = 768;
+  // Activation recomputation (engine/recompute.h): in training with grad mode on, each
+  // block's activations are dropped after its forward and recomputed in backward, so the
+  // memory a block holds for backward drops to its input (B, T, C), for a second forward of
+  // every block. Gradients are unchanged.
+  bool recompute = false;
 
   // "gpt2-124m" (12 x 768, 12 heads), "guide" (the guide's six-block transformer: width 256,
   // 8 heads), "tiny" (2 x 64, 4 heads, context 256, byte vocabulary); unknown names throw.

@@ -87,6 +87,13 @@ const std::vector<OpCase>& op_cases() {
       {"matmul_bcast", {{{2, 3, 5}}, {{5, 4}}}, [](L x) { return matmul(x[0], x[1]); }},
       {"matmul_transposed", {{{5, 3}}, {{4, 5}}}, [](L x) { return matmul(x[0].t(), x[1].t()); }},
       {"matmul_vec", {{{5}}, {{5, 4}}}, [](L x) { return matmul(x[0], x[1]); }},
+      {"unbind", {{{3, 2, 4}}}, [](L x) {
+         TensorList p = unbind(x[0], 1);
+         return add(mul(p[0], 2.0), p[1]);
+       }},
+      {"linear", {{{2, 3, 5}}, {{4, 5}}, {{4}}}, [](L x) { return linear(x[0], x[1], x[2]); }},
+      {"linear_no_bias", {{{3, 5}}, {{4, 5}}}, [](L x) { return linear(x[0], x[1]); }},
+      {"linear_strided_input", {{{5, 3}}, {{4, 5}}, {{4}}}, [](L x) { return linear(x[0].t(), x[1], x[2]); }},
       {"matmul_matvec", {{{3, 5}}, {{5}}}, [](L x) { return matmul(x[0], x[1]); }},
       // ---- softmax and losses ------------------------------------------------------
       {"softmax", {{{3, 7}}}, [](L x) { return softmax(x[0], -1); }},
@@ -176,6 +183,11 @@ const std::vector<OpCase>& op_cases() {
          return batch_norm(x[0], channel_values(x[0], {0.1, 0.2, -0.3}), channel_values(x[0], {0.8, 1.2, 3}),
                            Tensor(), Tensor(), false);
        }},
+      {"layer_norm_affine", {{{2, 3, 5}}, {{5}}, {{5}}}, [](L x) { return layer_norm(x[0], x[1], x[2]); }},
+      {"layer_norm_no_affine", {{{4, 7}}}, [](L x) { return layer_norm(x[0], Tensor(), Tensor(), 1e-3); }},
+      {"layer_norm_weight_only_noncontig", {{{6, 3}}, {{12}}},
+       [](L x) { return layer_norm(x[0].t(), x[1].slice(0, 0, 12, 2), Tensor()); }},
+      {"layer_norm_vectors_dim16", {{{3, 16}}, {{16}}, {{16}}}, [](L x) { return layer_norm(x[0], x[1], x[2]); }},
   };
   return cases;
 }

@@ -1,12 +1,15 @@
 // GPT: nanoGPT's module names and GPT-2's parameter count, the tied output layer, shapes, the
 // attention layer against a composite softmax(QK^T / sqrt(D)) V, and a tiny byte-level GPT
-// that learns a short text on the CPU (its loss falls four-fold).
+// that learns a short text on the CPU (its loss falls four-fold); recomputing the blocks'
+// activations (GPTConfig::recompute) leaves the loss and every gradient unchanged.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <string>
 
+#include "engine/allocator.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/attention.h"
@@ -77,6 +80,82 @@ TEST(Gpt, TinyByteModelLearnsAShortTextOnTheCpu) {
   }
   EXPECT_NEAR(first, std::log(256.0), 0.5);  // near uniform over bytes at the start
   EXPECT_LT(last, first / 4) << "loss " << first << " -> " << last;
+}
+
+// Whether the graph behind `t` holds a node named `name`.
+bool graph_has(const Tensor& t, const std::string& name) {
+  std::vector<Node*> stack = {t.grad_fn().get()};
+  std::set<Node*> seen;
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    if (!n || !seen.insert(n).second) continue;
+    if (n->name == name) return true;
+    for (const Edge& e : n->next_edges) stack.push_back(e.node.get());
+  }
+  return false;
+}
+
+TEST(Gpt, RecomputedBlocksGiveTheSameLossAndGradientsInF64) {
+  GPTConfig c = GPTConfig::named("tiny");
+  c.context = 16;
+  GPTConfig rc = c;
+  rc.recompute = true;
+  manual_seed(2);
+  GPT plain(c);
+  GPT recomputed(rc);
+  recomputed.load_state_dict(plain.state_dict());
+  plain.to(DType::f64);
+  recomputed.to(DType::f64);
+  const int64_t B = 3, T = 16;
+  std::vector<int64_t> tokens(size_t(B * T));
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int64_t(i * 37 + 11) % 256;
+  Tensor ids = from_vector(tokens, {B, T});
+  Tensor targets = ids.slice(1, 1, T).contiguous();
+  Tensor inputs = ids.slice(1, 0, T - 1).contiguous();
+
+  Tensor loss = plain.loss(inputs, targets);
+  EXPECT_FALSE(graph_has(loss, "Recompute"));
+  loss.backward();
+  Tensor loss_rc = recomputed.loss(inputs, targets);
+  EXPECT_TRUE(graph_has(loss_rc, "Recompute")) << "config.recompute must route the blocks through recompute()";
+  loss_rc.backward();
+  EXPECT_EQ(loss_rc.item(), loss.item());
+
+  const NamedTensors p = plain.named_parameters(), r = recomputed.named_parameters();
+  ASSERT_EQ(p.size(), r.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    ASSERT_TRUE(r[i].second.grad().defined()) << r[i].first << " got no gradient with recompute";
+    ASSERT_EQ(r[i].second.grad().dtype(), DType::f64) << r[i].first;
+    const std::vector<double> a = r[i].second.grad().to_vector<double>(), b = p[i].second.grad().to_vector<double>();
+    for (size_t j = 0; j < a.size(); ++j) ASSERT_NEAR(a[j], b[j], 1e-12) << r[i].first << "[" << j << "]";
+  }
+
+  // In evaluation (or without grad mode) the blocks run plainly.
+  recomputed.eval();
+  EXPECT_FALSE(graph_has(recomputed.loss(inputs, targets), "Recompute"));
+}
+
+TEST(Gpt, RecomputedBlocksLowerThePeakMemoryOfAStepOnTheCpu) {
+  // Four blocks over (8, 64) tokens; the CUDA suite checks the same on a larger model.
+  auto peak_of_step = [](bool recompute) {
+    GPTConfig c = GPTConfig::named("tiny");
+    c.layers = 4;
+    c.context = 64;
+    c.recompute = recompute;
+    manual_seed(0);
+    GPT model(c);
+    std::vector<int64_t> tokens(8 * 65);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int64_t(i * 37 + 11) % 256;
+    Tensor ids = from_vector(tokens, {8, 65});
+    Tensor inputs = ids.slice(1, 0, 64).contiguous(), targets = ids.slice(1, 1, 65).contiguous();
+    const size_t base = memory::stats(Device::cpu()).allocated;
+    memory::reset_peak(Device::cpu());
+    model.loss(inputs, targets).backward();
+    return memory::stats(Device::cpu()).peak_allocated - base;
+  };
+  const size_t plain = peak_of_step(false), recomputed = peak_of_step(true);
+  EXPECT_LT(double(recomputed), 0.6 * double(plain)) << recomputed << " vs " << plain << " bytes";
 }
 
 }  // namespace

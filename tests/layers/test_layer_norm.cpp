@@ -1,9 +1,11 @@
-// LayerNorm: the forward against its formula written out per row, and gradients (input,
-// weight, bias) against float64 finite differences.
+// LayerNorm: the forward against its formula written out per row, gradients (input,
+// weight, bias) against float64 finite differences, and the output dtypes of forward() and
+// forward_for_product() with and without autocast.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
+#include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/layer_norm.h"
@@ -57,6 +59,37 @@ TEST(LayerNormBackward, MatchesFiniteDifferencesInFloat64) {
   Tensor x = randn({3, 6}, DType::f64).set_requires_grad();
   test::expect_gradients_match_finite_differences([&] { return norm.forward(x); }, {x, norm.weight, norm.bias},
                                                   {"input", "weight", "bias"});
+}
+
+TEST(LayerNormForProduct, GivesTheAutocastDtypeOnlyForF32InputUnderAutocast) {
+  manual_seed(9);
+  LayerNorm norm(8);
+  Tensor x = randn({3, 8});
+  EXPECT_EQ(norm.forward_for_product(x).dtype(), DType::f32);
+  {
+    AutocastGuard autocast(DType::bf16);
+    EXPECT_EQ(norm.forward(x).dtype(), DType::f32);
+    EXPECT_EQ(norm.forward_for_product(x).dtype(), DType::bf16);
+    EXPECT_EQ(norm.forward_for_product(x.to(DType::f16)).dtype(), DType::f16);
+    EXPECT_EQ(norm.forward_for_product(x.to(DType::f64)).dtype(), DType::f64);
+  }
+  AutocastGuard autocast(DType::f16);
+  EXPECT_EQ(norm.forward_for_product(x).dtype(), DType::f16);
+}
+
+TEST(LayerNormForProduct, MatchesForwardRoundedAndTrainsF32Parameters) {
+  manual_seed(10);
+  LayerNorm norm(16);
+  Tensor x = randn({4, 16}).set_requires_grad();
+  std::vector<float> want = norm.forward(x).to_vector<float>();
+  AutocastGuard autocast(DType::bf16);
+  Tensor y = norm.forward_for_product(x);
+  std::vector<float> got = y.to_vector<float>();
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 8e-3 * (1 + std::abs(want[i]))) << i;
+  sum(y.to(DType::f32)).backward();
+  ASSERT_TRUE(norm.weight.grad().defined());
+  EXPECT_EQ(norm.weight.grad().dtype(), DType::f32);
+  EXPECT_EQ(x.grad().dtype(), DType::f32);
 }
 
 }  // namespace

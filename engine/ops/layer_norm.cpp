@@ -1,0 +1,95 @@
+// Layer normalisation: the argument rules of F.layer_norm over the last dim, the fused
+// kernel calls, and the backward closure beside the forward.
+//
+// x (..., D) is viewed as a contiguous (rows, D) buffer. weight and bias keep their own
+// dtype (the kernels read any floating one), so f32 parameters over bf16 activations need no
+// cast and receive f32 gradients. The forward saves each row's mean and 1 / std (f32; f64
+// for f64 x); the backward is one fused call fed those, x and the weight, with device
+// scratch for its per-block parameter sums allocated here (kernels never allocate).
+//
+// y may be asked for in a dtype other than x's: the kernel writes f32, bf16 or f16 directly
+// from f32, bf16 or f16 x (the 16-bit output an autocast matrix product reads); a pair with
+// f64 on either side runs in x's dtype and converts with the differentiable to().
+#include "engine/ops/dispatch.h"
+
+namespace loom {
+
+using ops::kernels;
+
+namespace {
+
+DType accumulation_type(DType t) { return t == DType::f64 ? DType::f64 : DType::f32; }
+
+// The dtype the kernel writes y in, for x of dtype t and y wanted in `want`.
+DType kernel_out_dtype(DType t, DType want) { return t == DType::f64 || want == DType::f64 ? t : want; }
+
+void check_param(const char* name, const Tensor& p, const Tensor& x) {
+  if (!p.defined()) return;
+  ops::check_same_device(x, p, "layer_norm");
+  ops::check_floating(p, "layer_norm");
+  LOOM_CHECK(p.dim() == 1 && p.size(0) == x.size(-1), "layer_norm: ", name, " must have shape (", x.size(-1),
+             ") for input ", shape_str(x.shape()), " (normalised over its last dim), got ", shape_str(p.shape()));
+}
+
+void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+}  // namespace
+
+Tensor layer_norm(const Tensor& input, const Tensor& weight, const Tensor& bias, double eps,
+                  std::optional<DType> out_dtype) {
+  ops::check_defined(input, "layer_norm", "input");
+  ops::check_floating(input, "layer_norm");
+  LOOM_CHECK(input.dim() >= 1, "layer_norm expects input (..., D) with at least 1 dim, got a 0-dim tensor: "
+                               "reshape it to (1)");
+  LOOM_CHECK(eps >= 0, "layer_norm: eps must not be negative, got ", eps);
+  check_param("weight", weight, input);
+  check_param("bias", bias, input);
+  LOOM_CHECK(!weight.defined() || !bias.defined() || weight.dtype() == bias.dtype(), "layer_norm: weight is ",
+             dtype_name(weight.defined() ? weight.dtype() : DType::f32), " but bias is ",
+             dtype_name(bias.defined() ? bias.dtype() : DType::f32), ": give both the same dtype");
+  const DType want = out_dtype.value_or(input.dtype());
+  LOOM_CHECK(is_floating(want), "layer_norm: out_dtype must be a floating-point dtype, got ", dtype_name(want));
+
+  LayerNormArgs a;
+  a.dtype = input.dtype();
+  a.out_dtype = kernel_out_dtype(a.dtype, want);
+  a.param_dtype = weight.defined() ? weight.dtype() : bias.defined() ? bias.dtype() : accumulation_type(a.dtype);
+  a.dim = input.size(-1);
+  a.rows = 1;
+  for (int d = 0; d + 1 < input.dim(); ++d) a.rows *= input.size(d);
+  a.eps = eps;
+
+  const Device dev = input.device();
+  Tensor x = input.contiguous();
+  Tensor w = weight.defined() ? weight.contiguous() : Tensor(), b = bias.defined() ? bias.contiguous() : Tensor();
+  StreamHandle st = ops::stream(x);
+  const DType acc = accumulation_type(a.dtype);
+  Tensor y = Tensor::empty(x.shape(), a.out_dtype, dev);                                      // (..., D)
+  Tensor mean = Tensor::empty({a.rows}, acc, dev), rstd = Tensor::empty({a.rows}, acc, dev);  // (rows)
+  kernels(dev).layer_norm_forward(a, y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), x.data_ptr(), ptr_or_null(w),
+                                  ptr_or_null(b), st);
+
+  if (any_requires_grad({x, w, b})) {
+    const bool need_x = x.requires_grad(), need_w = w.defined() && w.requires_grad(),
+               need_b = b.defined() && b.requires_grad();
+    Tensor sx = x.detach(), sw = w.defined() ? w.detach() : Tensor();
+    record("layer_norm", {x, w, b}, {y},
+           [a, dev, sx, sw, mean, rstd, need_x, need_w, need_b](const TensorList& g) {
+             Tensor dL_dy = g[0].to(a.out_dtype).contiguous();
+             StreamHandle gst = ops::stream(dL_dy);  // also makes the device current for the scratch size
+             Tensor dL_dx = need_x ? Tensor::empty(sx.shape(), a.dtype, dev) : Tensor();
+             Tensor dL_dw = need_w ? Tensor::empty({a.dim}, a.param_dtype, dev) : Tensor();
+             Tensor dL_db = need_b ? Tensor::empty({a.dim}, a.param_dtype, dev) : Tensor();
+             // Scratch lives until the kernels are queued; the allocator reuses it in stream order.
+             const size_t bytes = need_w || need_b ? kernels(dev).layer_norm_workspace_size(a) : 0;
+             Tensor ws = bytes ? Tensor::empty({int64_t(bytes)}, DType::u8, dev) : Tensor();
+             kernels(dev).layer_norm_backward(a, ptr_or_null(dL_dx), ptr_or_null(dL_dw), ptr_or_null(dL_db),
+                                              dL_dy.data_ptr(), sx.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                                              ptr_or_null(sw), ptr_or_null(ws), gst);
+             return TensorList{dL_dx, dL_dw, dL_db};
+           });
+  }
+  return a.out_dtype == want ? y : y.to(want);
+}
+
+}  // namespace loom
