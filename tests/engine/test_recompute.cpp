@@ -199,7 +199,8 @@ TEST(Recompute, NestedBackwardFiresHooksButLeavesCallbacksToTheEndOfThePass) {
   Tensor h = mul(randn({4}, DType::f64), w_first);
   h = recompute([&](const TensorList& in) { return tanh(mul(in[0], w_in)); }, {h});
   sum(mul(h, w_last)).backward();
-  EXPECT_EQ(order, (std::vector<std::string>{"w_last", "w_in", "w_first", "callback from w_last", "callback from w_in"}));
+  EXPECT_EQ(order, (std::vector<std::string>{"w_last", "w_in", "w_first", "callback from w_last",
+                                             "callback from w_in"}));
 }
 
 TEST(Recompute, SeparateNestedPassRunsItsOwnCallbacksOnly) {
