@@ -124,6 +124,10 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 // A linear layer: x (..., in) @ weight (out, in)^T + bias (out; may be undefined), as
 // torch.nn.functional.linear; one GEMM with the bias added in its epilogue.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// A transformer's MLP as one op: gelu(x W1^T + b1) W2^T + b2 with GELU in its tanh form
+// (GPT-2's), x (..., in), w1 (hidden, in), w2 (out, hidden), biases optional. The GELU,
+// its gradient and both bias gradients ride in the products' epilogues (engine/ops/linear.cpp).
+Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
 
 // ---- softmax and losses (ops/softmax.cpp) --------------------------------------
 Tensor softmax(const Tensor& x, int dim);
@@ -227,8 +231,19 @@ void adam_update_fused(const TensorList& params, const TensorList& grads, const 
 // sees no key gives zeros. Differentiable in q, k and v; nothing of size T_q x T_kv is
 // stored. Runs in the autocast dtype under a guard, as matmul does. On CUDA, bf16/f16
 // with D in {32, 64, 80, 96, 128} use the tensor-core (flash-attention) kernels; other
-// dtypes and D up to 256 a slower CUDA-core path.
+// dtypes and D up to 256 a slower CUDA-core path. Views whose last dim is stride 1 (such
+// as x.view({B, T, H, D}).transpose(1, 2)) are read in place, not copied. The output is laid
+// out (B, T_q, H, D) in memory and returned as its (B, H, T_q, D) view: out.transpose(1, 2)
+// is contiguous, so it reshapes to (B, T_q, H * D) without a copy.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                     std::optional<double> scale = std::nullopt);
+// Multi-head self-attention straight from a qkv projection: qkv (B, T, 3C) holds q | k | v
+// along its last dim, each C = heads * D wide and split into heads of D columns, exactly as
+// qkv.view({B, T, 3, heads, D}) reads it. Gives (B, T, C), the heads' outputs side by side
+// ((B, T, heads, D) order), ready for the output projection. The same attention as
+// scaled_dot_product_attention on the permuted slices, but without a copy either way: the
+// kernels read q, k and v where they lie, and the backward writes dq, dk and dv into one
+// (B, T, 3C) gradient. scale 0 means 1 / sqrt(D). Autocast as scaled_dot_product_attention.
+Tensor packed_self_attention(const Tensor& qkv, int64_t heads, bool causal, double scale = 0);
 
 }  // namespace loom

@@ -45,6 +45,8 @@ constexpr bool is_comparison(BinaryOp op) { return op >= BinaryOp::eq; }
 // argmax and argmin write i64 (the first index of the extreme value; NaN counts as the extreme).
 enum class ReduceOp : uint8_t { sum, mean, max, min, argmax, argmin };
 
+enum class GemmEpilogue : uint8_t { none, gelu, dgelu };
+
 // Row-major batched matrix product: for each b < batch,
 //   C_b (m, n) = alpha * op(A_b) (m, k) @ op(B_b) (k, n) + beta * C_b
 // where op(A) is A or A^T (trans_a). Leading dimensions are row strides in elements,
@@ -65,6 +67,19 @@ struct GemmArgs {
   // Optional bias (n), C's dtype, added to every row after alpha and beta: C += bias
   // (a linear layer's y = x W^T + b in one pass; on CUDA a cuBLASLt epilogue).
   const void* bias = nullptr;
+  // What is stored for each value v (after alpha, beta and bias); single products only:
+  //   none   C = v
+  //   gelu   C = gelu(v) (tanh form) and aux = v, the pre-activation a backward needs
+  //   dgelu  C = v * gelu'(aux): the gradient through a GELU whose input was aux
+  // aux is (m, n) of C's dtype with row stride ld_aux. On CUDA these are cuBLASLt epilogues.
+  GemmEpilogue epilogue = GemmEpilogue::none;
+  void* aux = nullptr;
+  int64_t ld_aux = 0;
+  // Optional sums, C's dtype, accumulated in f32 (f64 for f64): column_sums (n) of the stored
+  // C over its rows (a bias gradient through dgelu; needs beta == 0 and no bias), and
+  // row_sums_a (m) of op(A) over k (the bias gradient beside a weight gradient dW = dY^T X).
+  void* column_sums = nullptr;
+  void* row_sums_a = nullptr;
 };
 
 // A 2-d convolution (cross-correlation, as in PyTorch) over NCHW contiguous buffers:
@@ -163,8 +178,30 @@ struct AdamHyper {
   const int64_t* step = nullptr;
 };
 
-// Fused scaled-dot-product attention over contiguous (B, H, T, D) buffers: q and out
-// (batch, heads, q_len, head_dim), k and v (batch, heads, kv_len, head_dim), all of `dtype`.
+// Where one attention operand's rows lie: element strides of its batch, head and sequence
+// axes; the head_dim axis is always stride 1. All zero (the default) means contiguous
+// (B, H, T, D): {heads * len * head_dim, len * head_dim, head_dim}. A layout that really
+// has all three strides zero (one row broadcast everywhere) must be passed as a copy.
+struct AttentionStrides {
+  int64_t batch = 0, head = 0, seq = 0;
+
+  // These strides, or the contiguous ones of (heads, len, head_dim) when left at the default.
+  constexpr AttentionStrides resolve(int64_t heads, int64_t len, int64_t head_dim) const {
+    if (batch == 0 && head == 0 && seq == 0) return {heads * len * head_dim, len * head_dim, head_dim};
+    return *this;
+  }
+};
+
+// The strides of every operand the attention kernels read or write (lse is always contiguous).
+struct AttentionLayout {
+  AttentionStrides q, k, v, out, dout, dq, dk, dv;
+};
+
+// Fused scaled-dot-product attention over (B, H, T, D) operands: q, out, dout and dq
+// (batch, heads, q_len, head_dim), k, v, dk and dv (batch, heads, kv_len, head_dim), all of
+// `dtype`, each laid out as `strides` says (contiguous by default; any strides with a
+// stride-1 head_dim, so q, k and v can be column slices of one (B, T, 3C) projection and out a
+// (B, T, C) buffer in (B, T, H, D) order). Outputs must not overlap each other or the inputs.
 // For each (b, h), with S the scores and i, j query and key rows:
 //   S[i, j] = scale * sum_d q[i, d] k[j, d]                       (scale given, any finite value)
 //   visible(i, j) = !causal || j <= i                             (top-left aligned: PyTorch's
@@ -172,8 +209,8 @@ struct AdamHyper {
 //   lse[i] = log sum_{visible j} exp(S[i, j])                     (-inf when no key is visible)
 //   P[i, j] = exp(S[i, j] - lse[i]) where visible, else 0
 //   out[i, :] = sum_j P[i, j] v[j, :]                             (0 when no key is visible)
-// lse (batch, heads, q_len) is in the accumulation type (f64 for f64, else f32): the
-// forward saves it and the backward recomputes P from it instead of storing P.
+// lse (batch, heads, q_len), contiguous, is in the accumulation type (f64 for f64, else f32):
+// the forward saves it and the backward recomputes P from it instead of storing P.
 // Backward, given dout = dL/dout (same shape as out):
 //   Di = sum_d dout[i, d] out[i, d]          (equals sum_j P[i, j] dP[i, j])
 //   dP[i, j] = sum_d dout[i, d] v[j, d],     dS[i, j] = P[i, j] (dP[i, j] - Di)
@@ -181,12 +218,16 @@ struct AdamHyper {
 //   dv[j, :] = sum_i P[i, j] dout[i, :]
 // dq, dk and dv are written in full (zeros where nothing is visible). On CUDA, bf16/f16 with
 // head_dim 32, 64, 80, 96 or 128 run on tensor cores with P and dS rounded to the input type
-// before their products, as flash attention does; other cases keep them in f32.
+// before their products, as flash attention does; other cases keep them in f32. The tensor
+// cores move 16-byte rows: they take an operand whose base is 16-byte aligned and whose
+// strides are multiples of 8 elements (those of size-1 axes aside); anything else runs the
+// CUDA-core kernels, which take any strides.
 struct AttentionArgs {
   DType dtype = DType::f32;
   int64_t batch = 0, heads = 0, q_len = 0, kv_len = 0, head_dim = 0;
   bool causal = false;
   double scale = 1.0;
+  AttentionLayout strides;
 };
 
 struct KernelTable {

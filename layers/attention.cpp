@@ -15,12 +15,9 @@ CausalSelfAttention::CausalSelfAttention(int64_t embed_dim, int64_t num_heads, b
 Tensor CausalSelfAttention::forward(const Tensor& x) {
   LOOM_CHECK(x.dim() == 3 && x.size(2) == embed_dim_, "CausalSelfAttention(", embed_dim_,
              "): expected input (B, T, ", embed_dim_, "), got ", shape_str(x.shape()));
-  const int64_t B = x.size(0), T = x.size(1), H = num_heads_, D = embed_dim_ / num_heads_;
-  // (B, T, 3C) -> (3, B, H, T, D): one view and one copy for q, k and v together.
-  Tensor qkv = c_attn->forward(x).view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4}).contiguous();
-  TensorList q_k_v = unbind(qkv, 0);
-  Tensor y = scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], causal_);
-  return c_proj->forward(y.transpose(1, 2).reshape({B, T, embed_dim_}));
+  // (B, T, 3C) -> (B, T, C): the kernels read the heads of q, k and v inside the projection's
+  // output and write theirs side by side, so neither direction copies to change layout.
+  return c_proj->forward(packed_self_attention(c_attn->forward(x), num_heads_, causal_));
 }
 
 }  // namespace loom::nn

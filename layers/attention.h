@@ -1,7 +1,7 @@
 // CausalSelfAttention: GPT-2's attention layer with nanoGPT's module names. One Linear makes
 // queries, keys and values together (c_attn: C -> 3C), the heads attend through the engine's
-// fused scaled_dot_product_attention (nothing of size T x T is kept), and c_proj (C -> C)
-// mixes the heads back.
+// fused packed_self_attention, reading that (B, T, 3C) output in place (nothing of size
+// T x T is kept, and no layout copy is made), and c_proj (C -> C) mixes the heads back.
 #pragma once
 
 #include <memory>

@@ -140,6 +140,12 @@ int main(int argc, char** argv) {
       Tensor q = randn({batch, H, seq, D}, DType::bf16, dev).set_requires_grad(true);
       Tensor k = randn({batch, H, seq, D}, DType::bf16, dev).set_requires_grad(true);
       Tensor v = randn({batch, H, seq, D}, DType::bf16, dev).set_requires_grad(true);
+      // The products of the MLP alone, bf16 weights: with only x needing a gradient the
+      // backward is dX = dY W; with only W, it is dW = dY^T X.
+      Tensor w_fc = randn({4 * C, C}, DType::bf16, dev), w_fc_g = w_fc.detach().set_requires_grad(true);
+      Tensor w_pr = randn({C, 4 * C}, DType::bf16, dev), w_pr_g = w_pr.detach().set_requires_grad(true);
+      Tensor x16 = h16.detach(), x4 = h4.detach();
+      Tensor g4 = randn({batch * seq, 4 * C}, DType::bf16, dev).set_requires_grad(true);
       auto& blk = *model->blocks[0];
       struct Part {
         const char* name;
@@ -156,6 +162,11 @@ int main(int argc, char** argv) {
           {"  mlp c_fc linear", [&] { return blk.mlp->named_children()[0].second->forward(h16); }},
           {"  gelu", [&] { return gelu(h4); }},
           {"  mlp c_proj linear", [&] { return blk.mlp->named_children()[1].second->forward(h4); }},
+          {"    c_fc product, dX", [&] { return matmul(h16, w_fc.t()); }},
+          {"    c_fc product, dW", [&] { return matmul(x16, w_fc_g.t()); }},
+          {"    mlp c_proj product, dX", [&] { return matmul(h4, w_pr.t()); }},
+          {"    mlp c_proj product, dW", [&] { return matmul(x4, w_pr_g.t()); }},
+          {"    bias gradient (rows of 4C)", [&] { return sum(g4, {0}); }},
           {"  residual add (f32 + bf16)", [&] { return add(h, h16); }},
           {"transformer block (f32 in)", [&] { return blk.forward(h); }},
           {"  lm_head matmul (bf16 in)", [&] { return matmul(h16, model->lm_head.t()); }},

@@ -5,6 +5,7 @@
 // packed first.
 #include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
+#include "engine/ops/product.h"
 
 namespace loom {
 
@@ -30,13 +31,9 @@ bool batch_stride(const Tensor& t, int64_t* stride) {
   return true;
 }
 
-// How gemm can read the last two dims of t (rows, cols): directly (row stride ld),
-// transposed (column-major storage), or not at all (needs packing).
-struct Operand {
-  Tensor t;
-  bool trans = false;
-  int64_t ld = 0;
-};
+}  // namespace
+
+namespace ops {
 
 Operand as_operand(const Tensor& t) {
   int n = t.dim();
@@ -49,6 +46,29 @@ Operand as_operand(const Tensor& t) {
   Tensor packed = t.contiguous();
   return {packed, false, std::max<int64_t>(cols, 1)};
 }
+
+Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras) {
+  LOOM_ASSERT(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.dtype() == b.dtype(),
+              "product_2d: shapes ", shape_str(a.shape()), " and ", shape_str(b.shape()));
+  Operand oa = as_operand(a), ob = as_operand(b);
+  Tensor c = Tensor::empty({a.size(0), b.size(1)}, a.dtype(), a.device());
+  GemmArgs g;
+  g.dtype = a.dtype();
+  g.trans_a = oa.trans, g.trans_b = ob.trans;
+  g.m = a.size(0), g.n = b.size(1), g.k = a.size(1);
+  g.a = oa.t.data_ptr(), g.lda = oa.ld;
+  g.b = ob.t.data_ptr(), g.ldb = ob.ld;
+  g.c = c.data_ptr(), g.ldc = std::max<int64_t>(g.n, 1);
+  if (extras) extras(g);
+  kernels(a.device()).gemm(g, stream(a));
+  return c;
+}
+
+}  // namespace ops
+
+namespace {
+using ops::as_operand;
+using ops::Operand;
 
 // Packs t when gemm cannot address it: the batch dims must collapse to one stride.
 Operand batched_operand(const Tensor& t, int64_t* stride) {
@@ -128,10 +148,11 @@ Tensor matmul(const Tensor& a0, const Tensor& b0) {
   if (any_requires_grad({a, b})) {
     Tensor sa = a.detach(), sb = b.detach();
     Shape as = a.shape(), bs = b.shape();
-    record("matmul", {a, b}, {out}, [sa, sb, as, bs](const TensorList& g) {
-      // dA = dC @ B^T, dB = A^T @ dC, summed over broadcast batch dims.
-      Tensor ga = sum_to(matmul(g[0], sb.transpose(-1, -2)), as);
-      Tensor gb = sum_to(matmul(sa.transpose(-1, -2), g[0]), bs);
+    const bool need_a = a.requires_grad(), need_b = b.requires_grad();
+    record("matmul", {a, b}, {out}, [sa, sb, as, bs, need_a, need_b](const TensorList& g) {
+      // dA = dC @ B^T, dB = A^T @ dC, summed over broadcast batch dims; only those wanted.
+      Tensor ga = need_a ? sum_to(matmul(g[0], sb.transpose(-1, -2)), as) : Tensor();
+      Tensor gb = need_b ? sum_to(matmul(sa.transpose(-1, -2), g[0]), bs) : Tensor();
       return TensorList{ga, gb};
     });
   }
@@ -140,54 +161,5 @@ Tensor matmul(const Tensor& a0, const Tensor& b0) {
   return out;
 }
 
-// A linear layer's product: x (..., in) @ weight (out, in)^T + bias (out), with the leading
-// dims folded into one GEMM whose epilogue adds the bias (on CUDA, cuBLASLt), so the output
-// is written once. Backward: dx = g W and dW = g^T x as GEMMs, db the column sums of g.
-Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0) {
-  ops::check_defined(x0, "linear", "input");
-  ops::check_defined(w0, "linear", "weight");
-  ops::check_same_device(x0, w0, "linear");
-  LOOM_CHECK(w0.dim() == 2 && x0.dim() >= 1 && x0.size(-1) == w0.size(1), "linear: input ", shape_str(x0.shape()),
-             " does not match weight ", shape_str(w0.shape()), " (expected input (..., ", w0.dim() == 2 ? w0.size(1) : -1,
-             ") and weight (out, in))");
-  const int64_t in = w0.size(1), out_features = w0.size(0);
-  if (b0.defined()) {
-    ops::check_same_device(x0, b0, "linear");
-    LOOM_CHECK(b0.dim() == 1 && b0.size(0) == out_features, "linear: bias ", shape_str(b0.shape()),
-               " does not match weight ", shape_str(w0.shape()), " (expected (", out_features, ",))");
-  }
-  if (!b0.defined() || x0.numel() == 0 || in == 0) {
-    Tensor y = matmul(x0, w0.t());
-    return b0.defined() ? add(y, b0.to(y.dtype())) : y;
-  }
-  DType t = ops::promote(ops::promote(x0.dtype(), w0.dtype()), b0.dtype());
-  LOOM_CHECK(is_floating(t), "linear needs floating-point tensors, got ", dtype_name(t));
-  t = autocast_compute_dtype(t);
-  Shape out_shape(x0.shape().begin(), x0.shape().end() - 1);
-  out_shape.push_back(out_features);
-  Tensor x = x0.to(t).reshape({-1, in}), w = w0.to(t), b = b0.to(t).contiguous();
-  Tensor y;
-  {
-    NoGradGuard no_grad;
-    Operand ox = as_operand(x), ow = as_operand(w.t());
-    y = Tensor::empty({x.size(0), out_features}, t, x.device());
-    GemmArgs g;
-    g.dtype = t;
-    g.trans_a = ox.trans, g.trans_b = ow.trans;
-    g.m = x.size(0), g.n = out_features, g.k = in;
-    g.a = ox.t.data_ptr(), g.lda = ox.ld;
-    g.b = ow.t.data_ptr(), g.ldb = ow.ld;
-    g.c = y.data_ptr(), g.ldc = out_features;
-    g.bias = b.data_ptr();
-    ops::kernels(x.device()).gemm(g, ops::stream(x));
-  }
-  if (any_requires_grad({x, w, b})) {
-    Tensor sx = x.detach(), sw = w.detach();
-    record("linear", {x, w, b}, {y}, [sx, sw](const TensorList& g) {
-      return TensorList{matmul(g[0], sw), matmul(g[0].t(), sx), sum(g[0], {0})};
-    });
-  }
-  return y.reshape(out_shape);
-}
 
 }  // namespace loom

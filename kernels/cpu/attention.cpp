@@ -1,12 +1,12 @@
 // Scaled-dot-product attention on the CPU: the reference for the CUDA kernels.
 //
 // Written to be plainly the formulas of kernels/table.h, one (batch, head) at a time: the
-// slices of q, k, v (and out, dout) are converted once to the accumulation type (f64 for
-// f64, f32 otherwise), then each query row is a numerically stable softmax over its
-// visible keys (shift by the row maximum, one exp per score). Nothing of size
-// q_len x kv_len is kept: a row's scores live in a kv_len buffer. The forward runs
-// threads over (b, h, block of query rows); the backward over (b, h), since dk and dv sum
-// over every query row.
+// rows of q, k, v (and out, dout) of that head are gathered once through their strides and
+// converted to the accumulation type (f64 for f64, f32 otherwise), then each query row is a
+// numerically stable softmax over its visible keys (shift by the row maximum, one exp per
+// score). Nothing of size q_len x kv_len is kept: a row's scores live in a kv_len buffer.
+// The forward runs threads over (b, h, block of query rows); the backward over (b, h),
+// since dk and dv sum over every query row.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -26,9 +26,21 @@ int64_t visible_keys(const AttentionArgs& a, int64_t i) {
   return a.causal ? std::min(a.kv_len, i + 1) : a.kv_len;
 }
 
-template <class A, class T> void widen(std::vector<A>& dst, const T* src, int64_t n) {
-  dst.resize(size_t(n));
-  for (int64_t e = 0; e < n; ++e) dst[size_t(e)] = A(src[e]);
+// One operand: head(bh) points at row 0 of head bh = b * heads + h, rows `seq` apart.
+template <class T> struct Rows {
+  T* base;
+  AttentionStrides s;
+  int64_t heads;
+  Rows(T* base, const AttentionStrides& given, int64_t heads, int64_t len, int64_t head_dim)
+      : base(base), s(given.resolve(heads, len, head_dim)), heads(heads) {}
+  T* head(int64_t bh) const { return base + bh / heads * s.batch + bh % heads * s.head; }
+};
+
+// n rows of D elements, `seq` apart, into a dense (n, D) buffer in the accumulation type.
+template <class A, class T> void widen(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
+  dst.resize(size_t(n * D));
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; ++d) dst[size_t(r * D + d)] = A(src[r * seq + d]);
 }
 
 template <class A> A dot(const A* x, const A* y, int64_t n) {
@@ -37,9 +49,13 @@ template <class A> A dot(const A* x, const A* y, int64_t n) {
   return s;
 }
 
-template <class T> void forward_typed(const AttentionArgs& a, T* out, acc_t<T>* lse, const T* q, const T* k, const T* v) {
+template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<T>* lse, const T* q_ptr,
+                                      const T* k_ptr, const T* v_ptr) {
   using A = acc_t<T>;
   const int64_t D = a.head_dim, Tq = a.q_len, Tk = a.kv_len, heads = a.batch * a.heads;
+  const Rows<const T> q(q_ptr, a.strides.q, a.heads, Tq, D), k(k_ptr, a.strides.k, a.heads, Tk, D),
+      v(v_ptr, a.strides.v, a.heads, Tk, D);
+  const Rows<T> out(out_ptr, a.strides.out, a.heads, Tq, D);
   const int64_t blocks = (Tq + kRowsPerTask - 1) / kRowsPerTask;
   const A scale = A(a.scale);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kRowsPerTask * Tk * D));
@@ -49,12 +65,14 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out, acc_t<T>* 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, i0 = task % blocks * kRowsPerTask;
       if (bh != loaded) {
-        widen(kh, k + bh * Tk * D, Tk * D);
-        widen(vh, v + bh * Tk * D, Tk * D);
+        widen(kh, k.head(bh), Tk, k.s.seq, D);
+        widen(vh, v.head(bh), Tk, v.s.seq, D);
         loaded = bh;
       }
+      const T* qh = q.head(bh);
+      T* oh = out.head(bh);
       for (int64_t i = i0; i < std::min(Tq, i0 + kRowsPerTask); ++i) {
-        widen(qi, q + (bh * Tq + i) * D, D);
+        widen(qi, qh + i * q.s.seq, 1, 0, D);
         const int64_t n = visible_keys(a, i);
         p.resize(size_t(n));
         A m = -std::numeric_limits<A>::infinity();
@@ -70,7 +88,7 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out, acc_t<T>* 
           const A* vj = vh.data() + j * D;
           for (int64_t d = 0; d < D; ++d) acc[size_t(d)] += e * vj[d];
         }
-        T* o = out + (bh * Tq + i) * D;
+        T* o = oh + i * out.s.seq;
         for (int64_t d = 0; d < D; ++d) o[d] = T(n > 0 ? acc[size_t(d)] / l : A(0));
         lse[bh * Tq + i] = n > 0 ? m + std::log(l) : -std::numeric_limits<A>::infinity();
       }
@@ -78,20 +96,31 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out, acc_t<T>* 
   });
 }
 
+// dst rows (n, D), `seq` apart, = scale * src (n, D) dense, rounded to T.
+template <class T, class A> void narrow(T* dst, int64_t seq, const std::vector<A>& src, int64_t n, int64_t D, A scale) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; ++d) dst[r * seq + d] = T(scale * src[size_t(r * D + d)]);
+}
+
 template <class T>
-void backward_typed(const AttentionArgs& a, T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
-                    const T* out, const acc_t<T>* lse) {
+void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, const T* dout_ptr, const T* q_ptr,
+                    const T* k_ptr, const T* v_ptr, const T* out_ptr, const acc_t<T>* lse) {
   using A = acc_t<T>;
   const int64_t D = a.head_dim, Tq = a.q_len, Tk = a.kv_len, heads = a.batch * a.heads;
+  const Rows<const T> q(q_ptr, a.strides.q, a.heads, Tq, D), k(k_ptr, a.strides.k, a.heads, Tk, D),
+      v(v_ptr, a.strides.v, a.heads, Tk, D), out(out_ptr, a.strides.out, a.heads, Tq, D),
+      dout(dout_ptr, a.strides.dout, a.heads, Tq, D);
+  const Rows<T> dq(dq_ptr, a.strides.dq, a.heads, Tq, D), dk(dk_ptr, a.strides.dk, a.heads, Tk, D),
+      dv(dv_ptr, a.strides.dv, a.heads, Tk, D);
   const A scale = A(a.scale);
   parallel_for(heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> qh, kh, vh, doh, oh, dqh, dkh, dvh;
     for (int64_t bh = begin; bh < end; ++bh) {
-      widen(qh, q + bh * Tq * D, Tq * D);
-      widen(doh, dout + bh * Tq * D, Tq * D);
-      widen(oh, out + bh * Tq * D, Tq * D);
-      widen(kh, k + bh * Tk * D, Tk * D);
-      widen(vh, v + bh * Tk * D, Tk * D);
+      widen(qh, q.head(bh), Tq, q.s.seq, D);
+      widen(doh, dout.head(bh), Tq, dout.s.seq, D);
+      widen(oh, out.head(bh), Tq, out.s.seq, D);
+      widen(kh, k.head(bh), Tk, k.s.seq, D);
+      widen(vh, v.head(bh), Tk, v.s.seq, D);
       dqh.assign(size_t(Tq * D), A(0));
       dkh.assign(size_t(Tk * D), A(0));
       dvh.assign(size_t(Tk * D), A(0));
@@ -116,11 +145,9 @@ void backward_typed(const AttentionArgs& a, T* dq, T* dk, T* dv, const T* dout, 
           }
         }
       }
-      for (int64_t e = 0; e < Tq * D; ++e) dq[bh * Tq * D + e] = T(scale * dqh[size_t(e)]);
-      for (int64_t e = 0; e < Tk * D; ++e) {
-        dk[bh * Tk * D + e] = T(scale * dkh[size_t(e)]);
-        dv[bh * Tk * D + e] = T(dvh[size_t(e)]);
-      }
+      narrow(dq.head(bh), dq.s.seq, dqh, Tq, D, scale);
+      narrow(dk.head(bh), dk.s.seq, dkh, Tk, D, scale);
+      narrow(dv.head(bh), dv.s.seq, dvh, Tk, D, A(1));
     }
   });
 }

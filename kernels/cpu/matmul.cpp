@@ -14,7 +14,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/core/gemm_check.h"
 #include "kernels/cpu/common.h"
+#include "kernels/cpu/elementwise_ops.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/parallel_for.h"
 
@@ -105,6 +107,7 @@ void gemm_typed(const GemmArgs& g) {
                                     c_tile.data() + ir * nc_pad + jr, nc_pad);
       }
       const T* bias = g.bias ? static_cast<const T*>(g.bias) + j0 : nullptr;
+      T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
       for (int64_t i = 0; i < mc; ++i) {
         const A* acc = c_tile.data() + i * nc_pad;
         T* row = c + i * g.ldc;
@@ -112,9 +115,45 @@ void gemm_typed(const GemmArgs& g) {
           A v = alpha * acc[j];
           if (beta != A(0)) v += beta * A(row[j]);
           if (bias) v += A(bias[j]);
+          if (g.epilogue == GemmEpilogue::gelu) {
+            aux[i * g.ld_aux + j] = store<T>(v);
+            v = elementwise::unary_float<UnaryOp::gelu, A>(v, A(0));
+          } else if (g.epilogue == GemmEpilogue::dgelu) {
+            const A z = A(aux[i * g.ld_aux + j]);
+            v = elementwise::unary_grad<UnaryOp::gelu, A>(v, z, A(0), A(0));
+          }
           row[j] = store<T>(v);
         }
       }
+    }
+  });
+}
+
+// The sums beside the product, in passes of their own: column sums of the stored C
+// (threads split the columns), and row sums of op(A) over k (threads split the rows).
+template <class T> void column_sums(const GemmArgs& g) {
+  using A = acc_t<T>;
+  const T* c = static_cast<const T*>(g.c);
+  T* out = static_cast<T*>(g.column_sums);
+  parallel_for(g.n, 64, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      A s = 0;
+      for (int64_t i = 0; i < g.m; ++i) s += A(c[i * g.ldc + j]);
+      out[j] = store<T>(s);
+    }
+  });
+}
+
+template <class T> void row_sums_a(const GemmArgs& g) {
+  using A = acc_t<T>;
+  const T* a = static_cast<const T*>(g.a);
+  const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
+  T* out = static_cast<T*>(g.row_sums_a);
+  parallel_for(g.m, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      A s = 0;
+      for (int64_t p = 0; p < g.k; ++p) s += A(a[i * a_rs + p * a_cs]);
+      out[i] = store<T>(s);
     }
   });
 }
@@ -123,7 +162,13 @@ void gemm_typed(const GemmArgs& g) {
 
 void gemm(const GemmArgs& args, StreamHandle) {
   if (args.m <= 0 || args.n <= 0 || args.batch <= 0) return;
-  dispatch_floating(args.dtype, "gemm", [&](auto tag) { gemm_typed<decltype(tag)>(args); });
+  check_gemm_extras(args);
+  dispatch_floating(args.dtype, "gemm", [&](auto tag) {
+    using T = decltype(tag);
+    gemm_typed<T>(args);
+    if (args.column_sums) column_sums<T>(args);
+    if (args.row_sums_a) row_sums_a<T>(args);
+  });
 }
 
 }  // namespace loom::cpu

@@ -1,9 +1,10 @@
 // Scaled-dot-product attention on CUDA: the table entries, the backward's row
 // preprocessing, and the kernels for what the tensor cores do not take.
 //
-// bf16/f16 with head_dim 32, 64, 80, 96 or 128 and 16-byte-aligned buffers run the
-// flash-attention kernels of attention_mma.cu. Everything else (f32, f64, other head_dims
-// up to 256, unaligned views) runs the "rows" kernels here: same algorithm (online softmax
+// bf16/f16 with head_dim 32, 64, 80, 96 or 128 and 16-byte-aligned rows (aligned bases,
+// strides in multiples of 8 elements) run the flash-attention kernels of attention_mma.cu.
+// Everything else (f32, f64, other head_dims up to 256, unaligned views) runs the "rows"
+// kernels here, which take any strides: same algorithm (online softmax
 // forward; backward recomputing P from lse, dK/dV per key and dQ per query, no atomics),
 // in the accumulation type on CUDA cores. A block of 8 warps gives each warp one row of its
 // output (a query, or a key for dK/dV) and streams 32-row tiles of the other side through
@@ -52,14 +53,15 @@ template <class A> __device__ __forceinline__ A warp_sum(A x) {
   return x;
 }
 
-// Rows [row0, row0 + rows) of a contiguous (len, D) matrix into shared memory with row
-// stride `stride`, converted to the accumulation type; rows past len are zeros.
+// Rows [row0, row0 + rows) of a (len, D) matrix whose rows are `ld` elements apart into
+// shared memory with row stride `stride`, converted to the accumulation type; rows past
+// len are zeros.
 template <class T>
-__device__ __forceinline__ void load_rows(acc_t<T>* dst, const T* src, int row0, int rows, int len, int D,
-                                          int stride) {
+__device__ __forceinline__ void load_rows(acc_t<T>* dst, const T* src, int64_t ld, int row0, int rows, int len,
+                                          int D, int stride) {
   for (int e = int(threadIdx.x); e < rows * D; e += kRowThreads) {
     const int r = e / D, d = e - r * D;
-    dst[r * stride + d] = row0 + r < len ? to_acc(src[int64_t(row0 + r) * D + d]) : acc_t<T>(0);
+    dst[r * stride + d] = row0 + r < len ? to_acc(src[int64_t(row0 + r) * ld + d]) : acc_t<T>(0);
   }
 }
 
@@ -87,17 +89,18 @@ template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) forw
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = row_block_start(p), i = q0 + warp, kv_end = visible_key_end(p, q0);
   const bool row_ok = i < p.q_len;
-  const T* k = static_cast<const T*>(p.k) + bh * p.kv_len * D;
-  const T* v = static_cast<const T*>(p.v) + bh * p.kv_len * D;
+  const AttentionLayout& st = p.strides;
+  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
+  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
   const A scale_log2 = A(p.scale_log2);
-  load_rows(sq, static_cast<const T*>(p.q) + bh * p.q_len * D, q0, kRowWarps, p.q_len, D, D);
+  load_rows(sq, static_cast<const T*>(p.q) + p.offset(st.q, bh), st.q.seq, q0, kRowWarps, p.q_len, D, D);
 
   A o[kPer] = {};
   A m = -INFINITY, l = 0;
   for (int j0 = 0; j0 < kv_end; j0 += kTileRows) {
     __syncthreads();  // the previous tile is consumed (and sq written, on the first pass)
-    load_rows(sk, k, j0, kTileRows, p.kv_len, D, SD);
-    load_rows(sv, v, j0, kTileRows, p.kv_len, D, SD);
+    load_rows(sk, k, st.k.seq, j0, kTileRows, p.kv_len, D, SD);
+    load_rows(sv, v, st.v.seq, j0, kTileRows, p.kv_len, D, SD);
     __syncthreads();
     if (!row_ok) continue;  // whole warp; it still meets every barrier
     const int j = j0 + lane;
@@ -123,7 +126,7 @@ template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) forw
     }
   }
   if (!row_ok) return;
-  T* out = static_cast<T*>(p.out) + (bh * p.q_len + i) * D;
+  T* out = static_cast<T*>(p.out) + p.offset(st.out, bh) + int64_t(i) * st.out.seq;
   const A inv = l > 0 ? A(1) / l : A(0);
 #pragma unroll
   for (int e = 0; e < kPer; ++e)
@@ -146,9 +149,9 @@ __global__ void __launch_bounds__(256)
     const int i = int(row - bh * p.q_pad);
     A di = 0, l2 = INFINITY;
     if (i < p.q_len) {
-      const int64_t base = (bh * p.q_len + i) * D;
-      const T* dout = static_cast<const T*>(p.dout) + base;
-      for (int d = lane; d < D; d += 32) di += to_acc(dout[d]) * to_acc(out[base + d]);
+      const T* dout = static_cast<const T*>(p.dout) + p.offset(p.strides.dout, bh) + int64_t(i) * p.strides.dout.seq;
+      const T* o = out + p.offset(p.strides.out, bh) + int64_t(i) * p.strides.out.seq;
+      for (int d = lane; d < D; d += 32) di += to_acc(dout[d]) * to_acc(o[d]);
       di = warp_sum(di);
       const A l = lse[bh * p.q_len + i];
       l2 = l == -INFINITY ? A(INFINITY) : l * A(kLog2e);
@@ -174,19 +177,20 @@ template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) back
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = row_block_start(p), i = q0 + warp, kv_end = visible_key_end(p, q0);
   const bool row_ok = i < p.q_len;
-  const T* k = static_cast<const T*>(p.k) + bh * p.kv_len * D;
-  const T* v = static_cast<const T*>(p.v) + bh * p.kv_len * D;
+  const AttentionLayout& st = p.strides;
+  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
+  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
   const A scale_log2 = A(p.scale_log2);
-  load_rows(sq, static_cast<const T*>(p.q) + bh * p.q_len * D, q0, kRowWarps, p.q_len, D, D);
-  load_rows(so, static_cast<const T*>(p.dout) + bh * p.q_len * D, q0, kRowWarps, p.q_len, D, D);
+  load_rows(sq, static_cast<const T*>(p.q) + p.offset(st.q, bh), st.q.seq, q0, kRowWarps, p.q_len, D, D);
+  load_rows(so, static_cast<const T*>(p.dout) + p.offset(st.dout, bh), st.dout.seq, q0, kRowWarps, p.q_len, D, D);
   const A l2 = row_ok ? static_cast<const A*>(p.lse2)[bh * p.q_pad + i] : A(0);
   const A di = row_ok ? static_cast<const A*>(p.di)[bh * p.q_pad + i] : A(0);
 
   A dq[kPer] = {};
   for (int j0 = 0; j0 < kv_end; j0 += kTileRows) {
     __syncthreads();
-    load_rows(sk, k, j0, kTileRows, p.kv_len, D, SD);
-    load_rows(sv, v, j0, kTileRows, p.kv_len, D, SD);
+    load_rows(sk, k, st.k.seq, j0, kTileRows, p.kv_len, D, SD);
+    load_rows(sv, v, st.v.seq, j0, kTileRows, p.kv_len, D, SD);
     __syncthreads();
     if (!row_ok) continue;
     const int j = j0 + lane;
@@ -208,7 +212,7 @@ template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) back
     }
   }
   if (!row_ok) return;
-  T* out = static_cast<T*>(p.dq) + (bh * p.q_len + i) * D;
+  T* out = static_cast<T*>(p.dq) + p.offset(st.dq, bh) + int64_t(i) * st.dq.seq;
   const A scale = A(p.scale);
 #pragma unroll
   for (int e = 0; e < kPer; ++e)
@@ -231,20 +235,21 @@ template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) back
   const int64_t bh = blockIdx.x % p.heads;
   const int k0 = int(blockIdx.x / p.heads) * kRowWarps, j = k0 + warp;
   const bool key_ok = j < p.kv_len;
-  const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
-  const T* dout = static_cast<const T*>(p.dout) + bh * p.q_len * D;
+  const AttentionLayout& st = p.strides;
+  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
+  const T* dout = static_cast<const T*>(p.dout) + p.offset(st.dout, bh);
   const A* lse2 = static_cast<const A*>(p.lse2) + bh * p.q_pad;
   const A* di = static_cast<const A*>(p.di) + bh * p.q_pad;
   const A scale_log2 = A(p.scale_log2);
-  load_rows(sk, static_cast<const T*>(p.k) + bh * p.kv_len * D, k0, kRowWarps, p.kv_len, D, D);
-  load_rows(sv, static_cast<const T*>(p.v) + bh * p.kv_len * D, k0, kRowWarps, p.kv_len, D, D);
+  load_rows(sk, static_cast<const T*>(p.k) + p.offset(st.k, bh), st.k.seq, k0, kRowWarps, p.kv_len, D, D);
+  load_rows(sv, static_cast<const T*>(p.v) + p.offset(st.v, bh), st.v.seq, k0, kRowWarps, p.kv_len, D, D);
 
   A dk[kPer] = {}, dv[kPer] = {};
   // Causal: queries before k0 see none of these keys.
   for (int i0 = p.causal ? k0 / kTileRows * kTileRows : 0; i0 < p.q_len; i0 += kTileRows) {
     __syncthreads();
-    load_rows(sq, q, i0, kTileRows, p.q_len, D, SD);
-    load_rows(so, dout, i0, kTileRows, p.q_len, D, SD);
+    load_rows(sq, q, st.q.seq, i0, kTileRows, p.q_len, D, SD);
+    load_rows(so, dout, st.dout.seq, i0, kTileRows, p.q_len, D, SD);
     if (threadIdx.x < kTileRows) {
       const int i = i0 + int(threadIdx.x);
       sl[threadIdx.x] = i < p.q_len ? lse2[i] : A(INFINITY);
@@ -275,13 +280,14 @@ template <class T, int kPer> __global__ void __launch_bounds__(kRowThreads) back
     }
   }
   if (!key_ok) return;
-  const int64_t row = (bh * p.kv_len + j) * D;
+  T* dk_row = static_cast<T*>(p.dk) + p.offset(st.dk, bh) + int64_t(j) * st.dk.seq;
+  T* dv_row = static_cast<T*>(p.dv) + p.offset(st.dv, bh) + int64_t(j) * st.dv.seq;
   const A scale = A(p.scale);
 #pragma unroll
   for (int e = 0; e < kPer; ++e)
     if (lane + 32 * e < D) {
-      static_cast<T*>(p.dk)[row + lane + 32 * e] = from_acc<T>(dk[e] * scale);
-      static_cast<T*>(p.dv)[row + lane + 32 * e] = from_acc<T>(dv[e]);
+      dk_row[lane + 32 * e] = from_acc<T>(dk[e] * scale);
+      dv_row[lane + 32 * e] = from_acc<T>(dv[e]);
     }
 }
 
@@ -292,8 +298,15 @@ Params make_params(const AttentionArgs& a) {
              ", got ", a.head_dim);
   LOOM_CHECK(a.q_len < (int64_t(1) << 30) && a.kv_len < (int64_t(1) << 30), "attention on CUDA: sequence lengths ",
              a.q_len, " and ", a.kv_len, " are too long (at most 2^30 - 1)");
+  LOOM_CHECK(a.batch * a.heads < (int64_t(1) << 31), "attention on CUDA: batch * heads = ", a.batch * a.heads,
+             " is too many (at most 2^31 - 1): split the batch");
   Params p;
   p.heads = a.batch * a.heads;
+  p.heads_per_batch = int(a.heads);
+  const AttentionLayout& s = a.strides;
+  const int64_t H = a.heads, Tq = a.q_len, Tk = a.kv_len, D = a.head_dim;
+  p.strides = {s.q.resolve(H, Tq, D),    s.k.resolve(H, Tk, D),  s.v.resolve(H, Tk, D),  s.out.resolve(H, Tq, D),
+               s.dout.resolve(H, Tq, D), s.dq.resolve(H, Tq, D), s.dk.resolve(H, Tk, D), s.dv.resolve(H, Tk, D)};
   p.q_len = int(a.q_len);
   p.kv_len = int(a.kv_len);
   p.q_pad = int((a.q_len + attention::kRowPad - 1) / attention::kRowPad * attention::kRowPad);
@@ -307,6 +320,20 @@ Params make_params(const AttentionArgs& a) {
 bool aligned16(std::initializer_list<const void*> ptrs) {
   for (const void* ptr : ptrs)
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  return true;
+}
+
+// True when the tensor-core kernels can address these operands: every row starts a multiple
+// of 16 bytes past its base (strides are multiples of 8 elements of the 2-byte dtypes), and
+// row offsets inside a 64-row tile fit in an int (0 <= seq stride < 2^24). The stride of a
+// size-1 axis only ever multiplies 0, so it may be anything.
+bool mma_layout(const Params& p, std::initializer_list<std::pair<AttentionStrides, int>> operands) {
+  auto ok = [](int64_t stride, int64_t extent) { return extent == 1 || stride % 8 == 0; };
+  const int64_t batch = p.heads / p.heads_per_batch;
+  for (const auto& [s, len] : operands)
+    if (!ok(s.batch, batch) || !ok(s.head, p.heads_per_batch) || !ok(s.seq, len) || s.seq < 0 ||
+        s.seq >= (int64_t(1) << 24))
+      return false;
   return true;
 }
 
@@ -344,7 +371,9 @@ void attention_forward(const AttentionArgs& args, void* out, void* lse, const vo
   Params p = make_params(args);
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
   cudaStream_t s = as_cuda(stream);
-  if (attention::mma_supported(args.dtype, args.head_dim) && aligned16({q, k, v, out})) {
+  const AttentionLayout& st = p.strides;
+  if (attention::mma_supported(args.dtype, args.head_dim) && aligned16({q, k, v, out}) &&
+      mma_layout(p, {{st.q, p.q_len}, {st.k, p.kv_len}, {st.v, p.kv_len}, {st.out, p.q_len}})) {
     attention::mma_forward(p, args.dtype, s);
     return;
   }
@@ -378,7 +407,10 @@ void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv,
                                                         static_cast<A*>(workspace), static_cast<A*>(workspace) + rows);
       LOOM_CUDA_LAUNCH();
     }
-    if (attention::mma_supported(args.dtype, args.head_dim) && aligned16({q, k, v, dout, dq, dk, dv, workspace})) {
+    const AttentionLayout& st = p.strides;
+    if (attention::mma_supported(args.dtype, args.head_dim) && aligned16({q, k, v, dout, dq, dk, dv, workspace}) &&
+        mma_layout(p, {{st.q, p.q_len}, {st.k, p.kv_len}, {st.v, p.kv_len}, {st.dout, p.q_len},
+                       {st.dq, p.q_len}, {st.dk, p.kv_len}, {st.dv, p.kv_len}})) {
       attention::mma_backward(p, args.dtype, s);
       return;
     }

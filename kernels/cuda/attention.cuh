@@ -10,14 +10,16 @@
 #include <utility>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/table.h"
 
 namespace loom::cuda::attention {
 
-// Pointers to contiguous (heads, len, head_dim) buffers, heads = batch * heads. The
-// backward's lse2 and di are rows of the workspace, (heads, q_pad) in the accumulation
-// type, q_pad = q_len rounded up to kRowPad: lse2 = lse * log2(e), with +inf for padding
-// rows and rows that see no key (so exp2(s - lse2) is 0 there), and di = rowsum(dout * out),
-// 0 on padding rows.
+// Pointers to the operands, (heads, len, head_dim) with heads = batch * heads, each laid out
+// by its (resolved) strides: head bh = b * heads_per_batch + h starts at offset(strides, bh),
+// its rows `seq` apart. The backward's lse2 and di are rows of the workspace, (heads, q_pad)
+// in the accumulation type, q_pad = q_len rounded up to kRowPad: lse2 = lse * log2(e), with
+// +inf for padding rows and rows that see no key (so exp2(s - lse2) is 0 there), and
+// di = rowsum(dout * out), 0 on padding rows.
 struct Params {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -30,10 +32,19 @@ struct Params {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
-  int64_t heads = 0;
+  AttentionLayout strides;  // every operand's, resolved (none left at the all-zero default)
+  int64_t heads = 0;        // batch * heads, below 2^31
+  int heads_per_batch = 1;
   int q_len = 0, kv_len = 0, q_pad = 0, head_dim = 0;
   bool causal = false;
   double scale = 1, scale_log2 = 1;  // scale, and scale * log2(e) for exp2
+
+  // Elements from an operand's base to row 0 of head bh, in int64, once per block. The
+  // division is 32-bit (bh < 2^31): a 64-bit one costs the kernels registers they need.
+  __device__ __forceinline__ int64_t offset(const AttentionStrides& s, int64_t bh) const {
+    const unsigned b = unsigned(bh) / unsigned(heads_per_batch), h = unsigned(bh) - b * unsigned(heads_per_batch);
+    return int64_t(b) * s.batch + int64_t(h) * s.head;
+  }
 };
 
 constexpr int kRowPad = 64;
@@ -60,7 +71,7 @@ template <class Kernel> void allow_shared_memory(Kernel kernel, size_t bytes, co
 }
 
 // True when the tensor-core kernels take these shapes: bf16 or f16, head_dim 32, 64, 80,
-// 96 or 128 (the caller also checks 16-byte alignment of every buffer).
+// 96 or 128 (the caller also checks that every row they touch is 16-byte aligned).
 bool mma_supported(DType dtype, int64_t head_dim);
 // Forward (out, lse) and the backward's dq and dk/dv kernels; the backward expects
 // lse2 and di in the workspace already (attention.cu writes them).

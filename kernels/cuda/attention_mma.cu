@@ -18,6 +18,9 @@
 //   5 per tile pair) to avoid f32 atomics and a dQ workspace, and is deterministic.
 // Shared-memory rows are padded by 16 bytes, so the 8 rows an ldmatrix reads fall in 8
 // different bank groups; rows past the sequence are zero-filled by cp.async, then masked.
+// Global rows are addressed through the operands' strides (attention.cuh's Params): a head's
+// base offset once per block, then row * seq stride; attention.cu sends only layouts whose
+// every row is 16-byte aligned, as cp.async and the 16-byte stores need.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -144,32 +147,39 @@ __device__ __forceinline__ void mma_rows(float (&acc)[D / 8][4], const uint32_t 
   }
 }
 
-// Rows [row0, row0 + R) of a contiguous (len, D) matrix into a tile, by cp.async; rows at
-// or past len are zeros. Every thread of the block takes part.
-template <int D, int R, class T> __device__ __forceinline__ void load_rows(T* dst, const T* src, int row0, int len) {
+// Rows [row0, row0 + R) of a (len, D) matrix whose rows are `ld` elements apart (16-byte
+// aligned) into a tile, by cp.async; rows at or past len are zeros. Every thread of the
+// block takes part. The tile's first row is found in int64 once; offsets inside the tile
+// are int (attention.cu sends only 0 <= ld < 2^24 here), which keeps as few registers live
+// as the contiguous kernels did.
+template <int D, int R, class T>
+__device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0, int len) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
+  const T* tile = src + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
     const int c = it * kThreads + int(threadIdx.x);
     if (c < kTotal) {
       const int r = c / kChunks, col = c % kChunks * 8;
       const bool valid = row0 + r < len;
-      cp_async_16(dst + r * (D + 8) + col, valid ? src + int64_t(row0 + r) * D + col : src, valid);
+      cp_async_16(dst + r * (D + 8) + col, valid ? tile + (r * ld + col) : src, valid);
     }
   }
 }
 
-// Rows of a tile back to global memory, 16 bytes per access; rows at or past len skipped.
-template <int D, int R, class T> __device__ __forceinline__ void store_rows(T* dst, const T* src, int row0, int len) {
+// Rows of a tile back to global memory rows `ld` elements apart, 16 bytes per access; rows
+// at or past len skipped. Offsets as in load_rows.
+template <int D, int R, class T>
+__device__ __forceinline__ void store_rows(T* dst, int ld, const T* src, int row0, int len) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
+  T* tile = dst + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
     const int c = it * kThreads + int(threadIdx.x);
     if (c < kTotal) {
       const int r = c / kChunks, col = c % kChunks * 8;
       if (row0 + r < len)
-        *reinterpret_cast<uint4*>(dst + int64_t(row0 + r) * D + col) =
-            *reinterpret_cast<const uint4*>(src + r * (D + 8) + col);
+        *reinterpret_cast<uint4*>(tile + (r * ld + col)) = *reinterpret_cast<const uint4*>(src + r * (D + 8) + col);
     }
   }
 }
@@ -248,16 +258,17 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) forward_ke
   const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = query_tile_start(p), n_tiles = key_tiles(p, q0);
-  const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
-  const T* k = static_cast<const T*>(p.k) + bh * p.kv_len * D;
-  const T* v = static_cast<const T*>(p.v) + bh * p.kv_len * D;
+  const AttentionLayout& st = p.strides;
+  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
+  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
+  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
   const float scale_log2 = float(p.scale_log2);
   const int i_lo = q0 + warp * 16 + g;  // this thread's rows: i_lo and i_lo + 8
 
-  load_rows<D, kBlockM>(sQ, q, q0, p.q_len);
+  load_rows<D, kBlockM>(sQ, q, int(st.q.seq), q0, p.q_len);
   if (n_tiles > 0) {
-    load_rows<D, kBlockN>(sK, k, 0, p.kv_len);
-    load_rows<D, kBlockN>(sV, v, 0, p.kv_len);
+    load_rows<D, kBlockN>(sK, k, int(st.k.seq), 0, p.kv_len);
+    load_rows<D, kBlockN>(sV, v, int(st.v.seq), 0, p.kv_len);
   }
   cp_async_commit();
 
@@ -268,8 +279,8 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) forward_ke
   for (int n = 0; n < n_tiles; ++n) {
     const int buf = n & 1;
     if (n + 1 < n_tiles) {
-      load_rows<D, kBlockN>(sK + (buf ^ 1) * kBlockN * S, k, (n + 1) * kBlockN, p.kv_len);
-      load_rows<D, kBlockN>(sV + (buf ^ 1) * kBlockN * S, v, (n + 1) * kBlockN, p.kv_len);
+      load_rows<D, kBlockN>(sK + (buf ^ 1) * kBlockN * S, k, int(st.k.seq), (n + 1) * kBlockN, p.kv_len);
+      load_rows<D, kBlockN>(sV + (buf ^ 1) * kBlockN * S, v, int(st.v.seq), (n + 1) * kBlockN, p.kv_len);
     }
     cp_async_commit();
     cp_async_wait<1>();  // tile n (and Q) landed; tile n + 1 may still be in flight
@@ -349,7 +360,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) forward_ke
     }
   }
   __syncthreads();
-  store_rows<D, kBlockM>(static_cast<T*>(p.out) + bh * p.q_len * D, sQ, q0, p.q_len);
+  store_rows<D, kBlockM>(static_cast<T*>(p.out) + p.offset(st.out, bh), int(st.out.seq), sQ, q0, p.q_len);
 }
 
 // ---- backward: dQ ----------------------------------------------------------------------
@@ -367,10 +378,11 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) backward_d
   const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2;
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = query_tile_start(p), n_tiles = key_tiles(p, q0);
-  const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
-  const T* dout = static_cast<const T*>(p.dout) + bh * p.q_len * D;
-  const T* k = static_cast<const T*>(p.k) + bh * p.kv_len * D;
-  const T* v = static_cast<const T*>(p.v) + bh * p.kv_len * D;
+  const AttentionLayout& st = p.strides;
+  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
+  const T* dout = static_cast<const T*>(p.dout) + p.offset(st.dout, bh);
+  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
+  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
   const float scale_log2 = float(p.scale_log2);
   const int i_lo = q0 + warp * 16 + g;
   // Workspace rows are padded to kRowPad, so i_lo + 8 is always inside.
@@ -378,11 +390,11 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) backward_d
   const float* di = static_cast<const float*>(p.di) + bh * p.q_pad;
   const float row_lse2[2] = {lse2[i_lo], lse2[i_lo + 8]}, row_di[2] = {di[i_lo], di[i_lo + 8]};
 
-  load_rows<D, kBlockM>(sQ, q, q0, p.q_len);
-  load_rows<D, kBlockM>(sO, dout, q0, p.q_len);
+  load_rows<D, kBlockM>(sQ, q, int(st.q.seq), q0, p.q_len);
+  load_rows<D, kBlockM>(sO, dout, int(st.dout.seq), q0, p.q_len);
   if (n_tiles > 0) {
-    load_rows<D, kBlockN>(sK, k, 0, p.kv_len);
-    load_rows<D, kBlockN>(sV, v, 0, p.kv_len);
+    load_rows<D, kBlockN>(sK, k, int(st.k.seq), 0, p.kv_len);
+    load_rows<D, kBlockN>(sV, v, int(st.v.seq), 0, p.kv_len);
   }
   cp_async_commit();
 
@@ -390,8 +402,8 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) backward_d
   for (int n = 0; n < n_tiles; ++n) {
     const int buf = n & 1;
     if (n + 1 < n_tiles) {
-      load_rows<D, kBlockN>(sK + (buf ^ 1) * kBlockN * S, k, (n + 1) * kBlockN, p.kv_len);
-      load_rows<D, kBlockN>(sV + (buf ^ 1) * kBlockN * S, v, (n + 1) * kBlockN, p.kv_len);
+      load_rows<D, kBlockN>(sK + (buf ^ 1) * kBlockN * S, k, int(st.k.seq), (n + 1) * kBlockN, p.kv_len);
+      load_rows<D, kBlockN>(sV + (buf ^ 1) * kBlockN * S, v, int(st.v.seq), (n + 1) * kBlockN, p.kv_len);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -425,7 +437,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) backward_d
   const float scale = float(p.scale);
   stage_rows<D>(sQ, dq, warp * 16, scale, scale);
   __syncthreads();
-  store_rows<D, kBlockM>(static_cast<T*>(p.dq) + bh * p.q_len * D, sQ, q0, p.q_len);
+  store_rows<D, kBlockM>(static_cast<T*>(p.dq) + p.offset(st.dq, bh), int(st.dq.seq), sQ, q0, p.q_len);
 }
 
 // ---- backward: dK and dV ---------------------------------------------------------------
@@ -448,10 +460,11 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) backward_d
   const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
   const int64_t bh = blockIdx.x % p.heads;
   const int k0 = int(blockIdx.x / p.heads) * kBlockN;  // key tiles ascending: causal's longest first
-  const T* q = static_cast<const T*>(p.q) + bh * p.q_len * D;
-  const T* dout = static_cast<const T*>(p.dout) + bh * p.q_len * D;
-  const T* k = static_cast<const T*>(p.k) + bh * p.kv_len * D;
-  const T* v = static_cast<const T*>(p.v) + bh * p.kv_len * D;
+  const AttentionLayout& st = p.strides;
+  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
+  const T* dout = static_cast<const T*>(p.dout) + p.offset(st.dout, bh);
+  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
+  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
   const float* lse2 = static_cast<const float*>(p.lse2) + bh * p.q_pad;
   const float* di = static_cast<const float*>(p.di) + bh * p.q_pad;
   const float scale_log2 = float(p.scale_log2);
@@ -462,15 +475,15 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) backward_d
   // Query tile `it` into buffer `buf`: Q, dO, and their lse2 / Di rows (in bounds: padded).
   auto load_query_tile = [&](int buf, int it) {
     const int i0 = it * BQ;
-    load_rows<D, BQ>(sQ + buf * BQ * S, q, i0, p.q_len);
-    load_rows<D, BQ>(sO + buf * BQ * S, dout, i0, p.q_len);
+    load_rows<D, BQ>(sQ + buf * BQ * S, q, int(st.q.seq), i0, p.q_len);
+    load_rows<D, BQ>(sO + buf * BQ * S, dout, int(st.dout.seq), i0, p.q_len);
     const int c = int(threadIdx.x);
     if (c < BQ / 4) cp_async_16(sL + buf * BQ + 4 * c, lse2 + i0 + 4 * c, true);
     else if (c < BQ / 2) cp_async_16(sD + buf * BQ + 4 * (c - BQ / 4), di + i0 + 4 * (c - BQ / 4), true);
   };
 
-  load_rows<D, kBlockN>(sK, k, k0, p.kv_len);
-  load_rows<D, kBlockN>(sV, v, k0, p.kv_len);
+  load_rows<D, kBlockN>(sK, k, int(st.k.seq), k0, p.kv_len);
+  load_rows<D, kBlockN>(sV, v, int(st.v.seq), k0, p.kv_len);
   if (it_begin < it_end) load_query_tile(0, it_begin);
   cp_async_commit();
 
@@ -559,8 +572,8 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) backward_d
   stage_rows<D>(sK, dk, warp * 16, scale, scale);
   stage_rows<D>(sV, dv, warp * 16, 1.f, 1.f);
   __syncthreads();
-  store_rows<D, kBlockN>(static_cast<T*>(p.dk) + bh * p.kv_len * D, sK, k0, p.kv_len);
-  store_rows<D, kBlockN>(static_cast<T*>(p.dv) + bh * p.kv_len * D, sV, k0, p.kv_len);
+  store_rows<D, kBlockN>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sK, k0, p.kv_len);
+  store_rows<D, kBlockN>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sV, k0, p.kv_len);
 }
 
 // ---- launchers -------------------------------------------------------------------------

@@ -60,16 +60,6 @@ struct Hyper {
   double eps, momentum, m;  // m = N * S, values per channel
 };
 
-template <class T, int V> struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
-template <class T, int V> __device__ __forceinline__ Pack<T, V> load(const T* p) {
-  return *reinterpret_cast<const Pack<T, V>*>(p);
-}
-template <class T, int V> __device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
-  *reinterpret_cast<Pack<T, V>*>(p) = v;
-}
 
 __device__ __forceinline__ int64_t block_channel(const Geom& g) { return blockIdx.x / unsigned(g.groups); }
 __device__ __forceinline__ int block_group(const Geom& g) { return int(blockIdx.x % unsigned(g.groups)); }

@@ -31,6 +31,30 @@ template <class T, class A> __device__ __forceinline__ T from_acc(A v) { return 
 template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) { return __float2bfloat16(v); }
 template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half(v); }
 
+// V values of T moved by one vector access (16 bytes at most per instruction: a larger pack
+// is aligned to 16 and moves as several). The buffers must be aligned to the pack.
+template <class T, int V> struct alignas(sizeof(T) * V < 16 ? sizeof(T) * V : 16) Pack {
+  T v[V];
+};
+template <class T, int V> __device__ __forceinline__ Pack<T, V> load(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+template <class T, int V> __device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
+  *reinterpret_cast<Pack<T, V>*>(p) = v;
+}
+
+// Multiprocessors of the current device, asked once per host thread and device.
+inline int sm_count() {
+  int device = 0;
+  LOOM_CUDA(cudaGetDevice(&device));
+  thread_local int cached_device = -1, cached_sms = 0;
+  if (device != cached_device) {
+    LOOM_CUDA(cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, device));
+    cached_device = device;
+  }
+  return cached_sms;
+}
+
 // Blocks for n elements at `threads` per block, each thread handling `per_thread`,
 // capped so a grid-stride loop covers the rest.
 inline unsigned blocks_for(int64_t n, int threads, int per_thread = 1) {

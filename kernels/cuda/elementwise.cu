@@ -32,17 +32,6 @@ using namespace elementwise;
 
 constexpr int kThreads = 256;
 
-int sm_count() {
-  int device = 0;
-  LOOM_CUDA(cudaGetDevice(&device));
-  thread_local int cached_device = -1, cached_sms = 0;
-  if (device != cached_device) {
-    LOOM_CUDA(cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, device));
-    cached_device = device;
-  }
-  return cached_sms;
-}
-
 // How many blocks of `kernel` one SM holds at once.
 template <class Kernel>
 int blocks_per_sm(Kernel kernel) {
@@ -59,11 +48,6 @@ unsigned grid_for(int64_t items, int per_sm) {
 }
 
 // ---- the contiguous kernel ----------------------------------------------------------
-
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
 // An input of the contiguous kernel: a contiguous array, or one element read everywhere.
 template <class T>

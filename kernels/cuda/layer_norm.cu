@@ -41,16 +41,6 @@ constexpr int kMaxPerLane = 4;           // vectors (or single values) a lane ho
 constexpr int kForwardBlocksPerSm = 4;   // grid of the grid-stride forward kernels
 constexpr int kBackwardBlocksPerSm = 2;  // grid of the backward warp kernel: one partial row per block
 
-template <class T, int V> struct alignas(sizeof(T) * V < 16 ? sizeof(T) * V : 16) Pack {
-  T v[V];
-};
-
-template <class T, int V> __device__ __forceinline__ Pack<T, V> load(const T* p) {
-  return *reinterpret_cast<const Pack<T, V>*>(p);
-}
-template <class T, int V> __device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
-  *reinterpret_cast<Pack<T, V>*>(p) = v;
-}
 
 template <class A> struct Pair {
   A a, b;
@@ -398,17 +388,6 @@ __global__ void __launch_bounds__(kThreads) param_reduce_kernel(void* dweight, v
 // ---- launch planning -------------------------------------------------------------------
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int sm_count() {
-  int device = 0;
-  LOOM_CUDA(cudaGetDevice(&device));
-  thread_local int cached_device = -1, cached_sms = 0;
-  if (device != cached_device) {
-    LOOM_CUDA(cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, device));
-    cached_device = device;
-  }
-  return cached_sms;
-}
 
 size_t acc_size(DType dtype) { return dtype == DType::f64 ? sizeof(double) : sizeof(float); }
 

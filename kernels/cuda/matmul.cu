@@ -20,17 +20,32 @@
 // stream: two products running at once on two streams of one device could both use it,
 // so a device's products belong on one stream at a time (per-stream workspaces would be
 // the change to make here if that ever stops holding).
+//
+// Single products of f32, bf16 and f16 go through cuBLASLt with a plan per (shape, layout,
+// alignment, epilogue), built once. cuBLASLt's first heuristic choice is often not the
+// fastest: small outputs with a long k (a linear layer's weight gradient, (768, 768) over
+// 16k tokens) want split-K, square ones a different tile. So the first product of each plan
+// times up to kCandidates of the heuristic's algorithms on its own operands (3 runs each,
+// CUDA events; the output is overwritten by the real product afterwards, and plans with
+// beta != 0, which read C, keep the first choice) and keeps the fastest. This costs a few
+// milliseconds once per shape and a synchronisation of the stream then. LOOM_GEMM_TUNE=0
+// keeps the heuristic's first choice everywhere (bitwise the same algorithms run to run).
+// Batched and f64 products use cuBLAS's own GEMM calls.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 
+#include "kernels/core/gemm_check.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/elementwise_ops.cuh"
 #include "kernels/core/precision.h"
 #include "kernels/cuda/kernels.h"
 
@@ -40,17 +55,6 @@ namespace {
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 constexpr int kMaxDevices = 64;
 
-// A cached cuBLASLt plan: descriptors for one shape, dtype and layout, and the chosen algorithm.
-struct LtPlan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  bool found = false;  // false: cuBLASLt had no algorithm; the product runs without the epilogue
-};
-// dtype, transposes, m, n, k, leading dims, beta != 0, and the alignment of A, B, C and bias.
-using LtKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, uint32_t,
-                         uint32_t, uint32_t, uint32_t>;
-
 // The largest power of two up to 256 that divides the address: cuBLASLt assumes 256-byte
 // aligned buffers unless told otherwise, and views into a buffer can start anywhere.
 uint32_t alignment_of(const void* p) {
@@ -58,26 +62,192 @@ uint32_t alignment_of(const void* p) {
   return a == 0 ? 256u : uint32_t(std::min<uintptr_t>(256, a & (~a + 1)));
 }
 
-// C (rows, n; row stride ldc) += bias (n), for products cuBLASLt could not plan.
-template <class T> __global__ void add_bias_rows_kernel(T* c, const T* bias, int64_t rows, int64_t n, int64_t ldc) {
+// Bias-gradient sums run in Loom's own passes (sums below) unless LOOM_GEMM_BGRAD=1 asks
+// for cuBLASLt's BGRAD epilogues: those narrow the algorithms a product may use, and on an
+// H200 they made GPT-2 124M's step 6% slower (38.7 vs 36.4 ms) than the separate passes.
+bool bgrad_epilogues() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("LOOM_GEMM_BGRAD");
+    return env && std::string(env) == "1";
+  }();
+  return enabled;
+}
+
+bool tuning_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("LOOM_GEMM_TUNE");
+    return !(env && std::string(env) == "0");
+  }();
+  return enabled;
+}
+
+// What a product cuBLASLt could not plan, or an epilogue part it does not do, gets in passes
+// of its own (GemmArgs in kernels/table.h says what each is).
+
+// C += bias, then the gelu or dgelu epilogue, in place.
+template <class T>
+__global__ void finish_kernel(T* c, int64_t ldc, const T* bias, T* aux, int64_t ld_aux, GemmEpilogue epilogue,
+                              int64_t rows, int64_t n) {
+  using A = acc_t<T>;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / n, j = i - r * n;
-    c[r * ldc + j] = from_acc<T>(to_acc(c[r * ldc + j]) + to_acc(bias[j]));
+    A v = to_acc(c[r * ldc + j]);
+    if (bias) v += to_acc(bias[j]);
+    if (epilogue == GemmEpilogue::gelu) {
+      aux[r * ld_aux + j] = from_acc<T>(v);
+      v = elementwise::unary_float<UnaryOp::gelu, A>(v, A(0));
+    } else if (epilogue == GemmEpilogue::dgelu) {
+      v = elementwise::unary_grad<UnaryOp::gelu, A>(v, to_acc(aux[r * ld_aux + j]), A(0), A(0));
+    }
+    c[r * ldc + j] = from_acc<T>(v);
   }
 }
 
-void add_bias_rows(const GemmArgs& g, cudaStream_t stream) {
-  const int64_t total = g.m * g.n;
-  const int blocks = int(std::min<int64_t>((total + 255) / 256, 65535));
-  switch (g.dtype) {
-    case DType::f32: add_bias_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<float*>(g.c), static_cast<const float*>(g.bias), g.m, g.n, g.ldc); break;
-    case DType::f64: add_bias_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<double*>(g.c), static_cast<const double*>(g.bias), g.m, g.n, g.ldc); break;
-    case DType::bf16: add_bias_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(g.c), static_cast<const __nv_bfloat16*>(g.bias), g.m, g.n, g.ldc); break;
-    case DType::f16: add_bias_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<__half*>(g.c), static_cast<const __half*>(g.bias), g.m, g.n, g.ldc); break;
-    default: LOOM_FAIL("gemm: no bias for ", dtype_name(g.dtype));
+// out[i] = sum over p < len of x[i * step_i + p * step_p], in the accumulation type.
+// Adjacent outputs (step_i == 1, the column sums of a row-major matrix) in two passes: a
+// block sums kSumRows values of p for 32 adjacent outputs (8 warps, every 8th p each) into
+// a row of partial sums in the cuBLAS workspace, then a thread per output adds its partial
+// sums in order. Deterministic, and enough blocks to fill the GPU for (16k, 768) as for
+// (16k, 50k). Else a warp per output, its lanes striding p (coalesced when step_p == 1).
+constexpr int kSumCols = 32, kSumWarps = 8;
+constexpr int64_t kSumRows = 256;
+
+template <class T> __global__ void __launch_bounds__(kSumCols * kSumWarps)
+    partial_sums_kernel(acc_t<T>* partial, const T* x, int64_t count, int64_t len, int64_t step_p) {
+  using A = acc_t<T>;
+  __shared__ A part[kSumWarps][kSumCols];
+  const int lane = threadIdx.x % kSumCols, warp = threadIdx.x / kSumCols;
+  const int64_t i = int64_t(blockIdx.x) * kSumCols + lane, p0 = int64_t(blockIdx.y) * kSumRows;
+  const int64_t p1 = p0 + kSumRows < len ? p0 + kSumRows : len;
+  A s = 0;
+  if (i < count)
+    for (int64_t p = p0 + warp; p < p1; p += kSumWarps) s += to_acc(x[i + p * step_p]);
+  part[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && i < count) {
+    for (int w = 1; w < kSumWarps; ++w) s += part[w][lane];
+    partial[int64_t(blockIdx.y) * count + i] = s;
   }
-  LOOM_CUDA(cudaGetLastError());
 }
+
+template <class T> __global__ void add_partials_kernel(T* out, const acc_t<T>* partial, int64_t count, int chunks) {
+  using A = acc_t<T>;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
+    A s = 0;
+    for (int c = 0; c < chunks; ++c) s += partial[c * count + i];
+    out[i] = from_acc<T>(s);
+  }
+}
+
+template <class T> __global__ void sums_warp_kernel(T* out, const T* x, int64_t count, int64_t len, int64_t step_i,
+                                                    int64_t step_p) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % 32;
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; i < count;
+       i += int64_t(gridDim.x) * blockDim.x / 32) {
+    A s = 0;
+    for (int64_t p = lane; p < len; p += 32) s += to_acc(x[i * step_i + p * step_p]);
+    for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
+    if (lane == 0) out[i] = from_acc<T>(s);
+  }
+}
+
+template <class T> void sums(T* out, const T* x, int64_t count, int64_t len, int64_t step_i, int64_t step_p,
+                             void* workspace, cudaStream_t stream) {
+  using A = acc_t<T>;
+  const int64_t chunks = std::min<int64_t>((len + kSumRows - 1) / kSumRows,
+                                           int64_t(kWorkspaceBytes / sizeof(A)) / std::max<int64_t>(count, 1));
+  if (step_i == 1 && step_p != 1 && chunks >= 1 && chunks < 65536) {
+    auto* partial = static_cast<A*>(workspace);
+    const dim3 grid(unsigned((count + kSumCols - 1) / kSumCols), unsigned(chunks));
+    // A chunk past the last covers what the workspace could not split.
+    const int64_t covered = chunks * kSumRows;
+    if (covered >= len) {
+      partial_sums_kernel<<<grid, kSumCols * kSumWarps, 0, stream>>>(partial, x, count, len, step_p);
+      LOOM_CUDA_LAUNCH();
+      add_partials_kernel<<<blocks_for(count, 256), 256, 0, stream>>>(out, partial, count, int(chunks));
+      LOOM_CUDA_LAUNCH();
+      return;
+    }
+  }
+  sums_warp_kernel<<<blocks_for(count, 256 / 32), 256, 0, stream>>>(out, x, count, len, step_i, step_p);
+  LOOM_CUDA_LAUNCH();
+}
+
+// The parts `done` by cuBLASLt are skipped.
+struct Done {
+  bool bias = false, epilogue = false, column_sums = false, row_sums_a = false;
+};
+
+// The workspace is free here: the product before has finished with it in stream order.
+void finish(const GemmArgs& g, Done done, void* workspace, cudaStream_t stream) {
+  dispatch_floating(g.dtype, "gemm epilogue", [&](auto tag) {
+    using T = decltype(tag);
+    const T* bias = done.bias ? nullptr : static_cast<const T*>(g.bias);
+    const GemmEpilogue epilogue = done.epilogue ? GemmEpilogue::none : g.epilogue;
+    if (bias || epilogue != GemmEpilogue::none) {
+      finish_kernel<<<blocks_for(g.m * g.n, 256), 256, 0, stream>>>(static_cast<T*>(g.c), g.ldc, bias,
+                                                                     static_cast<T*>(g.aux), g.ld_aux, epilogue, g.m, g.n);
+      LOOM_CUDA_LAUNCH();
+    }
+    if (g.column_sums && !done.column_sums)
+      sums(static_cast<T*>(g.column_sums), static_cast<const T*>(g.c), g.n, g.m, 1, g.ldc, workspace, stream);
+    if (g.row_sums_a && !done.row_sums_a) {
+      const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
+      sums(static_cast<T*>(g.row_sums_a), static_cast<const T*>(g.a), g.m, g.k, a_rs, a_cs, workspace, stream);
+    }
+  });
+}
+
+// The cuBLASLt epilogue for a product, and which parts of GemmArgs it covers. In the
+// column-major view Loom's columns are cuBLASLt's rows: a bias (n) is its bias, Loom's
+// column sums are its BGRAD of the output (only beside DGELU), and the row sums of op(A)
+// are its BGRADB (a reduction of its B over k).
+std::pair<cublasLtEpilogue_t, Done> lt_epilogue(const GemmArgs& g) {
+  Done d;
+  // cuBLASLt's GELU and its gradient are approximations that stay within a 16-bit result's
+  // rounding but not within f32's; f32 products take Loom's own pass for them.
+  const bool sixteen_bit = g.dtype == DType::bf16 || g.dtype == DType::f16;
+  if (g.epilogue != GemmEpilogue::none && !sixteen_bit) {
+    d.bias = g.bias != nullptr;
+    return {g.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT, d};
+  }
+  if (g.epilogue == GemmEpilogue::gelu) {
+    d.bias = d.epilogue = true;
+    return {g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX, d};
+  }
+  if (g.epilogue == GemmEpilogue::dgelu && !g.bias) {
+    d.epilogue = true;
+    d.column_sums = g.column_sums != nullptr && bgrad_epilogues();
+    return {d.column_sums ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU, d};
+  }
+  if (g.epilogue == GemmEpilogue::none && g.bias) {
+    d.bias = true;
+    return {CUBLASLT_EPILOGUE_BIAS, d};
+  }
+  if (g.epilogue == GemmEpilogue::none && g.row_sums_a && bgrad_epilogues()) {
+    d.row_sums_a = true;
+    return {CUBLASLT_EPILOGUE_BGRADB, d};
+  }
+  return {CUBLASLT_EPILOGUE_DEFAULT, d};
+}
+
+constexpr int kCandidates = 8;
+
+// A cached cuBLASLt plan: descriptors for one shape, dtype and layout, and the chosen algorithm.
+struct LtPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  Done done;          // what the epilogue covers; the rest runs in passes of its own
+  cublasLtMatmulAlgo_t candidates[kCandidates]{};
+  int count = 0;      // heuristic candidates; 0: cuBLASLt has none and the product takes cuBLAS's path
+  int chosen = -1;    // the candidate in use; -1 until the first product picks one
+};
+// dtype, compute type, transposes, m, n, k, leading dims, beta != 0, epilogue, aux's leading
+// dim, and the alignment of A, B, C, bias (or sums) and aux.
+using LtKey = std::tuple<int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int64_t,
+                         uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 struct Blas {
   cublasHandle_t handle = nullptr;
@@ -122,25 +292,47 @@ Types types_for(DType dtype) {
 
 bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
 
-// The plan for a product with a bias epilogue (caller holds blas.mu). In the column-major
-// view cuBLASLt's A is Loom's B (n x k stored, or k x n when transposed) and its B is Loom's A.
-const LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int k, int lda, int ldb, int ldc) {
+// The vector cuBLASLt's bias pointer names for this epilogue: the bias it adds, or the
+// sums it writes.
+const void* lt_vector(const GemmArgs& g, cublasLtEpilogue_t epilogue) {
+  switch (epilogue) {
+    case CUBLASLT_EPILOGUE_BIAS:
+    case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: return g.bias;
+    case CUBLASLT_EPILOGUE_DGELU_BGRAD: return g.column_sums;
+    case CUBLASLT_EPILOGUE_BGRADB: return g.row_sums_a;
+    default: return nullptr;
+  }
+}
+
+// The plan for a single product (caller holds blas.mu). In the column-major view
+// cuBLASLt's A is Loom's B (n x k stored, or k x n when transposed) and its B is Loom's A.
+LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int k, int lda, int ldb, int ldc) {
+  const auto [epilogue, done] = lt_epilogue(g);
   const uint32_t align_a = alignment_of(g.b), align_b = alignment_of(g.a), align_c = alignment_of(g.c),
-                 align_bias = alignment_of(g.bias);
-  const LtKey key{int(g.dtype), g.trans_a, g.trans_b, m, n, k, lda, ldb, ldc, g.beta != 0.f,
-                  align_a, align_b, align_c, align_bias};
+                 align_vec = alignment_of(lt_vector(g, epilogue)), align_aux = alignment_of(g.aux);
+  const LtKey key{int(g.dtype), int(t.compute), g.trans_a, g.trans_b, m, n, k, lda, ldb, ldc, g.beta != 0.f,
+                  int(epilogue), g.aux ? g.ld_aux : 0, align_a, align_b, align_c, align_vec, align_aux};
   auto found = blas.plans.find(key);
   if (found != blas.plans.end()) return found->second;
   LtPlan p;
-  const cudaDataType_t scale = g.dtype == DType::f64 ? CUDA_R_64F : CUDA_R_32F;
-  LOOM_CUBLAS(cublasLtMatmulDescCreate(&p.desc, t.compute, scale));
+  p.epilogue = epilogue;
+  p.done = done;
+  LOOM_CUBLAS(cublasLtMatmulDescCreate(&p.desc, t.compute, CUDA_R_32F));
   const cublasOperation_t op_a = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-  LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  const cudaDataType_t bias_type = t.data;  // the bias is in C's dtype
-  LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+    LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    if (lt_vector(g, epilogue)) {
+      const cudaDataType_t vector_type = t.data;  // bias and sums are in C's dtype
+      LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &vector_type,
+                                                 sizeof(vector_type)));
+    }
+    if (done.epilogue) {
+      const int64_t ld = g.ld_aux;
+      LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+    }
+  }
   LOOM_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, t.data, op_a == CUBLAS_OP_N ? n : k, op_a == CUBLAS_OP_N ? k : n, ldb));
   LOOM_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, t.data, op_b == CUBLAS_OP_N ? k : m, op_b == CUBLAS_OP_N ? m : k, lda));
   LOOM_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, t.data, n, m, ldc));
@@ -157,13 +349,48 @@ const LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int 
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c}};
   for (const auto& [attribute, bytes] : aligns)
     LOOM_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof(bytes)));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int count = 0;
-  LOOM_CUBLAS(cublasLtMatmulAlgoGetHeuristic(blas.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &count));
+  const int wanted = tuning_enabled() && g.beta == 0.f ? kCandidates : 1;
+  LOOM_CUBLAS(cublasLtMatmulAlgoGetHeuristic(blas.lt, p.desc, p.a, p.b, p.c, p.c, pref, wanted, results, &count));
   cublasLtMatmulPreferenceDestroy(pref);
-  p.found = count > 0 && result.state == CUBLAS_STATUS_SUCCESS;
-  p.algo = result.algo;
+  for (int i = 0; i < count; ++i)
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) p.candidates[p.count++] = results[i].algo;
   return blas.plans.emplace(key, p).first->second;
+}
+
+cublasStatus_t lt_run(Blas& blas, const LtPlan& p, const cublasLtMatmulAlgo_t& algo, const GemmArgs& g,
+                      const void* alpha, const void* beta, cudaStream_t stream) {
+  return cublasLtMatmul(blas.lt, p.desc, alpha, g.b, p.a, g.a, p.b, beta, g.c, p.c, g.c, p.c, &algo, blas.workspace,
+                        kWorkspaceBytes, stream);
+}
+
+// Picks the plan's algorithm: the fastest candidate over three timed runs each on this
+// product's own operands (beta == 0, so C is only written), or the first when there is one
+// candidate or the stream is being captured into a CUDA graph (no synchronisation there).
+// A candidate that fails to launch is skipped.
+void choose(Blas& blas, LtPlan& p, const GemmArgs& g, const void* alpha, const void* beta, cudaStream_t stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  LOOM_CUDA(cudaStreamIsCapturing(stream, &capturing));
+  p.chosen = 0;
+  if (p.count == 1 || capturing != cudaStreamCaptureStatusNone) return;
+  cudaEvent_t marks[4];
+  for (auto& e : marks) LOOM_CUDA(cudaEventCreate(&e));
+  float best = std::numeric_limits<float>::infinity();
+  for (int i = 0; i < p.count; ++i) {
+    if (lt_run(blas, p, p.candidates[i], g, alpha, beta, stream) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
+    LOOM_CUDA(cudaEventRecord(marks[0], stream));
+    for (int r = 1; r < 4; ++r) {
+      LOOM_CUBLAS(lt_run(blas, p, p.candidates[i], g, alpha, beta, stream));
+      LOOM_CUDA(cudaEventRecord(marks[r], stream));
+    }
+    LOOM_CUDA(cudaEventSynchronize(marks[3]));
+    float runs[3];
+    for (int r = 0; r < 3; ++r) LOOM_CUDA(cudaEventElapsedTime(&runs[r], marks[r], marks[r + 1]));
+    std::sort(runs, runs + 3);
+    if (runs[1] < best) best = runs[1], p.chosen = i;
+  }
+  for (auto& e : marks) LOOM_CUDA(cudaEventDestroy(e));
 }
 
 }  // namespace
@@ -174,6 +401,8 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
                  fits_int(g.ldb) && fits_int(g.ldc),
              "gemm: cuBLAS takes 32-bit sizes; got (m, n, k, batch) = (", g.m, ", ", g.n, ", ", g.k, ", ", g.batch,
              ") with leading dimensions (", g.lda, ", ", g.ldb, ", ", g.ldc, "): split the product");
+  LOOM_CHECK(!g.bias || g.batch == 1, "gemm: a bias needs a single product, got a batch of ", g.batch);
+  check_gemm_extras(g);
   const Types t = types_for(g.dtype);
   // Scalars live on the host (the default pointer mode): f64 takes double, the rest float.
   const double alpha_d = g.alpha, beta_d = g.beta;
@@ -185,27 +414,26 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
   const int lda = int(std::max<int64_t>(g.lda, 1)), ldb = int(std::max<int64_t>(g.ldb, 1));
   const int ldc = int(std::max<int64_t>(g.ldc, 1));
   const int m = int(g.m), n = int(g.n), k = int(g.k);
+  cudaStream_t s = as_cuda(stream);
 
   Blas& blas = blas_for_current_device();
   std::lock_guard lock(blas.mu);
-  if (g.bias) {
-    LOOM_CHECK(g.batch == 1, "gemm: a bias needs a single product, got a batch of ", g.batch);
-    const LtPlan& plan = lt_plan(blas, g, t, m, n, k, lda, ldb, ldc);
-    if (!plan.found) {  // the plain product, then the bias in a pass of its own
-      GemmArgs plain = g;
-      plain.bias = nullptr;
-      blas.mu.unlock();
-      gemm(plain, stream);
-      add_bias_rows(g, as_cuda(stream));
-      blas.mu.lock();  // the lock_guard unlocks it on return
+  if (g.batch == 1 && g.dtype != DType::f64 && k > 0) {
+    LtPlan& plan = lt_plan(blas, g, t, m, n, k, lda, ldb, ldc);
+    if (plan.count > 0) {
+      // Pointers change from call to call; the descriptor is shared under the lock.
+      if (const void* vector = lt_vector(g, plan.epilogue))
+        LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vector, sizeof(vector)));
+      if (plan.done.epilogue)
+        LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux,
+                                                   sizeof(g.aux)));
+      if (plan.chosen < 0) choose(blas, plan, g, alpha, beta, s);
+      LOOM_CUBLAS(lt_run(blas, plan, plan.candidates[plan.chosen], g, alpha, beta, s));
+      finish(g, plan.done, blas.workspace, s);
       return;
     }
-    LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
-    LOOM_CUBLAS(cublasLtMatmul(blas.lt, plan.desc, alpha, g.b, plan.a, g.a, plan.b, beta, g.c, plan.c, g.c, plan.c,
-                               &plan.algo, blas.workspace, kWorkspaceBytes, as_cuda(stream)));
-    return;
   }
-  LOOM_CUBLAS(cublasSetStream(blas.handle, as_cuda(stream)));
+  LOOM_CUBLAS(cublasSetStream(blas.handle, s));
   LOOM_CUBLAS(cublasSetWorkspace(blas.handle, blas.workspace, kWorkspaceBytes));
   if (g.batch == 1) {
     LOOM_CUBLAS(cublasGemmEx(blas.handle, op_b, op_a, n, m, k, alpha, g.b, t.data, ldb, g.a, t.data, lda, beta, g.c,
@@ -215,6 +443,7 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
                                            g.a, t.data, lda, g.stride_a, beta, g.c, t.data, ldc, g.stride_c,
                                            int(g.batch), t.compute, CUBLAS_GEMM_DEFAULT));
   }
+  finish(g, Done{}, blas.workspace, s);  // a product cuBLASLt could not plan (f64, k == 0, batched): bias and epilogue after
 }
 
 }  // namespace loom::cuda

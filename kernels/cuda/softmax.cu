@@ -9,12 +9,15 @@
 // coalesce. Few long strided rows (outer * inner tiny, R huge) are slow on that path; they
 // are rare and it stays correct.
 //
-// Cross-entropy rows are (N, C) contiguous: a warp per row up to C = 1024, else a block.
+// Cross-entropy rows are (N, C) contiguous: a warp per row up to C = 1024, else a block;
+// rows of a multiple of 16 bytes in aligned buffers move in 16-byte packs (a language
+// model's loss reads and writes (tokens, vocab) logits: the loads' width decides its speed).
 // A target that is neither a class index nor ignore_index is a user error the engine
 // checks before the call where it can; here the kernel prints the row and target with
 // printf and executes __trap(), which aborts the kernel and leaves the CUDA context in an
 // error state (cudaErrorLaunchFailure on the next synchronising call). It never reads
 // logits[n, target] out of bounds.
+#include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <type_traits>
@@ -177,20 +180,71 @@ struct CeMerge {
   }
 };
 
+// 16 bytes of T, the unit of a vectorized load or store: rows whose length is a multiple of
+// kPack<T> and whose buffers are 16-byte aligned are read and written a pack at a time.
+template <class T> constexpr int kPack = 16 / int(sizeof(T));
+
+template <class T> bool packable(int64_t C, const void* a, const void* b = nullptr) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return C % kPack<T> == 0 && aligned(a) && aligned(b);
+}
+
+template <class A> __device__ __forceinline__ A exp2_acc(A x) {
+  if constexpr (std::is_same_v<A, float>) return exp2f(x);
+  else return exp2(x);
+}
+template <class A> constexpr A kLog2e = A(1.4426950408889634);
+template <class A> constexpr A kLn2 = A(0.6931471805599453);
+
+// Pushes a pack of values already in base 2 (u = x log2(e)): one rescale for the pack's
+// maximum, then one exp2 per element (a single MUFU instruction for f32), so the pass stays
+// bound by memory. The state is (m, s) in base 2: s = sum 2^(u - m) = sum e^(x - m ln 2),
+// the same s as push's. Special cases as push: -inf adds nothing, NaN and +inf make s NaN
+// (the maximum keeps a NaN, so a pack of -inf and NaN still adds it).
+template <class A, int kN> __device__ __forceinline__ MaxSum<A> push_pack2(MaxSum<A> a, const A (&u)[kN]) {
+  A hi = u[0];
+#pragma unroll
+  for (int j = 1; j < kN; ++j) hi = (u[j] > hi || u[j] != u[j]) ? u[j] : hi;
+  if (hi > a.m) {
+    a.s *= exp2_acc(a.m - hi);
+    a.m = hi;
+  }
+  if (a.m == neg_inf<A>() && hi == neg_inf<A>()) return a;  // nothing but -inf so far
+#pragma unroll
+  for (int j = 0; j < kN; ++j) a.s += exp2_acc(u[j] - a.m);
+  return a;
+}
+
 template <class T, int kGroup, int kThreads>
 __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss, acc_t<T>* lse, const T* logits,
                                                                  const int64_t* target, int64_t N, int64_t C,
-                                                                 int64_t ignore_index, double eps) {
+                                                                 int64_t ignore_index, double eps, bool packed) {
   using A = acc_t<T>;
+  constexpr int P = kPack<T>;
   const int lane = threadIdx.x % kGroup;
   for (int64_t row = first_row<kGroup, kThreads>(); row < N; row += row_step<kGroup, kThreads>()) {
     const bool ignored = ignored_row(target, row, C, ignore_index, lane);
     const T* x = logits + row * C;
     CeState<A> st{{neg_inf<A>(), A(0)}, A(0)};
-    for (int64_t c = lane; c < C; c += kGroup) {
-      A v = to_acc(x[c]);
-      st.ms = push(st.ms, v);
-      st.sum += v;
+    if (packed) {
+      for (int64_t i = lane; i < C / P; i += kGroup) {
+        const Pack<T, P> pk = load<T, P>(x + i * P);
+        A u[P];
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+          const A v = to_acc(pk.v[j]);
+          st.sum += v;
+          u[j] = v * kLog2e<A>;
+        }
+        st.ms = push_pack2(st.ms, u);
+      }
+      st.ms.m *= kLn2<A>;  // back to base e for the merge
+    } else {
+      for (int64_t c = lane; c < C; c += kGroup) {
+        A v = to_acc(x[c]);
+        st.ms = push(st.ms, v);
+        st.sum += v;
+      }
     }
     st = group_reduce<kGroup>(st, CeMerge{});
     if (lane == 0) {
@@ -205,20 +259,32 @@ template <class T, int kGroup, int kThreads>
 __global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(T* grad, const T* logits, const acc_t<T>* lse,
                                                                           const int64_t* target, const acc_t<T>* grad_row,
                                                                           int64_t N, int64_t C, int64_t ignore_index,
-                                                                          double eps) {
+                                                                          double eps, bool packed) {
   using A = acc_t<T>;
+  constexpr int P = kPack<T>;
   const int lane = threadIdx.x % kGroup;
   for (int64_t row = first_row<kGroup, kThreads>(); row < N; row += row_step<kGroup, kThreads>()) {
     T* g = grad + row * C;
-    if (ignored_row(target, row, C, ignore_index, lane)) {
-      for (int64_t c = lane; c < C; c += kGroup) g[c] = from_acc<T>(A(0));
-      continue;
-    }
+    const bool ignored = ignored_row(target, row, C, ignore_index, lane);
     const T* x = logits + row * C;
-    const A gr = A(grad_row[row]), l = A(lse[row]), hit = A(1 - eps), spread = A(eps / double(C));
-    const int64_t t = target[row];
-    for (int64_t c = lane; c < C; c += kGroup)
-      g[c] = from_acc<T>(gr * (exp_acc(to_acc(x[c]) - l) - (c == t ? hit : A(0)) - spread));
+    const A gr = ignored ? A(0) : A(grad_row[row]), l = A(lse[row]), hit = A(1 - eps), spread = A(eps / double(C));
+    const int64_t t = ignored ? -1 : target[row];
+    const A l2 = l * kLog2e<A>;  // softmax = 2^(x log2(e) - lse log2(e)): one FMA and one exp2
+    auto value = [&](int64_t c, T xc) {
+      const A p = exp2_acc(fma(to_acc(xc), kLog2e<A>, -l2));
+      return ignored ? from_acc<T>(A(0)) : from_acc<T>(gr * (p - (c == t ? hit : A(0)) - spread));
+    };
+    if (packed) {
+      for (int64_t i = lane; i < C / P; i += kGroup) {
+        const Pack<T, P> pk = load<T, P>(x + i * P);
+        Pack<T, P> out;
+#pragma unroll
+        for (int j = 0; j < P; ++j) out.v[j] = value(i * P + j, pk.v[j]);
+        store<T, P>(g + i * P, out);
+      }
+    } else {
+      for (int64_t c = lane; c < C; c += kGroup) g[c] = value(c, x[c]);
+    }
   }
 }
 
@@ -284,7 +350,7 @@ void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const
       constexpr int G = decltype(group)::value, kN = decltype(threads)::value;
       cross_entropy_kernel<T, G, kN><<<blocks_for(N, kN / G), kN, 0, as_cuda(stream)>>>(
           static_cast<acc_t<T>*>(loss), static_cast<acc_t<T>*>(lse), static_cast<const T*>(logits), target, N, C,
-          ignore_index, label_smoothing);
+          ignore_index, label_smoothing, packable<T>(C, logits));
     });
   });
 }
@@ -299,8 +365,8 @@ void cross_entropy_backward(void* grad_logits, const void* logits, const void* l
       constexpr int G = decltype(group)::value, kN = decltype(threads)::value;
       cross_entropy_backward_kernel<T, G, kN><<<blocks_for(N, kN / G), kN, 0, as_cuda(stream)>>>(
           static_cast<T*>(grad_logits), static_cast<const T*>(logits), static_cast<const acc_t<T>*>(lse), target,
-          static_cast<const acc_t<T>*>(grad_row), N, C, ignore_index,
-          label_smoothing);
+          static_cast<const acc_t<T>*>(grad_row), N, C, ignore_index, label_smoothing,
+          packable<T>(C, logits, grad_logits));
     });
   });
 }

@@ -25,14 +25,17 @@ std::shared_ptr<Linear> gpt_linear(int64_t in, int64_t out, double std) {
   return l;
 }
 
-// GELU's MLP with nanoGPT's names: c_fc, then gelu, then c_proj.
+// GELU's MLP with nanoGPT's names: c_fc, then gelu, then c_proj, run as one op (gelu_mlp)
+// so the GELU and the bias gradients ride in the products' epilogues.
 class Mlp : public Module {
  public:
   Mlp(int64_t width, double proj_std) {
     c_fc = register_module("c_fc", gpt_linear(width, 4 * width, 0.02));
     c_proj = register_module("c_proj", gpt_linear(4 * width, width, proj_std));
   }
-  Tensor forward(const Tensor& x) override { return c_proj->forward(gelu(c_fc->forward(x))); }
+  Tensor forward(const Tensor& x) override {
+    return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias);
+  }
   std::string type_name() const override { return "MLP"; }
   std::shared_ptr<Linear> c_fc, c_proj;
 };

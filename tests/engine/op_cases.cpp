@@ -94,6 +94,11 @@ const std::vector<OpCase>& op_cases() {
       {"linear", {{{2, 3, 5}}, {{4, 5}}, {{4}}}, [](L x) { return linear(x[0], x[1], x[2]); }},
       {"linear_no_bias", {{{3, 5}}, {{4, 5}}}, [](L x) { return linear(x[0], x[1]); }},
       {"linear_strided_input", {{{5, 3}}, {{4, 5}}, {{4}}}, [](L x) { return linear(x[0].t(), x[1], x[2]); }},
+      {"gelu_mlp", {{{2, 3, 5}}, {{6, 5}}, {{6}}, {{4, 6}}, {{4}}},
+       [](L x) { return gelu_mlp(x[0], x[1], x[2], x[3], x[4]); }},
+      {"gelu_mlp_no_bias", {{{3, 5}}, {{6, 5}}, {{4, 6}}}, [](L x) { return gelu_mlp(x[0], x[1], Tensor(), x[2], Tensor()); }},
+      {"gelu_mlp_strided_input", {{{5, 3}}, {{6, 5}}, {{6}}, {{4, 6}}, {{4}}},
+       [](L x) { return gelu_mlp(x[0].t(), x[1], x[2], x[3], x[4]); }},
       {"matmul_matvec", {{{3, 5}}, {{5}}}, [](L x) { return matmul(x[0], x[1]); }},
       // ---- softmax and losses ------------------------------------------------------
       {"softmax", {{{3, 7}}}, [](L x) { return softmax(x[0], -1); }},
@@ -119,6 +124,21 @@ const std::vector<OpCase>& op_cases() {
        [](L x) {
          return scaled_dot_product_attention(x[0].permute({0, 2, 1, 3}), x[1], x[2].permute({0, 2, 1, 3}), false);
        }},
+      {"sdpa_qkv_views_head_dim32_causal", {{{1, 9, 3, 2, 32}}},
+       [](L x) {
+         auto head = [&](int i) { return x[0].select(2, i).transpose(1, 2); };  // (B, H, T, D) views
+         return scaled_dot_product_attention(head(0), head(1), head(2), true);
+       }},
+      // packed_self_attention: qkv (B, T, 3C) read in place (a column slice of a wider
+      // buffer too); a transposed qkv, whose last dim is not stride 1, is copied first
+      {"packed_attention", {{{2, 5, 12}}}, [](L x) { return packed_self_attention(x[0], 2, false); }},
+      {"packed_attention_causal_scale", {{{2, 6, 18}}}, [](L x) { return packed_self_attention(x[0], 3, true, 0.7); }},
+      {"packed_attention_head_dim32_causal", {{{1, 9, 192}}},
+       [](L x) { return packed_self_attention(x[0], 2, true); }},
+      {"packed_attention_sliced", {{{2, 5, 14}}},
+       [](L x) { return packed_self_attention(x[0].slice(2, 1, 13), 2, true); }},
+      {"packed_attention_transposed", {{{2, 12, 5}}},
+       [](L x) { return packed_self_attention(x[0].transpose(1, 2), 2, false); }},
       // ---- indexing ---------------------------------------------------------------
       {"index_select", {{{5, 3}}}, [](L x) { return index_select(x[0], 0, ids({4, 0, 4, 2}, {4}, x[0].device())); }},
       {"index_select_dim1", {{{2, 5, 3}}},

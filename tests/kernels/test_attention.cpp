@@ -2,6 +2,7 @@
 // the full (T_q, T_kv) matrix, then P V; and for the backward the textbook chain through
 // that matrix (dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = scale dS K, ...), so the
 // kernels' shortcuts (Di = rowsum(dO O), P recomputed from lse) are checked, not assumed.
+// Strided operands (column slices, other axis orders) must give the contiguous results.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,9 +13,13 @@
 #include <vector>
 
 #include "kernels/table.h"
+#include "tests/kernels/attention_layout.h"
 
 namespace loom {
 namespace {
+
+using test::place;
+using test::take;
 
 struct Case {
   int64_t B, H, Tq, Tk, D;
@@ -211,6 +216,44 @@ TEST(AttentionCpu, NoQueriesGiveZeroKeyGradients) {
                                         nullptr, nullptr, nullptr, nullptr);
   for (float e : dk) EXPECT_EQ(e, 0.f);
   for (float e : dv) EXPECT_EQ(e, 0.f);
+}
+
+TEST(AttentionCpu, StridedOperandsGiveTheContiguousResultsExactly) {
+  // Every operand in a layout of its own: q in (B, T_q, C + 1) rows (an odd pitch), k and v
+  // as the two halves of one (B, T_kv, 2C) buffer, out in (B, T_q, H, D) order, dout in
+  // (H, B, T_q, D) order (head stride above batch stride), dq in (B, T_q, C) rows and dk, dv
+  // into one (B, T_kv, 2C) gradient. Unwritten and unread elements are NaN, so a stray read
+  // or a missed write shows.
+  uint32_t seed = 100;
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.str());
+    Inputs x = random_inputs(c, seed++);
+    const Result want = run_cpu<double>(c, DType::f64, x);
+    const int64_t B = c.B, H = c.H, Tq = c.Tq, Tk = c.Tk, D = c.D, C = H * D;
+    AttentionArgs a = c.args(DType::f64);
+    a.strides.q = {Tq * (C + 1), D, C + 1};
+    a.strides.k = a.strides.v = a.strides.dk = a.strides.dv = {Tk * 2 * C, D, 2 * C};
+    a.strides.out = a.strides.dq = {Tq * C, D, C};
+    a.strides.dout = {Tq * D, B * Tq * D, D};
+    std::vector<double> q(size_t(B * Tq * (C + 1)), NAN), kv(size_t(B * Tk * 2 * C), NAN), dout(x.dout.size(), NAN);
+    place(q, 0, a.strides.q, x.q, B, H, Tq, D);
+    place(kv, 0, a.strides.k, x.k, B, H, Tk, D);
+    place(kv, C, a.strides.v, x.v, B, H, Tk, D);
+    place(dout, 0, a.strides.dout, x.dout, B, H, Tq, D);
+    std::vector<double> out(size_t(B * Tq * C), NAN), lse(size_t(B * H * Tq), NAN), dq(out.size(), NAN),
+        dkv(kv.size(), NAN);
+    const KernelTable& cpu = cpu_kernel_table();
+    cpu.attention_forward(a, out.data(), lse.data(), q.data(), kv.data(), kv.data() + C, nullptr);
+    cpu.attention_backward(a, dq.data(), dkv.data(), dkv.data() + C, dout.data(), q.data(), kv.data(),
+                           kv.data() + C, out.data(), lse.data(), nullptr, nullptr);
+    EXPECT_EQ(take(out, 0, a.strides.out, B, H, Tq, D), want.out);
+    EXPECT_EQ(lse, want.lse);
+    EXPECT_EQ(take(dq, 0, a.strides.dq, B, H, Tq, D), want.dq);
+    EXPECT_EQ(take(dkv, 0, a.strides.dk, B, H, Tk, D), want.dk);
+    EXPECT_EQ(take(dkv, C, a.strides.dv, B, H, Tk, D), want.dv);
+    for (const auto* filled : {&out, &dq, &dkv})
+      for (double e : *filled) ASSERT_FALSE(std::isnan(e)) << "out, dq and dk | dv fill their buffers";
+  }
 }
 
 }  // namespace

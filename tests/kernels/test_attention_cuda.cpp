@@ -2,7 +2,8 @@
 // inputs, in f32, bf16 and f16: odd lengths that leave partial tiles (1, 7, 63, 65, 1023),
 // head_dim 32 to 128 on the tensor-core path and others on the rows path, causal and not,
 // fewer or more queries than keys, many heads, a peaked softmax, unaligned buffers (which
-// must take the rows path), and sequences with no queries or no keys.
+// must take the rows path), strided operands (column slices of packed buffers, other axis
+// orders; rows aligned for the tensor cores or not), and sequences with no queries or no keys.
 // The backward kernels of both devices get the same out and lse (the CPU forward's), so
 // each comparison measures one kernel.
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 #include "tests/common/device_buffer.h"
 #include "tests/common/float_bytes.h"
 #include "tests/common/gpu.h"
+#include "tests/kernels/attention_layout.h"
 
 namespace loom {
 namespace {
@@ -25,6 +27,8 @@ namespace {
 using test::DeviceBuffer;
 using test::decode;
 using test::encode;
+using test::place;
+using test::take;
 
 struct Case {
   int64_t B, H, Tq, Tk, D;
@@ -149,6 +153,79 @@ TEST(AttentionCuda, UnalignedBuffersMatchCpu) {
   // Offset by one element: the tensor-core kernels need 16-byte rows, so these take the rows path.
   for (const Case& c : {Case{1, 2, 65, 65, 64, true}, Case{2, 1, 33, 47, 32, false}})
     for (DType dt : {DType::f32, DType::bf16, DType::f16}) check(c, dt, dtype_size(dt));
+}
+
+// Every operand in a layout of its own, against the CPU kernels on contiguous copies: q in
+// (B, T_q, C + q_pad) rows, k and v the two halves of one (B, T_kv, 2C) buffer, out in
+// (B, T_q, H, D) order, dout in (H, B, T_q, D) order, dq in (B, T_q, C) rows, and dk, dv
+// into one (B, T_kv, 2C) gradient. q_pad 8 keeps every row 16-byte aligned (bf16/f16 take
+// the tensor cores, through the strides); q_pad 1 does not (both passes take the rows path).
+void check_strided(const Case& c, DType dt, int64_t q_pad) {
+  SCOPED_TRACE(c.str() + " " + std::string(dtype_name(dt)) + " q_pad " + std::to_string(q_pad));
+  const int64_t B = c.B, H = c.H, Tq = c.Tq, Tk = c.Tk, D = c.D, C = H * D;
+  const int64_t nq = B * H * Tq * D, nk = B * H * Tk * D;
+  const size_t es = dtype_size(dt);
+  const uint32_t seed = uint32_t(Tq * 17 + Tk * 5 + D + q_pad);
+  // Dense inputs as rounded to dt, so both devices see the same numbers.
+  const std::vector<double> q = decode(random_bytes(nq, seed, dt), dt), k = decode(random_bytes(nk, seed + 1, dt), dt),
+                            v = decode(random_bytes(nk, seed + 2, dt), dt),
+                            dout = decode(random_bytes(nq, seed + 3, dt), dt);
+
+  const AttentionArgs dense_args = c.args(dt);
+  const KernelTable& cpu = cpu_kernel_table();
+  std::vector<uint8_t> out(size_t(nq) * es), dq(size_t(nq) * es), dk(size_t(nk) * es), dv(size_t(nk) * es);
+  std::vector<float> lse(size_t(B * H * Tq));
+  const auto bq = encode(q, dt), bk = encode(k, dt), bv = encode(v, dt), bdout = encode(dout, dt);
+  cpu.attention_forward(dense_args, out.data(), lse.data(), bq.data(), bk.data(), bv.data(), nullptr);
+  cpu.attention_backward(dense_args, dq.data(), dk.data(), dv.data(), bdout.data(), bq.data(), bk.data(), bv.data(),
+                         out.data(), lse.data(), nullptr, nullptr);
+
+  AttentionArgs a = dense_args;
+  a.strides.q = {Tq * (C + q_pad), D, C + q_pad};
+  a.strides.k = a.strides.v = a.strides.dk = a.strides.dv = {Tk * 2 * C, D, 2 * C};
+  a.strides.out = a.strides.dq = {Tq * C, D, C};
+  a.strides.dout = {Tq * D, B * Tq * D, D};
+  std::vector<double> hq(size_t(B * Tq * (C + q_pad)), NAN), hkv(size_t(B * Tk * 2 * C), NAN), hdout(size_t(nq), NAN),
+      hout(size_t(nq), NAN);
+  place(hq, 0, a.strides.q, q, B, H, Tq, D);
+  place(hkv, 0, a.strides.k, k, B, H, Tk, D);
+  place(hkv, C, a.strides.v, v, B, H, Tk, D);
+  place(hdout, 0, a.strides.dout, dout, B, H, Tq, D);
+  place(hout, 0, a.strides.out, decode(out, dt), B, H, Tq, D);  // the CPU's out, for the backward
+
+  const KernelTable& gpu = cuda_kernel_table();
+  DeviceBuffer<uint8_t> d_q(encode(hq, dt)), d_kv(encode(hkv, dt)), d_dout(encode(hdout, dt)),
+      d_cpu_out(encode(hout, dt));
+  DeviceBuffer<uint8_t> d_out(size_t(nq) * es), d_dq(size_t(nq) * es), d_dkv(hkv.size() * es);
+  DeviceBuffer<float> d_lse(lse.size()), d_cpu_lse(lse);
+  DeviceBuffer<uint8_t> workspace(gpu.attention_workspace_size(a));
+  for (auto* g : {&d_out, &d_dq, &d_dkv}) LOOM_CUDA(cudaMemset(g->get(), 0xff, g->size()));  // NaN until written
+  const size_t v_at = size_t(C) * es;
+  gpu.attention_forward(a, d_out.get(), d_lse.get(), d_q.get(), d_kv.get(), d_kv.get() + v_at, nullptr);
+  gpu.attention_backward(a, d_dq.get(), d_dkv.get(), d_dkv.get() + v_at, d_dout.get(), d_q.get(), d_kv.get(),
+                         d_kv.get() + v_at, d_cpu_out.get(), d_cpu_lse.get(), workspace.get(), nullptr);
+
+  const double tol = tolerance(dt);
+  const std::vector<double> got_out = decode(d_out.to_host(), dt), got_dq = decode(d_dq.to_host(), dt),
+                            got_dkv = decode(d_dkv.to_host(), dt);
+  expect_close(take(got_out, 0, a.strides.out, B, H, Tq, D), decode(out, dt), tol, "out");
+  std::vector<float> got_lse = d_lse.to_host();
+  for (size_t r = 0; r < lse.size(); ++r)
+    EXPECT_NEAR(got_lse[r], lse[r], 1e-4 * (std::abs(lse[r]) + 1)) << "lse row " << r;
+  expect_close(take(got_dq, 0, a.strides.dq, B, H, Tq, D), decode(dq, dt), tol, "dq");
+  expect_close(take(got_dkv, 0, a.strides.dk, B, H, Tk, D), decode(dk, dt), tol, "dk");
+  expect_close(take(got_dkv, C, a.strides.dv, B, H, Tk, D), decode(dv, dt), tol, "dv");
+  for (const auto* filled : {&got_out, &got_dq, &got_dkv})
+    for (double e : *filled) ASSERT_FALSE(std::isnan(e)) << "out, dq and dk | dv fill their buffers";
+}
+
+TEST(AttentionCuda, StridedOperandsMatchCpu) {
+  LOOM_REQUIRE_CUDA();
+  for (bool causal : {false, true})
+    for (const Case& c : {Case{2, 2, 77, 77, 64, causal}, Case{1, 3, 50, 130, 32, causal},
+                          Case{1, 2, 130, 40, 128, causal}, Case{2, 2, 33, 33, 40, causal}})
+      for (DType dt : {DType::bf16, DType::f16, DType::f32})
+        for (int64_t q_pad : {8, 1}) check_strided(c, dt, q_pad);
 }
 
 TEST(AttentionCuda, F64MatchesCpu) {

@@ -1,0 +1,135 @@
+// Linear layers as single ops, so their products carry the work around them in cuBLASLt
+// epilogues instead of passes of their own:
+//   linear    y = x W^T + b: the bias added in the forward product's epilogue, and its
+//             gradient (the column sums of dy) computed by the weight gradient's product.
+//   gelu_mlp  y = gelu(x W1^T + b1) W2^T + b2, a transformer's MLP: the first product
+//             applies the bias and GELU and keeps the pre-activation z; in backward the
+//             product dH = dy W2 multiplies by gelu'(z) and sums b1's gradient as it stores.
+// Both fold the leading dims of x into the rows of one GEMM. The CPU runs the same
+// contract (kernels/cpu/matmul.cpp), so the float64 finite-difference checks cover it.
+#include "engine/autocast.h"
+#include "engine/ops/product.h"
+
+namespace loom {
+
+namespace {
+
+// The sums of a product's rows or columns are written in its dtype; an undefined tensor
+// when the bias is absent.
+Tensor bias_grad(bool has_bias, int64_t n, const Tensor& like) {
+  return has_bias ? Tensor::empty({n}, like.dtype(), like.device()) : Tensor();
+}
+
+void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+void check_weight(const Tensor& x, const Tensor& w, const Tensor& b, int64_t in, const char* op, const char* name) {
+  ops::check_defined(w, op, name);
+  ops::check_same_device(x, w, op);
+  LOOM_CHECK(w.dim() == 2 && w.size(1) == in, op, ": ", name, " of shape ", shape_str(w.shape()),
+             " does not match its input's last dim ", in, " (expected (out, ", in, "))");
+  if (b.defined()) {
+    ops::check_same_device(x, b, op);
+    LOOM_CHECK(b.dim() == 1 && b.size(0) == w.size(0), op, ": bias of shape ", shape_str(b.shape()), " does not match ",
+               name, " of shape ", shape_str(w.shape()), " (expected (", w.size(0), ",))");
+  }
+}
+
+// The compute dtype of an op over these tensors (undefined ones skipped), under autocast.
+DType compute_dtype(std::initializer_list<Tensor> ts, const char* op) {
+  DType t = ts.begin()->dtype();  // the input, always defined
+  for (const Tensor& x : ts)
+    if (x.defined()) t = ops::promote(t, x.dtype());
+  LOOM_CHECK(is_floating(t), op, " needs floating-point tensors, got ", dtype_name(t));
+  return autocast_compute_dtype(t);
+}
+
+Tensor cast(const Tensor& t, DType dtype) { return t.defined() ? t.to(dtype) : t; }
+
+}  // namespace
+
+Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0) {
+  ops::check_defined(x0, "linear", "input");
+  LOOM_CHECK(x0.dim() >= 1, "linear: the input must have at least one dim, got a scalar");
+  const int64_t in = x0.size(-1);
+  check_weight(x0, w0, b0, in, "linear", "weight");
+  const int64_t out_features = w0.size(0);
+  if (x0.numel() == 0 || in == 0) {
+    Tensor y = matmul(x0, w0.t());
+    return b0.defined() ? add(y, b0.to(y.dtype())) : y;
+  }
+  const DType t = compute_dtype({x0, w0, b0}, "linear");
+  Shape out_shape(x0.shape().begin(), x0.shape().end() - 1);
+  out_shape.push_back(out_features);
+  Tensor x = x0.to(t).reshape({-1, in}), w = w0.to(t), b = cast(b0, t);
+  if (b.defined()) b = b.contiguous();
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = ops::product_2d(x, w.t(), [&](GemmArgs& g) { g.bias = b.defined() ? b.data_ptr() : nullptr; });
+  }
+  if (any_requires_grad({x, w, b})) {
+    Tensor sx = x.detach(), sw = w.detach();
+    const bool has_bias = b.defined(), need_x = x.requires_grad();
+    record("linear", {x, w, b}, {y}, [sx, sw, has_bias, need_x, out_features](const TensorList& g) {
+      Tensor db = bias_grad(has_bias, out_features, g[0]);
+      Tensor dw = ops::product_2d(g[0].t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); });
+      Tensor dx = need_x ? ops::product_2d(g[0], sw) : Tensor();
+      return TensorList{dx, dw, db};
+    });
+  }
+  return y.reshape(out_shape);
+}
+
+Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const Tensor& w2_0, const Tensor& b2_0) {
+  ops::check_defined(x0, "gelu_mlp", "input");
+  LOOM_CHECK(x0.dim() >= 1, "gelu_mlp: the input must have at least one dim, got a scalar");
+  const int64_t in = x0.size(-1);
+  check_weight(x0, w1_0, b1_0, in, "gelu_mlp", "w1");
+  const int64_t hidden = w1_0.size(0);
+  check_weight(x0, w2_0, b2_0, hidden, "gelu_mlp", "w2");
+  const int64_t out_features = w2_0.size(0);
+  if (x0.numel() == 0 || in == 0 || hidden == 0) {  // nothing for the fused path to do
+    Tensor h = gelu(linear(x0, w1_0, b1_0));
+    return linear(h, w2_0, b2_0);
+  }
+  const DType t = compute_dtype({x0, w1_0, b1_0, w2_0, b2_0}, "gelu_mlp");
+  Shape out_shape(x0.shape().begin(), x0.shape().end() - 1);
+  out_shape.push_back(out_features);
+  Tensor x = x0.to(t).reshape({-1, in}), w1 = w1_0.to(t), w2 = w2_0.to(t);
+  Tensor b1 = cast(b1_0, t), b2 = cast(b2_0, t);
+  if (b1.defined()) b1 = b1.contiguous();
+  if (b2.defined()) b2 = b2.contiguous();
+  const int64_t rows = x.size(0);
+  Tensor z = Tensor::empty({rows, hidden}, t, x.device()), h, y;
+  {
+    NoGradGuard no_grad;
+    h = ops::product_2d(x, w1.t(), [&](GemmArgs& g) {
+      g.bias = ptr_or_null(b1);
+      g.epilogue = GemmEpilogue::gelu;
+      g.aux = z.data_ptr(), g.ld_aux = hidden;
+    });
+    y = ops::product_2d(h, w2.t(), [&](GemmArgs& g) { g.bias = ptr_or_null(b2); });
+  }
+  if (any_requires_grad({x, w1, b1, w2, b2})) {
+    Tensor sx = x.detach(), sw1 = w1.detach(), sw2 = w2.detach();
+    const bool has_b1 = b1.defined(), has_b2 = b2.defined(), need_x = x.requires_grad();
+    record("gelu_mlp", {x, w1, b1, w2, b2}, {y},
+           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, hidden, out_features](const TensorList& g) {
+             const Tensor& dy = g[0];
+             Tensor db2 = bias_grad(has_b2, out_features, dy);
+             Tensor dw2 = ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); });
+             Tensor db1 = bias_grad(has_b1, hidden, dy);
+             Tensor dz = ops::product_2d(dy, sw2, [&](GemmArgs& a) {
+               a.epilogue = GemmEpilogue::dgelu;
+               a.aux = z.data_ptr(), a.ld_aux = hidden;
+               a.column_sums = ptr_or_null(db1);
+             });
+             Tensor dw1 = ops::product_2d(dz.t(), sx);
+             Tensor dx = need_x ? ops::product_2d(dz, sw1) : Tensor();
+             return TensorList{dx, dw1, db1, dw2, db2};
+           });
+  }
+  return y.reshape(out_shape);
+}
+
+}  // namespace loom

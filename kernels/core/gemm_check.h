@@ -1,0 +1,20 @@
+// The checks a product's epilogue and sums must pass on every device (GemmArgs in
+// kernels/table.h): the CPU and CUDA gemm both call check_gemm_extras before any work.
+#pragma once
+
+#include "kernels/core/error.h"
+#include "kernels/table.h"
+
+namespace loom {
+
+inline void check_gemm_extras(const GemmArgs& g) {
+  const bool single = g.batch == 1;
+  LOOM_CHECK(g.epilogue == GemmEpilogue::none || (single && g.aux && g.ld_aux >= g.n),
+             "gemm: a gelu/dgelu epilogue needs a single product and an aux buffer of row stride >= n (", g.n,
+             "), got batch ", g.batch, " and row stride ", g.ld_aux);
+  LOOM_CHECK(!g.column_sums || (single && g.beta == 0.f && !g.bias),
+             "gemm: column sums need a single product with beta == 0 and no bias");
+  LOOM_CHECK(!g.row_sums_a || single, "gemm: row sums of A need a single product, got a batch of ", g.batch);
+}
+
+}  // namespace loom

@@ -1,0 +1,105 @@
+// linear and gelu_mlp beyond the gradient table: each against the ops it fuses (matmul,
+// add, gelu) in outputs and all gradients, with and without biases, leading dims folded,
+// an input that needs no gradient, and the messages users see for mismatched shapes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+
+namespace loom {
+namespace {
+
+template <class F> void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    FAIL() << "expected a loom::Error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+void expect_all_close(const Tensor& a, const Tensor& b, double tol, const std::string& what) {
+  ASSERT_EQ(a.shape(), b.shape()) << what;
+  auto va = a.to_vector<double>(), vb = b.to_vector<double>();
+  for (size_t i = 0; i < va.size(); ++i)
+    ASSERT_NEAR(va[i], vb[i], tol * (1 + std::abs(vb[i]))) << what << " element " << i;
+}
+
+Tensor composite_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  Tensor y = matmul(x, w.t());
+  return b.defined() ? add(y, b) : y;
+}
+
+// Runs f on the leaves, back-propagates sum(f * up), and returns the output and the
+// leaves' gradients (undefined tensors skipped), clearing them after.
+TensorList run(const std::function<Tensor()>& f, const Tensor& up, TensorList leaves) {
+  Tensor y = f();
+  sum(mul(y, up)).backward();
+  TensorList out{y.detach()};
+  for (Tensor& t : leaves) {
+    if (!t.defined()) continue;
+    out.push_back(t.grad().clone());
+    t.zero_grad();
+  }
+  return out;
+}
+
+TEST(LinearOps, GeluMlpMatchesCompositeWithGradients) {
+  for (bool biases : {true, false}) {
+    SCOPED_TRACE(biases ? "biases" : "no biases");
+    manual_seed(5);
+    Tensor x = randn({2, 3, 5}, DType::f64).set_requires_grad();
+    Tensor w1 = randn({7, 5}, DType::f64).set_requires_grad(), w2 = randn({4, 7}, DType::f64).set_requires_grad();
+    Tensor b1 = biases ? randn({7}, DType::f64).set_requires_grad() : Tensor();
+    Tensor b2 = biases ? randn({4}, DType::f64).set_requires_grad() : Tensor();
+    Tensor up = randn({2, 3, 4}, DType::f64);
+    const TensorList leaves{x, w1, b1, w2, b2};
+    TensorList fused = run([&] { return gelu_mlp(x, w1, b1, w2, b2); }, up, leaves);
+    TensorList plain = run(
+        [&] { return composite_linear(gelu(composite_linear(x, w1, b1)), w2, b2); }, up, leaves);
+    ASSERT_EQ(fused.size(), plain.size());
+    for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "output/grad " + std::to_string(i));
+  }
+}
+
+TEST(LinearOps, LinearMatchesCompositeWithGradients) {
+  manual_seed(6);
+  Tensor x = randn({3, 4, 6}, DType::f64).set_requires_grad();
+  Tensor w = randn({5, 6}, DType::f64).set_requires_grad(), b = randn({5}, DType::f64).set_requires_grad();
+  Tensor up = randn({3, 4, 5}, DType::f64);
+  TensorList fused = run([&] { return linear(x, w, b); }, up, {x, w, b});
+  TensorList plain = run([&] { return composite_linear(x, w, b); }, up, {x, w, b});
+  for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "output/grad " + std::to_string(i));
+}
+
+TEST(LinearOps, InputWithoutGradientStillGivesParameterGradients) {
+  manual_seed(7);
+  Tensor x = randn({6, 5}, DType::f64);  // no gradient wanted: the dx product is skipped
+  Tensor w1 = randn({8, 5}, DType::f64).set_requires_grad(), b1 = randn({8}, DType::f64).set_requires_grad();
+  Tensor w2 = randn({3, 8}, DType::f64).set_requires_grad(), b2 = randn({3}, DType::f64).set_requires_grad();
+  Tensor up = randn({6, 3}, DType::f64);
+  TensorList fused = run([&] { return gelu_mlp(x, w1, b1, w2, b2); }, up, {w1, b1, w2, b2});
+  TensorList plain =
+      run([&] { return composite_linear(gelu(composite_linear(x, w1, b1)), w2, b2); }, up, {w1, b1, w2, b2});
+  for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "output/grad " + std::to_string(i));
+  EXPECT_FALSE(x.grad().defined());
+}
+
+TEST(LinearOps, MismatchedShapesNameTheArgument) {
+  Tensor x = randn({2, 5}), w1 = randn({7, 5}), w2 = randn({4, 7});
+  expect_error([&] { gelu_mlp(x, randn({7, 6}), Tensor(), w2, Tensor()); }, "w1 of shape (7, 6)");
+  expect_error([&] { gelu_mlp(x, w1, Tensor(), randn({4, 6}), Tensor()); }, "w2 of shape (4, 6)");
+  expect_error([&] { gelu_mlp(x, w1, randn({6}), w2, Tensor()); }, "bias of shape (6,)");
+  expect_error([&] { linear(x, randn({3, 4}), Tensor()); }, "weight of shape (3, 4)");
+}
+
+TEST(LinearOps, EmptyInputsGiveEmptyOutputs) {
+  Tensor y = gelu_mlp(randn({0, 5}), randn({7, 5}), randn({7}), randn({4, 7}), randn({4}));
+  EXPECT_EQ(y.shape(), (Shape{0, 4}));
+}
+
+}  // namespace
+}  // namespace loom
