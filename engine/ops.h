@@ -123,11 +123,16 @@ Tensor argmin(const Tensor& x, int dim, bool keepdim = false);
 Tensor matmul(const Tensor& a, const Tensor& b);
 // A linear layer: x (..., in) @ weight (out, in)^T + bias (out; may be undefined), as
 // torch.nn.functional.linear; one GEMM with the bias added in its epilogue.
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// With a residual (the output's shape): residual + x W^T + bias, the sum made by the product
+// itself (an f32 residual beside a bf16/f16 product gives an f32 output: a transformer's
+// residual stream), so the stream costs no pass of its own.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(), const Tensor& residual = Tensor());
 // A transformer's MLP as one op: gelu(x W1^T + b1) W2^T + b2 with GELU in its tanh form
 // (GPT-2's), x (..., in), w1 (hidden, in), w2 (out, hidden), biases optional. The GELU,
 // its gradient and both bias gradients ride in the products' epilogues (engine/ops/linear.cpp).
-Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
+// A residual is added as linear's is: residual + gelu_mlp(x, ...), in the second product.
+Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+                const Tensor& residual = Tensor());
 
 // ---- softmax and losses (ops/softmax.cpp) --------------------------------------
 Tensor softmax(const Tensor& x, int dim);

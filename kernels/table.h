@@ -80,6 +80,13 @@ struct GemmArgs {
   // row_sums_a (m) of op(A) over k (the bias gradient beside a weight gradient dW = dY^T X).
   void* column_sums = nullptr;
   void* row_sums_a = nullptr;
+  // f32 C for 16-bit A and B (bf16/f16): C, c_in and bias are f32, so a product lands in an
+  // f32 stream without a 16-bit rounding or a cast of its own. Single products with no
+  // epilogue or sums only.
+  bool c_f32 = false;
+  // Optional input for the beta term (same dtype and row stride as C): C = alpha AB + beta
+  // c_in (+ bias), C only written. A residual connection, out = x + layer(h), in the product.
+  const void* c_in = nullptr;
 };
 
 // A 2-d convolution (cross-correlation, as in PyTorch) over NCHW contiguous buffers:

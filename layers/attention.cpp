@@ -12,12 +12,14 @@ CausalSelfAttention::CausalSelfAttention(int64_t embed_dim, int64_t num_heads, b
   c_proj = register_module("c_proj", std::make_shared<Linear>(embed_dim, embed_dim));
 }
 
-Tensor CausalSelfAttention::forward(const Tensor& x) {
+Tensor CausalSelfAttention::forward(const Tensor& x) { return forward(x, Tensor()); }
+
+Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& residual) {
   LOOM_CHECK(x.dim() == 3 && x.size(2) == embed_dim_, "CausalSelfAttention(", embed_dim_,
              "): expected input (B, T, ", embed_dim_, "), got ", shape_str(x.shape()));
   // (B, T, 3C) -> (B, T, C): the kernels read the heads of q, k and v inside the projection's
   // output and write theirs side by side, so neither direction copies to change layout.
-  return c_proj->forward(packed_self_attention(c_attn->forward(x), num_heads_, causal_));
+  return linear(packed_self_attention(c_attn->forward(x), num_heads_, causal_), c_proj->weight, c_proj->bias, residual);
 }
 
 }  // namespace loom::nn

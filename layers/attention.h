@@ -17,6 +17,9 @@ class CausalSelfAttention : public Module {
 
   // (B, T, C) -> (B, T, C)
   Tensor forward(const Tensor& x) override;
+  // residual + forward(x), the sum made by the output projection's product (linear's
+  // residual): a transformer block's residual stream without an add of its own.
+  Tensor forward(const Tensor& x, const Tensor& residual);
   std::string type_name() const override { return "CausalSelfAttention"; }
 
   std::shared_ptr<Linear> c_attn, c_proj;

@@ -45,58 +45,105 @@ DType compute_dtype(std::initializer_list<Tensor> ts, const char* op) {
 
 Tensor cast(const Tensor& t, DType dtype) { return t.defined() ? t.to(dtype) : t; }
 
+// How a product's output joins a residual: fused into the product (C = residual + x W^T + b)
+// when the residual has the output's shape and the compute dtype, or is f32 beside a 16-bit
+// product (then the output, bias and residual are f32). Otherwise the caller adds it.
+struct Output {
+  bool fused = false;
+  DType dtype;         // of the output and the bias
+  bool c_f32 = false;  // an f32 output of a 16-bit product
+  Tensor residual;     // (rows, n) contiguous, when fused
+};
+
+Output plan_output(const Tensor& residual, DType t, const Shape& out_shape, const char* op) {
+  Output o{false, t, false, Tensor()};
+  if (!residual.defined()) return o;
+  const bool sixteen = t == DType::bf16 || t == DType::f16;
+  if (residual.shape() != out_shape || !(residual.dtype() == t || (residual.dtype() == DType::f32 && sixteen)))
+    return o;
+  o.fused = true;
+  o.dtype = residual.dtype();
+  o.c_f32 = o.dtype != t;
+  o.residual = residual.reshape({-1, out_shape.back()}).contiguous();
+  return o;
+}
+
+// The product's extras for its output: bias, and the residual as the beta term.
+void set_output(GemmArgs& g, const Output& o, const Tensor& bias) {
+  g.bias = ptr_or_null(bias);
+  if (o.fused) g.c_in = o.residual.data_ptr(), g.beta = 1.f;
+}
+
+// The bias gradient, in the bias's dtype: row sums of dy^T in the product for dW when the
+// bias shares the compute dtype, else summed in it and cast (a 16-bit product with an f32
+// output keeps its bias in f32).
+Tensor cast_bias_grad(const Tensor& db, DType bias_dtype) {
+  return db.defined() && db.dtype() != bias_dtype ? db.to(bias_dtype) : db;
+}
+
 }  // namespace
 
-Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0) {
+Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor& residual0) {
   ops::check_defined(x0, "linear", "input");
   LOOM_CHECK(x0.dim() >= 1, "linear: the input must have at least one dim, got a scalar");
   const int64_t in = x0.size(-1);
   check_weight(x0, w0, b0, in, "linear", "weight");
+  if (residual0.defined()) ops::check_same_device(x0, residual0, "linear");
   const int64_t out_features = w0.size(0);
   if (x0.numel() == 0 || in == 0) {
     Tensor y = matmul(x0, w0.t());
-    return b0.defined() ? add(y, b0.to(y.dtype())) : y;
+    if (b0.defined()) y = add(y, b0.to(y.dtype()));
+    return residual0.defined() ? add(residual0, y) : y;
   }
   const DType t = compute_dtype({x0, w0, b0}, "linear");
   Shape out_shape(x0.shape().begin(), x0.shape().end() - 1);
   out_shape.push_back(out_features);
-  Tensor x = x0.to(t).reshape({-1, in}), w = w0.to(t), b = cast(b0, t);
+  const Output o = plan_output(residual0, t, out_shape, "linear");
+  if (residual0.defined() && !o.fused) return add(residual0, linear(x0, w0, b0));
+  Tensor x = x0.to(t).reshape({-1, in}), w = w0.to(t), b = cast(b0, o.dtype);
   if (b.defined()) b = b.contiguous();
   Tensor y;
   {
     NoGradGuard no_grad;
-    y = ops::product_2d(x, w.t(), [&](GemmArgs& g) { g.bias = b.defined() ? b.data_ptr() : nullptr; });
+    y = ops::product_2d(x, w.t(), [&](GemmArgs& g) { set_output(g, o, b); }, o.c_f32);
   }
-  if (any_requires_grad({x, w, b})) {
+  if (any_requires_grad({x, w, b, o.residual})) {
     Tensor sx = x.detach(), sw = w.detach();
-    const bool has_bias = b.defined(), need_x = x.requires_grad();
-    record("linear", {x, w, b}, {y}, [sx, sw, has_bias, need_x, out_features](const TensorList& g) {
-      Tensor db = bias_grad(has_bias, out_features, g[0]);
-      Tensor dw = ops::product_2d(g[0].t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); });
-      Tensor dx = need_x ? ops::product_2d(g[0], sw) : Tensor();
-      return TensorList{dx, dw, db};
-    });
+    const bool has_bias = b.defined(), need_x = x.requires_grad(), fused = o.fused;
+    const DType out_dtype = o.dtype;
+    record("linear", {x, w, b, o.residual}, {y},
+           [sx, sw, has_bias, need_x, fused, out_dtype, t, out_features](const TensorList& g) {
+             const Tensor dy = g[0].dtype() == t ? g[0] : g[0].to(t);
+             Tensor db = bias_grad(has_bias, out_features, dy);
+             Tensor dw = ops::product_2d(dy.t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); });
+             Tensor dx = need_x ? ops::product_2d(dy, sw) : Tensor();
+             return TensorList{dx, dw, cast_bias_grad(db, out_dtype), fused ? g[0] : Tensor()};
+           });
   }
   return y.reshape(out_shape);
 }
 
-Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const Tensor& w2_0, const Tensor& b2_0) {
+Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const Tensor& w2_0, const Tensor& b2_0,
+                const Tensor& residual0) {
   ops::check_defined(x0, "gelu_mlp", "input");
   LOOM_CHECK(x0.dim() >= 1, "gelu_mlp: the input must have at least one dim, got a scalar");
   const int64_t in = x0.size(-1);
   check_weight(x0, w1_0, b1_0, in, "gelu_mlp", "w1");
   const int64_t hidden = w1_0.size(0);
   check_weight(x0, w2_0, b2_0, hidden, "gelu_mlp", "w2");
+  if (residual0.defined()) ops::check_same_device(x0, residual0, "gelu_mlp");
   const int64_t out_features = w2_0.size(0);
   if (x0.numel() == 0 || in == 0 || hidden == 0) {  // nothing for the fused path to do
     Tensor h = gelu(linear(x0, w1_0, b1_0));
-    return linear(h, w2_0, b2_0);
+    return linear(h, w2_0, b2_0, residual0);
   }
   const DType t = compute_dtype({x0, w1_0, b1_0, w2_0, b2_0}, "gelu_mlp");
   Shape out_shape(x0.shape().begin(), x0.shape().end() - 1);
   out_shape.push_back(out_features);
+  const Output o = plan_output(residual0, t, out_shape, "gelu_mlp");
+  if (residual0.defined() && !o.fused) return add(residual0, gelu_mlp(x0, w1_0, b1_0, w2_0, b2_0));
   Tensor x = x0.to(t).reshape({-1, in}), w1 = w1_0.to(t), w2 = w2_0.to(t);
-  Tensor b1 = cast(b1_0, t), b2 = cast(b2_0, t);
+  Tensor b1 = cast(b1_0, t), b2 = cast(b2_0, o.dtype);
   if (b1.defined()) b1 = b1.contiguous();
   if (b2.defined()) b2 = b2.contiguous();
   const int64_t rows = x.size(0);
@@ -108,14 +155,16 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
       g.epilogue = GemmEpilogue::gelu;
       g.aux = z.data_ptr(), g.ld_aux = hidden;
     });
-    y = ops::product_2d(h, w2.t(), [&](GemmArgs& g) { g.bias = ptr_or_null(b2); });
+    y = ops::product_2d(h, w2.t(), [&](GemmArgs& g) { set_output(g, o, b2); }, o.c_f32);
   }
-  if (any_requires_grad({x, w1, b1, w2, b2})) {
+  if (any_requires_grad({x, w1, b1, w2, b2, o.residual})) {
     Tensor sx = x.detach(), sw1 = w1.detach(), sw2 = w2.detach();
-    const bool has_b1 = b1.defined(), has_b2 = b2.defined(), need_x = x.requires_grad();
-    record("gelu_mlp", {x, w1, b1, w2, b2}, {y},
-           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, hidden, out_features](const TensorList& g) {
-             const Tensor& dy = g[0];
+    const bool has_b1 = b1.defined(), has_b2 = b2.defined(), need_x = x.requires_grad(), fused = o.fused;
+    const DType out_dtype = o.dtype;
+    record("gelu_mlp", {x, w1, b1, w2, b2, o.residual}, {y},
+           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden,
+            out_features](const TensorList& g) {
+             const Tensor dy = g[0].dtype() == t ? g[0] : g[0].to(t);
              Tensor db2 = bias_grad(has_b2, out_features, dy);
              Tensor dw2 = ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); });
              Tensor db1 = bias_grad(has_b1, hidden, dy);
@@ -126,7 +175,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
              });
              Tensor dw1 = ops::product_2d(dz.t(), sx);
              Tensor dx = need_x ? ops::product_2d(dz, sw1) : Tensor();
-             return TensorList{dx, dw1, db1, dw2, db2};
+             return TensorList{dx, dw1, db1, dw2, cast_bias_grad(db2, out_dtype), fused ? g[0] : Tensor()};
            });
   }
   return y.reshape(out_shape);

@@ -47,13 +47,14 @@ Operand as_operand(const Tensor& t) {
   return {packed, false, std::max<int64_t>(cols, 1)};
 }
 
-Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras) {
+Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras, bool c_f32) {
   LOOM_ASSERT(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.dtype() == b.dtype(),
               "product_2d: shapes ", shape_str(a.shape()), " and ", shape_str(b.shape()));
   Operand oa = as_operand(a), ob = as_operand(b);
-  Tensor c = Tensor::empty({a.size(0), b.size(1)}, a.dtype(), a.device());
+  Tensor c = Tensor::empty({a.size(0), b.size(1)}, c_f32 ? DType::f32 : a.dtype(), a.device());
   GemmArgs g;
   g.dtype = a.dtype();
+  g.c_f32 = c_f32;
   g.trans_a = oa.trans, g.trans_b = ob.trans;
   g.m = a.size(0), g.n = b.size(1), g.k = a.size(1);
   g.a = oa.t.data_ptr(), g.lda = oa.ld;

@@ -18,8 +18,9 @@ struct Operand {
 Operand as_operand(const Tensor& t);
 
 // c (m, n) = a (m, k) @ b (k, n), a new tensor; a and b are 2-d of one dtype and device and
-// may be transposed views. `extras` fills bias, epilogue and sums before the call. No
-// autograd: callers record their own backward.
-Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras = {});
+// may be transposed views; c is f32 when c_f32 (16-bit a and b), else their dtype. `extras`
+// fills bias, epilogue, sums and c_in before the call. No autograd: callers record their own.
+Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras = {},
+                  bool c_f32 = false);
 
 }  // namespace loom::ops

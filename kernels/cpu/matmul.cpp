@@ -67,7 +67,8 @@ T store(A v) {
   else return T(float(v));
 }
 
-template <class T>
+// T: A's and B's element type; O: C's (T, or f32 for c_f32).
+template <class T, class O = T>
 void gemm_typed(const GemmArgs& g) {
   using A = acc_t<T>;
   constexpr int MR = kMR, NR = kNR<A>;
@@ -94,7 +95,8 @@ void gemm_typed(const GemmArgs& g) {
       const int64_t mc_pad = round_up(mc, MR), nc_pad = round_up(nc, NR);
       const T* a = static_cast<const T*>(g.a) + bi * g.stride_a + i0 * a_rs;
       const T* b = static_cast<const T*>(g.b) + bi * g.stride_b + j0 * b_js;
-      T* c = static_cast<T*>(g.c) + bi * g.stride_c + i0 * g.ldc + j0;
+      O* c = static_cast<O*>(g.c) + bi * g.stride_c + i0 * g.ldc + j0;
+      const O* c_in = g.c_in ? static_cast<const O*>(g.c_in) + i0 * g.ldc + j0 : c;
 
       std::fill(c_tile.begin(), c_tile.begin() + mc_pad * nc_pad, A(0));
       for (int64_t p0 = 0; p0 < g.k; p0 += kKC) {
@@ -106,14 +108,15 @@ void gemm_typed(const GemmArgs& g) {
             micro_kernel<A, MR, NR>(kc, a_pack.data() + ir * kc, b_pack.data() + jr * kc,
                                     c_tile.data() + ir * nc_pad + jr, nc_pad);
       }
-      const T* bias = g.bias ? static_cast<const T*>(g.bias) + j0 : nullptr;
+      const O* bias = g.bias ? static_cast<const O*>(g.bias) + j0 : nullptr;
       T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
       for (int64_t i = 0; i < mc; ++i) {
         const A* acc = c_tile.data() + i * nc_pad;
-        T* row = c + i * g.ldc;
+        O* row = c + i * g.ldc;
+        const O* row_in = c_in + i * g.ldc;
         for (int64_t j = 0; j < nc; ++j) {
           A v = alpha * acc[j];
-          if (beta != A(0)) v += beta * A(row[j]);
+          if (beta != A(0)) v += beta * A(row_in[j]);
           if (bias) v += A(bias[j]);
           if (g.epilogue == GemmEpilogue::gelu) {
             aux[i * g.ld_aux + j] = store<T>(v);
@@ -122,7 +125,7 @@ void gemm_typed(const GemmArgs& g) {
             const A z = A(aux[i * g.ld_aux + j]);
             v = elementwise::unary_grad<UnaryOp::gelu, A>(v, z, A(0), A(0));
           }
-          row[j] = store<T>(v);
+          row[j] = store<O>(v);
         }
       }
     }
@@ -165,6 +168,9 @@ void gemm(const GemmArgs& args, StreamHandle) {
   check_gemm_extras(args);
   dispatch_floating(args.dtype, "gemm", [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
+      if (args.c_f32) return gemm_typed<T, float>(args);
+    }
     gemm_typed<T>(args);
     if (args.column_sums) column_sums<T>(args);
     if (args.row_sums_a) row_sums_a<T>(args);

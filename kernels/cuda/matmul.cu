@@ -181,6 +181,15 @@ struct Done {
 
 // The workspace is free here: the product before has finished with it in stream order.
 void finish(const GemmArgs& g, Done done, void* workspace, cudaStream_t stream) {
+  if (g.c_f32) {  // no epilogue or sums (check_gemm_extras): at most the bias, in f32
+    if (g.bias && !done.bias) {
+      finish_kernel<<<blocks_for(g.m * g.n, 256), 256, 0, stream>>>(static_cast<float*>(g.c), g.ldc,
+                                                                     static_cast<const float*>(g.bias), static_cast<float*>(nullptr), 0,
+                                                                     GemmEpilogue::none, g.m, g.n);
+      LOOM_CUDA_LAUNCH();
+    }
+    return;
+  }
   dispatch_floating(g.dtype, "gemm epilogue", [&](auto tag) {
     using T = decltype(tag);
     const T* bias = done.bias ? nullptr : static_cast<const T*>(g.bias);
@@ -292,6 +301,8 @@ Types types_for(DType dtype) {
 
 bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
 
+cudaDataType_t c_type(const GemmArgs& g, const Types& t) { return g.c_f32 ? CUDA_R_32F : t.data; }
+
 // The vector cuBLASLt's bias pointer names for this epilogue: the bias it adds, or the
 // sums it writes.
 const void* lt_vector(const GemmArgs& g, cublasLtEpilogue_t epilogue) {
@@ -310,8 +321,9 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
   const auto [epilogue, done] = lt_epilogue(g);
   const uint32_t align_a = alignment_of(g.b), align_b = alignment_of(g.a), align_c = alignment_of(g.c),
                  align_vec = alignment_of(lt_vector(g, epilogue)), align_aux = alignment_of(g.aux);
-  const LtKey key{int(g.dtype), int(t.compute), g.trans_a, g.trans_b, m, n, k, lda, ldb, ldc, g.beta != 0.f,
-                  int(epilogue), g.aux ? g.ld_aux : 0, align_a, align_b, align_c, align_vec, align_aux};
+  const LtKey key{int(g.dtype) * 2 + int(g.c_f32), int(t.compute), g.trans_a, g.trans_b, m, n, k, lda, ldb, ldc,
+                  g.beta != 0.f, int(epilogue), g.aux ? g.ld_aux : 0, align_a, align_b,
+                  std::min(align_c, alignment_of(g.c_in)), align_vec, align_aux};
   auto found = blas.plans.find(key);
   if (found != blas.plans.end()) return found->second;
   LtPlan p;
@@ -324,7 +336,7 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
   if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
     LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
     if (lt_vector(g, epilogue)) {
-      const cudaDataType_t vector_type = t.data;  // bias and sums are in C's dtype
+      const cudaDataType_t vector_type = c_type(g, t);  // bias and sums are in C's dtype
       LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &vector_type,
                                                  sizeof(vector_type)));
     }
@@ -335,7 +347,7 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
   }
   LOOM_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, t.data, op_a == CUBLAS_OP_N ? n : k, op_a == CUBLAS_OP_N ? k : n, ldb));
   LOOM_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, t.data, op_b == CUBLAS_OP_N ? k : m, op_b == CUBLAS_OP_N ? m : k, lda));
-  LOOM_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, t.data, n, m, ldc));
+  LOOM_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, c_type(g, t), n, m, ldc));  // C and D alike
   cublasLtMatmulPreference_t pref = nullptr;
   LOOM_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = kWorkspaceBytes;
@@ -351,7 +363,8 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
     LOOM_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof(bytes)));
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int count = 0;
-  const int wanted = tuning_enabled() && g.beta == 0.f ? kCandidates : 1;
+  // Trial runs must not change what the product reads: C when beta != 0, unless it comes from c_in.
+  const int wanted = tuning_enabled() && (g.beta == 0.f || g.c_in) ? kCandidates : 1;
   LOOM_CUBLAS(cublasLtMatmulAlgoGetHeuristic(blas.lt, p.desc, p.a, p.b, p.c, p.c, pref, wanted, results, &count));
   cublasLtMatmulPreferenceDestroy(pref);
   for (int i = 0; i < count; ++i)
@@ -361,7 +374,7 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
 
 cublasStatus_t lt_run(Blas& blas, const LtPlan& p, const cublasLtMatmulAlgo_t& algo, const GemmArgs& g,
                       const void* alpha, const void* beta, cudaStream_t stream) {
-  return cublasLtMatmul(blas.lt, p.desc, alpha, g.b, p.a, g.a, p.b, beta, g.c, p.c, g.c, p.c, &algo, blas.workspace,
+  return cublasLtMatmul(blas.lt, p.desc, alpha, g.b, p.a, g.a, p.b, beta, g.c_in ? g.c_in : g.c, p.c, g.c, p.c, &algo, blas.workspace,
                         kWorkspaceBytes, stream);
 }
 
@@ -433,11 +446,16 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
       return;
     }
   }
+  if (g.c_in && g.beta != 0.f) {  // cuBLAS reads the beta term from C itself
+    const size_t elem = g.c_f32 ? sizeof(float) : dtype_size(g.dtype);
+    LOOM_CUDA(cudaMemcpy2DAsync(g.c, size_t(ldc) * elem, g.c_in, size_t(ldc) * elem, size_t(n) * elem, size_t(m),
+                                cudaMemcpyDeviceToDevice, s));
+  }
   LOOM_CUBLAS(cublasSetStream(blas.handle, s));
   LOOM_CUBLAS(cublasSetWorkspace(blas.handle, blas.workspace, kWorkspaceBytes));
   if (g.batch == 1) {
     LOOM_CUBLAS(cublasGemmEx(blas.handle, op_b, op_a, n, m, k, alpha, g.b, t.data, ldb, g.a, t.data, lda, beta, g.c,
-                             t.data, ldc, t.compute, CUBLAS_GEMM_DEFAULT));
+                             c_type(g, t), ldc, t.compute, CUBLAS_GEMM_DEFAULT));
   } else {
     LOOM_CUBLAS(cublasGemmStridedBatchedEx(blas.handle, op_b, op_a, n, m, k, alpha, g.b, t.data, ldb, g.stride_b,
                                            g.a, t.data, lda, g.stride_a, beta, g.c, t.data, ldc, g.stride_c,

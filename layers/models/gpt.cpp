@@ -25,22 +25,17 @@ std::shared_ptr<Linear> gpt_linear(int64_t in, int64_t out, double std) {
   return l;
 }
 
-// GELU's MLP with nanoGPT's names: c_fc, then gelu, then c_proj, run as one op (gelu_mlp)
-// so the GELU and the bias gradients ride in the products' epilogues.
-class Mlp : public Module {
- public:
-  Mlp(int64_t width, double proj_std) {
-    c_fc = register_module("c_fc", gpt_linear(width, 4 * width, 0.02));
-    c_proj = register_module("c_proj", gpt_linear(4 * width, width, proj_std));
-  }
-  Tensor forward(const Tensor& x) override {
-    return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias);
-  }
-  std::string type_name() const override { return "MLP"; }
-  std::shared_ptr<Linear> c_fc, c_proj;
-};
 
 }  // namespace
+
+GPTMlp::GPTMlp(int64_t width, double proj_std) {
+  c_fc = register_module("c_fc", gpt_linear(width, 4 * width, 0.02));
+  c_proj = register_module("c_proj", gpt_linear(4 * width, width, proj_std));
+}
+
+Tensor GPTMlp::forward(const Tensor& x, const Tensor& residual) {
+  return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, residual);
+}
 
 GPTConfig GPTConfig::named(const std::string& name) {
   if (name == "gpt2-124m") return {};
@@ -61,13 +56,14 @@ GPTBlock::GPTBlock(int64_t width, int64_t heads, int64_t layers) {
     fill_(attn->c_proj->bias, 0.0);
   }
   ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(width));
-  mlp = register_module("mlp", std::make_shared<Mlp>(width, proj_std));
+  mlp = register_module("mlp", std::make_shared<GPTMlp>(width, proj_std));
 }
 
 Tensor GPTBlock::forward(const Tensor& x) {
   // Each LayerNorm feeds a product: under autocast it writes bf16 itself (no separate cast).
-  Tensor h = add(x, attn->forward(ln_1->forward_for_product(x)));
-  return add(h, mlp->forward(ln_2->forward_for_product(h)));
+  // Each residual sum is made by the branch's last product, in f32 beside bf16 products.
+  Tensor h = attn->forward(ln_1->forward_for_product(x), x);
+  return mlp->forward(ln_2->forward_for_product(h), h);
 }
 
 GPT::GPT(GPTConfig config) : config_(config) {

@@ -32,6 +32,18 @@ struct GPTConfig {
   static GPTConfig named(const std::string& name);
 };
 
+// GELU's MLP with nanoGPT's names: c_fc, then gelu, then c_proj, run as one op (gelu_mlp)
+// so the GELU and the bias gradients ride in the products' epilogues.
+class GPTMlp : public Module {
+ public:
+  GPTMlp(int64_t width, double proj_std);
+  Tensor forward(const Tensor& x) override { return forward(x, Tensor()); }
+  // residual + forward(x), the sum made by c_proj's product.
+  Tensor forward(const Tensor& x, const Tensor& residual);
+  std::string type_name() const override { return "MLP"; }
+  std::shared_ptr<Linear> c_fc, c_proj;
+};
+
 class GPTBlock : public Module {
  public:
   GPTBlock(int64_t width, int64_t heads, int64_t layers);
@@ -40,7 +52,7 @@ class GPTBlock : public Module {
 
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
-  std::shared_ptr<Module> mlp;  // c_fc, gelu, c_proj (children c_fc and c_proj)
+  std::shared_ptr<GPTMlp> mlp;
 };
 
 class GPT : public Module {

@@ -75,6 +75,26 @@ TEST(LinearOps, LinearMatchesCompositeWithGradients) {
   for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "output/grad " + std::to_string(i));
 }
 
+TEST(LinearOps, ResidualJoinsTheProduct) {
+  manual_seed(9);
+  Tensor x = randn({2, 3, 5}, DType::f64).set_requires_grad(), r = randn({2, 3, 4}, DType::f64).set_requires_grad();
+  Tensor w1 = randn({7, 5}, DType::f64).set_requires_grad(), b1 = randn({7}, DType::f64).set_requires_grad();
+  Tensor w2 = randn({4, 7}, DType::f64).set_requires_grad(), b2 = randn({4}, DType::f64).set_requires_grad();
+  Tensor w = randn({4, 5}, DType::f64).set_requires_grad();
+  Tensor up = randn({2, 3, 4}, DType::f64);
+  const TensorList leaves{x, r, w1, b1, w2, b2, w};
+  TensorList fused = run([&] { return add(gelu_mlp(x, w1, b1, w2, b2, r), linear(x, w, b2, r)); }, up, leaves);
+  TensorList plain = run(
+      [&] {
+        return add(add(r, composite_linear(gelu(composite_linear(x, w1, b1)), w2, b2)), add(r, composite_linear(x, w, b2)));
+      },
+      up, leaves);
+  for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "output/grad " + std::to_string(i));
+  // A residual the product cannot take (broadcast, or another dtype) is added after it.
+  Tensor row = randn({4}, DType::f64);
+  expect_all_close(linear(x, w, b2, row).detach(), add(row, composite_linear(x, w, b2)).detach(), 1e-12, "broadcast");
+}
+
 TEST(LinearOps, InputWithoutGradientStillGivesParameterGradients) {
   manual_seed(7);
   Tensor x = randn({6, 5}, DType::f64);  // no gradient wanted: the dx product is skipped

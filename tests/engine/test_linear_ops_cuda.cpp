@@ -70,6 +70,41 @@ TEST(LinearOpsCuda, GeluMlpMatchesCpu) {
       }
 }
 
+// A bf16 product joining an f32 residual stream (the f32-output path, bias kept in f32),
+// against the CPU doing the same in f64.
+TEST(LinearOpsCuda, ResidualInF32BesideBf16ProductsMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  for (int64_t out : {int64_t(64), int64_t(13)}) {
+    SCOPED_TRACE("out " + std::to_string(out));
+    manual_seed(13);
+    auto draw = [](Shape s, double scale) { return mul(randn(s, DType::f64), scale).to(DType::bf16).to(DType::f64); };
+    TensorList host{draw({3, 22, 48}, 1.0), draw({96, 48}, 0.2), draw({96}, 0.2), draw({out, 96}, 0.1),
+                    draw({out}, 0.1), draw({3, 22, out}, 1.0), draw({out, 48}, 0.2)};
+    Tensor up = draw({3, 22, out}, 1.0);
+    TensorList cpu, dev;
+    for (size_t i = 0; i < host.size(); ++i) {
+      cpu.push_back(host[i].clone().set_requires_grad());
+      // Parameters and the residual stay f32 on the GPU, as a model's are; autocast makes the products bf16.
+      dev.push_back(host[i].to(gpu).to(DType::f32).set_requires_grad());
+    }
+    auto go = [](const TensorList& l, const Tensor& u) {
+      Tensor y = add(gelu_mlp(l[0], l[1], l[2], l[3], l[4], l[5]), linear(l[0], l[6], l[4], l[5]));
+      sum(mul(y, u)).backward();
+      return y;
+    };
+    Tensor want = go(cpu, up), got;
+    {
+      AutocastGuard autocast(DType::bf16);
+      got = go(dev, up.to(gpu).to(DType::f32));
+    }
+    EXPECT_EQ(got.dtype(), DType::f32);
+    expect_close(got, want, tolerance(DType::bf16), "output");
+    for (size_t i = 0; i < host.size(); ++i)
+      expect_close(dev[i].grad(), cpu[i].grad(), 2 * tolerance(DType::bf16), "gradient " + std::to_string(i));
+  }
+}
+
 TEST(LinearOpsCuda, LinearBiasGradientMatchesCpu) {
   LOOM_REQUIRE_CUDA();
   const Device gpu = Device::cuda(0);
