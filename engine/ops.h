@@ -222,6 +222,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 // back into `momentum_buffers`; with momentum 0 the buffers are not used.
 void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorList& momentum_buffers, double lr,
                       double momentum, double dampening, double weight_decay, bool nesterov);
+// dst[i] = src[i] for every pair (same shapes, one device and floating dtype, contiguous):
+// one kernel launch on CUDA, as DDP gathers a bucket's gradients. Not recorded by autograd.
+void copy_many_(const TensorList& dst, const TensorList& src);
 // Adam (decoupled = false: L2 decay added to the gradient) and AdamW (decoupled = true);
 // steps[i] is tensor i's step count including this update (>= 1).
 void adam_update_fused(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,

@@ -381,6 +381,9 @@ struct KernelTable {
   // ---- optimizers (MultiTensorArgs) ----------------------------------------------------
   void (*sgd_step)(const MultiTensorArgs& args, const SgdHyper& hyper, StreamHandle stream);
   void (*adam_step)(const MultiTensorArgs& args, const AdamHyper& hyper, StreamHandle stream);
+  // params[i] = grads[i] for every tensor (a gather into, or scatter out of, a flat buffer:
+  // DDP's gradient buckets), one floating dtype; on CUDA one launch for the list.
+  void (*multi_tensor_copy)(const MultiTensorArgs& args, StreamHandle stream);
 
   // ---- attention (AttentionArgs) -------------------------------------------------------
   // Bytes of device scratch attention_backward needs for these shapes (0 on the CPU); the

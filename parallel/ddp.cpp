@@ -185,14 +185,32 @@ struct Reducer : std::enable_shared_from_this<Reducer> {
       finish_queued = true;
     }
     p.ready = true;
-    Tensor grad = p.tensor.grad();
-    if (!aliases(grad, p.slot)) copy_(p.slot, grad);
     if (--buckets[p.bucket].pending > 0) return;
     // Launch in bucket order only, so every rank issues the same collectives in turn.
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
       Bucket& b = buckets[next_bucket++];
+      gather(b);
       b.work = group->all_reduce(b.buffer, ReduceOp::avg);
     }
+  }
+
+  // Copies a full bucket's gradients into its buffer, those that are not views of it already,
+  // in one multi-tensor launch (a copy per parameter would cost a launch and the host's
+  // dispatch each: on a small CNN that is what DDP's overhead is made of).
+  void gather(const Bucket& b) {
+    TensorList slots, grads;
+    for (size_t i : b.params) {
+      const Param& p = params[i];
+      Tensor grad = p.tensor.grad();
+      if (aliases(grad, p.slot)) continue;
+      if (grad.is_contiguous() && grad.dtype() == p.slot.dtype()) {
+        slots.push_back(p.slot);
+        grads.push_back(grad);
+      } else {
+        copy_(p.slot, grad);
+      }
+    }
+    copy_many_(slots, grads);
   }
 
   // The end-of-backward callback (ddp.h, steps 3, 4 and 6).
@@ -210,13 +228,21 @@ struct Reducer : std::enable_shared_from_this<Reducer> {
                 "; find_unused_parameters is not supported, make every parameter take part in the loss or "
                 "freeze it with set_requires_grad(false) before wrapping the module");
     }
-    for (Bucket& b : buckets) b.work->wait();
-    for (Param& p : params) {
-      if (options.gradient_as_bucket_view) {
-        if (!aliases(p.tensor.grad(), p.slot)) p.tensor.set_grad(p.slot.detach());
-      } else {
-        copy_(p.tensor.grad(), p.slot);
+    for (Bucket& b : buckets) {
+      b.work->wait();
+      TensorList grads, slots;  // copied back in one launch per bucket (one dtype each)
+      for (size_t i : b.params) {
+        Param& p = params[i];
+        if (options.gradient_as_bucket_view) {
+          if (!aliases(p.tensor.grad(), p.slot)) p.tensor.set_grad(p.slot.detach());
+        } else if (p.tensor.grad().is_contiguous() && p.tensor.grad().dtype() == p.slot.dtype()) {
+          grads.push_back(p.tensor.grad());
+          slots.push_back(p.slot);
+        } else {
+          copy_(p.tensor.grad(), p.slot);
+        }
       }
+      copy_many_(grads, slots);
     }
     reset();
     if (options.sync_buffers_average) {

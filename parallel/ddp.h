@@ -25,14 +25,15 @@
 //      buckets:       bucket 0 = [fc2.b fc2.w fc1.b fc1.w]  bucket 1 = [conv2.b ... conv1.w]
 //
 // 3. Backward. Each parameter has a post-accumulate-grad hook (engine/autograd.h), which
-//    fires once its gradient is final. The hook copies the gradient into its slot of the
-//    bucket buffer and counts the bucket down; a bucket whose count reaches zero has its
-//    buffer all-reduced (ReduceOp::avg) asynchronously. Collectives must be issued in the
+//    fires once its gradient is final. The hook counts the bucket down; a bucket whose count
+//    reaches zero has its gradients copied into their slots of the bucket buffer (one
+//    multi-tensor launch, copy_many_) and the buffer all-reduced (ReduceOp::avg)
+//    asynchronously. Collectives must be issued in the
 //    same order on every rank, and the order in which gradients become ready can differ
 //    between ranks, so bucket i is launched only after buckets 0..i-1: a bucket that is
 //    complete early waits for its predecessors. The first hook of a pass also queues a
 //    callback for the end of backward (queue_callback). There every Work is waited for and
-//    the averaged values are copied back into each parameter's grad, so when loss.backward()
+//    the averaged values are copied back into each parameter's grad (a launch per bucket), so when loss.backward()
 //    returns the gradients are averaged. With gradient_as_bucket_view, grad is instead left
 //    as a view into the bucket buffer (no copy back; the next backward accumulates into the
 //    buffer directly); such a grad is overwritten by the next synchronised backward.

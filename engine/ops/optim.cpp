@@ -151,4 +151,14 @@ void adam_update_fused(const TensorList& params, const TensorList& grads, const 
   ops::kernels(params[0].device()).adam_step(l.args(params[0].dtype()), hyper, ops::stream(params[0]));
 }
 
+void copy_many_(const TensorList& dst, const TensorList& src) {
+  const char* op = "copy_many_";
+  check_length(op, "src", src.size(), dst.size());
+  if (dst.empty()) return;
+  check_params(op, dst);
+  for (size_t i = 0; i < src.size(); ++i) check_entry(op, "src", i, src[i], dst);
+  Lists l = lists_of(dst, src);
+  ops::kernels(dst[0].device()).multi_tensor_copy(l.args(dst[0].dtype()), ops::stream(dst[0]));
+}
+
 }  // namespace loom

@@ -7,6 +7,7 @@
 // and one large tensor spreads over every thread. Each thread walks its range tensor by
 // tensor; 16-bit values are widened to f32, updated, and rounded once at the store.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "kernels/core/optim_math.h"
@@ -96,6 +97,13 @@ void adam_step(const MultiTensorArgs& a, const AdamHyper& h, StreamHandle) {
       }
     });
   });
+}
+
+void multi_tensor_copy(const MultiTensorArgs& a, StreamHandle) {
+  check_lists(a, "multi_tensor_copy");
+  const size_t elem = dtype_size(a.dtype);
+  for (int64_t i = 0; i < a.count; ++i)
+    if (a.numel[i] > 0) std::memcpy(a.params[i], a.grads[i], size_t(a.numel[i]) * elem);
 }
 
 }  // namespace loom::cpu

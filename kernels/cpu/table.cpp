@@ -40,6 +40,7 @@ const KernelTable& cpu_kernel_table() {
       .layer_norm_backward = cpu::layer_norm_backward,
       .sgd_step = cpu::sgd_step,
       .adam_step = cpu::adam_step,
+      .multi_tensor_copy = cpu::multi_tensor_copy,
       .attention_workspace_size = cpu::attention_workspace_size,
       .attention_forward = cpu::attention_forward,
       .attention_backward = cpu::attention_backward,

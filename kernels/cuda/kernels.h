@@ -81,6 +81,7 @@ void layer_norm_backward(const LayerNormArgs& args, void* dx, void* dweight, voi
 // optim.cu
 void sgd_step(const MultiTensorArgs& args, const SgdHyper& hyper, StreamHandle stream);
 void adam_step(const MultiTensorArgs& args, const AdamHyper& hyper, StreamHandle stream);
+void multi_tensor_copy(const MultiTensorArgs& args, StreamHandle stream);
 
 // attention.cu
 size_t attention_workspace_size(const AttentionArgs& args);

@@ -65,6 +65,15 @@ template <class A> struct AdamOp {
   }
 };
 
+template <class A> struct CopyOp {
+  static constexpr int kLists = 2;  // destination (params), source (grads)
+  using Extra = uint8_t;
+
+  __device__ __forceinline__ bool reads(int k, Extra) const { return k == 1; }
+  __device__ __forceinline__ bool writes(int k) const { return k == 0; }
+  __device__ __forceinline__ void operator()(A (&x)[kLists], Extra) const { x[0] = x[1]; }
+};
+
 // ---- one launch's tensors ---------------------------------------------------------------
 
 // The most tensors one launch's parameters hold.
@@ -87,9 +96,6 @@ template <class Op, int kCap> struct Launch {
   int32_t block_start[kCap + 1];   // tensor i owns blocks [block_start[i], block_start[i + 1])
 };
 
-template <class T, int N> struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
 // The tensor whose blocks include this one: the last i with block_start[i] <= blockIdx.x.
 template <class Op, int kCap> __device__ __forceinline__ int tensor_of_block(const Launch<Op, kCap>& l) {
@@ -238,6 +244,15 @@ void adam_step(const MultiTensorArgs& a, const AdamHyper& h, StreamHandle stream
     const AdamOp<A> op{optim_math::Adam<A>::make(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled)};
     auto scalars = [&](int64_t i) { return optim_math::adam_tensor_scalars<A>(h.lr, h.beta1, h.beta2, h.step[i]); };
     launch_all<T>(a, op, scalars, as_cuda(stream));
+  });
+}
+
+void multi_tensor_copy(const MultiTensorArgs& a, StreamHandle stream) {
+  if (a.count == 0) return;
+  LOOM_ASSERT(a.params && a.grads && a.numel, "multi_tensor_copy: destinations, sources and numel are required");
+  dispatch_floating(a.dtype, "multi_tensor_copy", [&](auto t) {
+    using T = decltype(t);
+    launch_all<T>(a, CopyOp<acc_t<T>>{}, [](int64_t) { return uint8_t(0); }, as_cuda(stream));
   });
 }
 

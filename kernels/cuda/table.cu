@@ -40,6 +40,7 @@ const KernelTable& cuda_kernel_table() {
       .layer_norm_backward = cuda::layer_norm_backward,
       .sgd_step = cuda::sgd_step,
       .adam_step = cuda::adam_step,
+      .multi_tensor_copy = cuda::multi_tensor_copy,
       .attention_workspace_size = cuda::attention_workspace_size,
       .attention_forward = cuda::attention_forward,
       .attention_backward = cuda::attention_backward,
