@@ -212,6 +212,12 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
 // compute dtype, which saves the product a cast of its own.
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5,
                   std::optional<DType> out_dtype = std::nullopt);
+// {x, layer_norm(x, ...)}: x passed through beside its LayerNorm, for a pre-norm residual
+// block where x is both normalised and added back. Use the first output as the residual:
+// its gradient then reaches this op's backward and is added inside the LayerNorm kernel,
+// instead of a separate pass summing x's two gradients.
+TensorList layer_norm_tee(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5,
+                          std::optional<DType> out_dtype = std::nullopt);
 
 // ---- fused optimizer updates (ops/optim.cpp) ------------------------------------
 // In-place multi-tensor updates with torch.optim's arithmetic (kernels/table.h gives the

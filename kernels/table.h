@@ -145,6 +145,10 @@ struct LayerNormArgs {
   DType param_dtype = DType::f32;  // weight, bias, dweight, dbias
   int64_t rows = 0, dim = 0;
   double eps = 1e-5;
+  // Backward only, optional: a gradient x gets from elsewhere ((rows, dim) of x's dtype),
+  // added into dx as it is stored: x feeding both a LayerNorm and a residual connection
+  // gets its summed gradient without a pass of its own.
+  const void* dx_add = nullptr;
 };
 
 // Multi-tensor optimizer updates: one call updates `count` tensors of any sizes (on CUDA in

@@ -22,6 +22,13 @@ Tensor LayerNorm::forward_for_product(const Tensor& input) {
   return run(input, input.dtype() == DType::f32 ? autocast_compute_dtype(DType::f32) : input.dtype());
 }
 
+TensorList LayerNorm::tee_for_product(const Tensor& input) {
+  LOOM_CHECK(input.dim() >= 1 && input.size(-1) == dim_, "LayerNorm(", dim_, "): expected input of shape (..., ",
+             dim_, "), got ", shape_str(input.shape()));
+  const DType out = input.dtype() == DType::f32 ? autocast_compute_dtype(DType::f32) : input.dtype();
+  return layer_norm_tee(input, weight, bias, eps_, out);
+}
+
 Tensor LayerNorm::run(const Tensor& input, DType out_dtype) {
   LOOM_CHECK(input.dim() >= 1 && input.size(-1) == dim_, "LayerNorm(", dim_, "): expected input of shape (..., ",
              dim_, "), got ", shape_str(input.shape()));

@@ -27,6 +27,9 @@ class LayerNorm : public Module {
   // (..., dim) -> (..., dim), in the autocast compute dtype when autocast is on and the input
   // is f32, else in x's dtype.
   Tensor forward_for_product(const Tensor& input);
+  // {input, forward_for_product(input)} through layer_norm_tee: a pre-norm residual block
+  // adds the first back as its residual, and the two gradients of input meet in the kernel.
+  TensorList tee_for_product(const Tensor& input);
   std::string type_name() const override { return "LayerNorm"; }
 
   Tensor weight;  // (dim,), ones; undefined with Affine::no

@@ -33,10 +33,12 @@ void check_param(const char* name, const Tensor& p, const Tensor& x) {
 
 void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
-}  // namespace
 
-Tensor layer_norm(const Tensor& input, const Tensor& weight, const Tensor& bias, double eps,
-                  std::optional<DType> out_dtype) {
+// LayerNorm of input; with `tee`, also an alias of the (contiguous) input as a second output
+// of the same node, so the input's gradient from its other use arrives in this backward
+// and is added inside the kernel (LayerNormArgs::dx_add).
+TensorList layer_norm_impl(const Tensor& input, const Tensor& weight, const Tensor& bias, double eps,
+                           std::optional<DType> out_dtype, bool tee) {
   ops::check_defined(input, "layer_norm", "input");
   ops::check_floating(input, "layer_norm");
   LOOM_CHECK(input.dim() >= 1, "layer_norm expects input (..., D) with at least 1 dim, got a 0-dim tensor: "
@@ -69,13 +71,17 @@ Tensor layer_norm(const Tensor& input, const Tensor& weight, const Tensor& bias,
   kernels(dev).layer_norm_forward(a, y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), x.data_ptr(), ptr_or_null(w),
                                   ptr_or_null(b), st);
 
+  Tensor alias = tee ? x.detach() : Tensor();
   if (any_requires_grad({x, w, b})) {
     const bool need_x = x.requires_grad(), need_w = w.defined() && w.requires_grad(),
                need_b = b.defined() && b.requires_grad();
     Tensor sx = x.detach(), sw = w.defined() ? w.detach() : Tensor();
-    record("layer_norm", {x, w, b}, {y},
-           [a, dev, sx, sw, mean, rstd, need_x, need_w, need_b](const TensorList& g) {
-             Tensor dL_dy = g[0].to(a.out_dtype).contiguous();
+    record(tee ? "layer_norm_tee" : "layer_norm", {x, w, b}, tee ? TensorList{alias, y} : TensorList{y},
+           [a, dev, sx, sw, mean, rstd, need_x, need_w, need_b, tee](const TensorList& g) {
+             LayerNormArgs args = a;
+             Tensor dL_dalias = tee && need_x ? g[0].to(a.dtype).contiguous() : Tensor();
+             args.dx_add = dL_dalias.defined() ? dL_dalias.data_ptr() : nullptr;
+             Tensor dL_dy = g[tee ? 1 : 0].to(a.out_dtype).contiguous();
              StreamHandle gst = ops::stream(dL_dy);  // also makes the device current for the scratch size
              Tensor dL_dx = need_x ? Tensor::empty(sx.shape(), a.dtype, dev) : Tensor();
              Tensor dL_dw = need_w ? Tensor::empty({a.dim}, a.param_dtype, dev) : Tensor();
@@ -83,13 +89,26 @@ Tensor layer_norm(const Tensor& input, const Tensor& weight, const Tensor& bias,
              // Scratch lives until the kernels are queued; the allocator reuses it in stream order.
              const size_t bytes = need_w || need_b ? kernels(dev).layer_norm_workspace_size(a) : 0;
              Tensor ws = bytes ? Tensor::empty({int64_t(bytes)}, DType::u8, dev) : Tensor();
-             kernels(dev).layer_norm_backward(a, ptr_or_null(dL_dx), ptr_or_null(dL_dw), ptr_or_null(dL_db),
+             kernels(dev).layer_norm_backward(args, ptr_or_null(dL_dx), ptr_or_null(dL_dw), ptr_or_null(dL_db),
                                               dL_dy.data_ptr(), sx.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
                                               ptr_or_null(sw), ptr_or_null(ws), gst);
              return TensorList{dL_dx, dL_dw, dL_db};
            });
   }
-  return a.out_dtype == want ? y : y.to(want);
+  Tensor out = a.out_dtype == want ? y : y.to(want);
+  return tee ? TensorList{alias, out} : TensorList{out};
+}
+
+}  // namespace
+
+Tensor layer_norm(const Tensor& input, const Tensor& weight, const Tensor& bias, double eps,
+                  std::optional<DType> out_dtype) {
+  return layer_norm_impl(input, weight, bias, eps, out_dtype, false)[0];
+}
+
+TensorList layer_norm_tee(const Tensor& input, const Tensor& weight, const Tensor& bias, double eps,
+                          std::optional<DType> out_dtype) {
+  return layer_norm_impl(input, weight, bias, eps, out_dtype, true);
 }
 
 }  // namespace loom

@@ -105,11 +105,13 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
         for (int64_t r = r0; r < r1; ++r) {
           const O* gy = gys + r * a.dim;
           T* gx = static_cast<T*>(dx) + r * a.dim;
+          const T* add = a.dx_add ? static_cast<const T*>(a.dx_add) + r * a.dim : nullptr;
           auto g = [&](int64_t j) { return as_double(gy[j]) * w[size_t(j)]; };
           const double mean_g = pairwise_sum(0, a.dim, g) / double(a.dim);
           const double mean_gx = pairwise_sum(0, a.dim, [&](int64_t j) { return g(j) * xhat(r, j); }) / double(a.dim);
           const double rs = double(static_cast<const A*>(rstd)[r]);
-          for (int64_t j = 0; j < a.dim; ++j) gx[j] = T(rs * (g(j) - mean_g - xhat(r, j) * mean_gx));
+          for (int64_t j = 0; j < a.dim; ++j)
+            gx[j] = T(rs * (g(j) - mean_g - xhat(r, j) * mean_gx) + (add ? as_double(add[j]) : 0.0));
         }
       });
     }

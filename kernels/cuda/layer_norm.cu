@@ -156,8 +156,8 @@ __global__ void __launch_bounds__(kThreads)
 // spill): that instantiation runs one block an SM, its grid in two waves.
 template <class T, class O, int V, int kPer>
 __global__ void __launch_bounds__(kThreads, kPer < kMaxPerLane ? kBackwardBlocksPerSm : 1)
-    backward_warp_kernel(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const O* __restrict__ dy,
-                         const T* __restrict__ x, const acc_t<T>* __restrict__ mean,
+    backward_warp_kernel(T* __restrict__ dx, const T* __restrict__ dx_add, acc_t<T>* __restrict__ partials,
+                         const O* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ mean,
                          const acc_t<T>* __restrict__ rstd, ParamRefs p, int64_t rows, int dim) {
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -206,11 +206,13 @@ __global__ void __launch_bounds__(kThreads, kPer < kMaxPerLane ? kBackwardBlocks
       const int vec = lane + 32 * k;
       if (vec >= nv) continue;
       const Pack<A, V> w = load<A, V>(s_w + vec * V);
+      const Pack<T, V> add = dx_add ? load<T, V>(dx_add + r * dim + vec * V) : Pack<T, V>{};
       Pack<T, V> out;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const A xhat = (to_acc(xv[k].v[j]) - mu) * rs, g = to_acc(gv[k].v[j]) * w.v[j];
-        out.v[j] = from_acc<T>(rs * (g - mean_g - xhat * mean_gx));
+        const A extra = dx_add ? to_acc(add.v[j]) : A(0);
+        out.v[j] = from_acc<T>(rs * (g - mean_g - xhat * mean_gx) + extra);
       }
       store<T, V>(dx + r * dim + vec * V, out);
     }
@@ -290,7 +292,8 @@ __global__ void __launch_bounds__(kThreads)
 // dx only; the parameter sums come from column_partials_kernel.
 template <class T, class O, int V>
 __global__ void __launch_bounds__(kThreads)
-    backward_block_kernel(T* __restrict__ dx, const O* __restrict__ dy, const T* __restrict__ x,
+    backward_block_kernel(T* __restrict__ dx, const T* __restrict__ dx_add, const O* __restrict__ dy,
+                          const T* __restrict__ x,
                           const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, ParamRefs p,
                           int64_t rows, int64_t dim) {
   using A = acc_t<T>;
@@ -321,12 +324,13 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t vec = threadIdx.x; vec < nv; vec += kThreads) {
       const Pack<T, V> xv = load<T, V>(x + r * dim + vec * V);
       const Pack<O, V> gv = load<O, V>(dy + r * dim + vec * V);
+      const Pack<T, V> add = dx_add ? load<T, V>(dx_add + r * dim + vec * V) : Pack<T, V>{};
       Pack<T, V> out;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         A g, xhat;
         terms(xv, gv, vec, j, g, xhat);
-        out.v[j] = from_acc<T>(rs * (g - mean_g - xhat * mean_gx));
+        out.v[j] = from_acc<T>(rs * (g - mean_g - xhat * mean_gx) + (dx_add ? to_acc(add.v[j]) : A(0)));
       }
       store<T, V>(dx + r * dim + vec * V, out);
     }
@@ -512,13 +516,14 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
   LOOM_ASSERT(!params || workspace, "layer_norm backward: dweight and dbias need the scratch of "
                                     "layer_norm_workspace_size (", layer_norm_workspace_size(a), " bytes)");
   const ParamRefs p{weight, nullptr, a.param_dtype};
-  const Layout l = layout_for(a, {dx, dy, x});
+  const Layout l = layout_for(a, {dx, dy, x, a.dx_add});
   const int64_t n = partial_count(a);
   dispatch_io(a, "layer_norm backward", [&](auto t, auto o) {
     using T = decltype(t);
     using O = decltype(o);
     using A = acc_t<T>;
     auto* dxs = static_cast<T*>(dx);
+    const auto* adds = static_cast<const T*>(a.dx_add);
     auto* partials = static_cast<A*>(workspace);
     const auto* dys = static_cast<const O*>(dy);
     const auto* xs = static_cast<const T*>(x);
@@ -530,7 +535,7 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
         constexpr int V = decltype(v)::value, kPer = decltype(per)::value;
         const size_t smem = (params ? 3 : 1) * size_t(a.dim) * sizeof(A);
         backward_warp_kernel<T, O, V, kPer><<<unsigned(n), kThreads, smem, s>>>(
-            dxs, params ? partials : nullptr, dys, xs, ms, rs, p, a.rows, int(a.dim));
+            dxs, adds, params ? partials : nullptr, dys, xs, ms, rs, p, a.rows, int(a.dim));
         LOOM_CUDA_LAUNCH();
       });
     } else {
@@ -538,7 +543,7 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
         with_width<T>(l.vec, [&](auto v) {
           constexpr int V = decltype(v)::value;
           const unsigned grid = unsigned(std::min(a.rows, int64_t(sm_count()) * kForwardBlocksPerSm));
-          backward_block_kernel<T, O, V><<<grid, kThreads, 0, s>>>(dxs, dys, xs, ms, rs, p, a.rows, a.dim);
+          backward_block_kernel<T, O, V><<<grid, kThreads, 0, s>>>(dxs, adds, dys, xs, ms, rs, p, a.rows, a.dim);
           LOOM_CUDA_LAUNCH();
         });
       }

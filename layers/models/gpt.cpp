@@ -61,9 +61,12 @@ GPTBlock::GPTBlock(int64_t width, int64_t heads, int64_t layers) {
 
 Tensor GPTBlock::forward(const Tensor& x) {
   // Each LayerNorm feeds a product: under autocast it writes bf16 itself (no separate cast).
-  // Each residual sum is made by the branch's last product, in f32 beside bf16 products.
-  Tensor h = attn->forward(ln_1->forward_for_product(x), x);
-  return mlp->forward(ln_2->forward_for_product(h), h);
+  // Each residual sum is made by the branch's last product, in f32 beside bf16 products,
+  // and the residual's gradient is added to the LayerNorm's inside its backward kernel.
+  TensorList x_n = ln_1->tee_for_product(x);
+  Tensor h = attn->forward(x_n[1], x_n[0]);
+  TensorList h_n = ln_2->tee_for_product(h);
+  return mlp->forward(h_n[1], h_n[0]);
 }
 
 GPT::GPT(GPTConfig config) : config_(config) {

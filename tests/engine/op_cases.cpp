@@ -212,6 +212,14 @@ const std::vector<OpCase>& op_cases() {
       {"layer_norm_weight_only_noncontig", {{{6, 3}}, {{12}}},
        [](L x) { return layer_norm(x[0].t(), x[1].slice(0, 0, 12, 2), Tensor()); }},
       {"layer_norm_vectors_dim16", {{{3, 16}}, {{16}}, {{16}}}, [](L x) { return layer_norm(x[0], x[1], x[2]); }},
+      // Both outputs used, so the passed-through input's gradient meets the LayerNorm's in
+      // the kernel (single values, vectors, and a block per row on CUDA).
+      {"layer_norm_tee", {{{3, 7}}, {{7}}, {{7}}},
+       [](L x) { TensorList t = layer_norm_tee(x[0], x[1], x[2]); return add(mul(t[0], 0.5), t[1]); }},
+      {"layer_norm_tee_vectors_dim64", {{{4, 64}}, {{64}}, {{64}}},
+       [](L x) { TensorList t = layer_norm_tee(x[0], x[1], x[2]); return mul(t[0], t[1]); }},
+      {"layer_norm_tee_block_dim1100", {{{2, 1100}}, {{1100}}, {{1100}}},
+       [](L x) { TensorList t = layer_norm_tee(x[0], x[1], x[2]); return add(t[0], t[1]); }},
   };
   return cases;
 }
