@@ -26,11 +26,17 @@
 // fastest: small outputs with a long k (a linear layer's weight gradient, (768, 768) over
 // 16k tokens) want split-K, square ones a different tile. So the first product of each plan
 // times up to kCandidates of the heuristic's algorithms on its own operands (3 runs each,
-// CUDA events; the output is overwritten by the real product afterwards, and plans with
-// beta != 0, which read C, keep the first choice) and keeps the fastest. This costs a few
-// milliseconds once per shape and a synchronisation of the stream then. LOOM_GEMM_TUNE=0
-// keeps the heuristic's first choice everywhere (bitwise the same algorithms run to run).
-// Batched and f64 products use cuBLAS's own GEMM calls.
+// CUDA events; the output is overwritten by the real product afterwards, and plans whose
+// beta term is read from C itself keep the first choice) and keeps the fastest. This costs
+// a few milliseconds once per shape and a synchronisation of the stream then.
+// LOOM_GEMM_TUNE=0 keeps the heuristic's first choice everywhere (bitwise the same
+// algorithms run to run). Batched and f64 products use cuBLAS's own GEMM calls.
+//
+// Epilogues (GemmArgs in kernels/table.h): bias, GELU with its pre-activation, and the GELU
+// gradient run in cuBLASLt for 16-bit products; whatever cuBLASLt does not take (f32 GELU,
+// bias-gradient sums, products it cannot plan) runs in the passes below, after the product
+// on the same stream. An f32 C beside bf16/f16 A and B, and a separate c_in for the beta
+// term, let a residual stream be summed by the product itself.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -44,9 +50,9 @@
 #include <tuple>
 
 #include "kernels/core/gemm_check.h"
-#include "kernels/cuda/common.cuh"
-#include "kernels/cuda/elementwise_ops.cuh"
 #include "kernels/core/precision.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemm_passes.cuh"
 #include "kernels/cuda/kernels.h"
 
 namespace loom::cuda {
@@ -81,139 +87,12 @@ bool tuning_enabled() {
   return enabled;
 }
 
-// What a product cuBLASLt could not plan, or an epilogue part it does not do, gets in passes
-// of its own (GemmArgs in kernels/table.h says what each is).
-
-// C += bias, then the gelu or dgelu epilogue, in place.
-template <class T>
-__global__ void finish_kernel(T* c, int64_t ldc, const T* bias, T* aux, int64_t ld_aux, GemmEpilogue epilogue,
-                              int64_t rows, int64_t n) {
-  using A = acc_t<T>;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / n, j = i - r * n;
-    A v = to_acc(c[r * ldc + j]);
-    if (bias) v += to_acc(bias[j]);
-    if (epilogue == GemmEpilogue::gelu) {
-      aux[r * ld_aux + j] = from_acc<T>(v);
-      v = elementwise::unary_float<UnaryOp::gelu, A>(v, A(0));
-    } else if (epilogue == GemmEpilogue::dgelu) {
-      v = elementwise::unary_grad<UnaryOp::gelu, A>(v, to_acc(aux[r * ld_aux + j]), A(0), A(0));
-    }
-    c[r * ldc + j] = from_acc<T>(v);
-  }
-}
-
-// out[i] = sum over p < len of x[i * step_i + p * step_p], in the accumulation type.
-// Adjacent outputs (step_i == 1, the column sums of a row-major matrix) in two passes: a
-// block sums kSumRows values of p for 32 adjacent outputs (8 warps, every 8th p each) into
-// a row of partial sums in the cuBLAS workspace, then a thread per output adds its partial
-// sums in order. Deterministic, and enough blocks to fill the GPU for (16k, 768) as for
-// (16k, 50k). Else a warp per output, its lanes striding p (coalesced when step_p == 1).
-constexpr int kSumCols = 32, kSumWarps = 8;
-constexpr int64_t kSumRows = 256;
-
-template <class T> __global__ void __launch_bounds__(kSumCols * kSumWarps)
-    partial_sums_kernel(acc_t<T>* partial, const T* x, int64_t count, int64_t len, int64_t step_p) {
-  using A = acc_t<T>;
-  __shared__ A part[kSumWarps][kSumCols];
-  const int lane = threadIdx.x % kSumCols, warp = threadIdx.x / kSumCols;
-  const int64_t i = int64_t(blockIdx.x) * kSumCols + lane, p0 = int64_t(blockIdx.y) * kSumRows;
-  const int64_t p1 = p0 + kSumRows < len ? p0 + kSumRows : len;
-  A s = 0;
-  if (i < count)
-    for (int64_t p = p0 + warp; p < p1; p += kSumWarps) s += to_acc(x[i + p * step_p]);
-  part[warp][lane] = s;
-  __syncthreads();
-  if (warp == 0 && i < count) {
-    for (int w = 1; w < kSumWarps; ++w) s += part[w][lane];
-    partial[int64_t(blockIdx.y) * count + i] = s;
-  }
-}
-
-template <class T> __global__ void add_partials_kernel(T* out, const acc_t<T>* partial, int64_t count, int chunks) {
-  using A = acc_t<T>;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
-    A s = 0;
-    for (int c = 0; c < chunks; ++c) s += partial[c * count + i];
-    out[i] = from_acc<T>(s);
-  }
-}
-
-template <class T> __global__ void sums_warp_kernel(T* out, const T* x, int64_t count, int64_t len, int64_t step_i,
-                                                    int64_t step_p) {
-  using A = acc_t<T>;
-  const int lane = threadIdx.x % 32;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; i < count;
-       i += int64_t(gridDim.x) * blockDim.x / 32) {
-    A s = 0;
-    for (int64_t p = lane; p < len; p += 32) s += to_acc(x[i * step_i + p * step_p]);
-    for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
-    if (lane == 0) out[i] = from_acc<T>(s);
-  }
-}
-
-template <class T> void sums(T* out, const T* x, int64_t count, int64_t len, int64_t step_i, int64_t step_p,
-                             void* workspace, cudaStream_t stream) {
-  using A = acc_t<T>;
-  const int64_t chunks = std::min<int64_t>((len + kSumRows - 1) / kSumRows,
-                                           int64_t(kWorkspaceBytes / sizeof(A)) / std::max<int64_t>(count, 1));
-  if (step_i == 1 && step_p != 1 && chunks >= 1 && chunks < 65536) {
-    auto* partial = static_cast<A*>(workspace);
-    const dim3 grid(unsigned((count + kSumCols - 1) / kSumCols), unsigned(chunks));
-    // A chunk past the last covers what the workspace could not split.
-    const int64_t covered = chunks * kSumRows;
-    if (covered >= len) {
-      partial_sums_kernel<<<grid, kSumCols * kSumWarps, 0, stream>>>(partial, x, count, len, step_p);
-      LOOM_CUDA_LAUNCH();
-      add_partials_kernel<<<blocks_for(count, 256), 256, 0, stream>>>(out, partial, count, int(chunks));
-      LOOM_CUDA_LAUNCH();
-      return;
-    }
-  }
-  sums_warp_kernel<<<blocks_for(count, 256 / 32), 256, 0, stream>>>(out, x, count, len, step_i, step_p);
-  LOOM_CUDA_LAUNCH();
-}
-
-// The parts `done` by cuBLASLt are skipped.
-struct Done {
-  bool bias = false, epilogue = false, column_sums = false, row_sums_a = false;
-};
-
-// The workspace is free here: the product before has finished with it in stream order.
-void finish(const GemmArgs& g, Done done, void* workspace, cudaStream_t stream) {
-  if (g.c_f32) {  // no epilogue or sums (check_gemm_extras): at most the bias, in f32
-    if (g.bias && !done.bias) {
-      finish_kernel<<<blocks_for(g.m * g.n, 256), 256, 0, stream>>>(static_cast<float*>(g.c), g.ldc,
-                                                                     static_cast<const float*>(g.bias), static_cast<float*>(nullptr), 0,
-                                                                     GemmEpilogue::none, g.m, g.n);
-      LOOM_CUDA_LAUNCH();
-    }
-    return;
-  }
-  dispatch_floating(g.dtype, "gemm epilogue", [&](auto tag) {
-    using T = decltype(tag);
-    const T* bias = done.bias ? nullptr : static_cast<const T*>(g.bias);
-    const GemmEpilogue epilogue = done.epilogue ? GemmEpilogue::none : g.epilogue;
-    if (bias || epilogue != GemmEpilogue::none) {
-      finish_kernel<<<blocks_for(g.m * g.n, 256), 256, 0, stream>>>(static_cast<T*>(g.c), g.ldc, bias,
-                                                                     static_cast<T*>(g.aux), g.ld_aux, epilogue, g.m, g.n);
-      LOOM_CUDA_LAUNCH();
-    }
-    if (g.column_sums && !done.column_sums)
-      sums(static_cast<T*>(g.column_sums), static_cast<const T*>(g.c), g.n, g.m, 1, g.ldc, workspace, stream);
-    if (g.row_sums_a && !done.row_sums_a) {
-      const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
-      sums(static_cast<T*>(g.row_sums_a), static_cast<const T*>(g.a), g.m, g.k, a_rs, a_cs, workspace, stream);
-    }
-  });
-}
-
 // The cuBLASLt epilogue for a product, and which parts of GemmArgs it covers. In the
 // column-major view Loom's columns are cuBLASLt's rows: a bias (n) is its bias, Loom's
 // column sums are its BGRAD of the output (only beside DGELU), and the row sums of op(A)
 // are its BGRADB (a reduction of its B over k).
-std::pair<cublasLtEpilogue_t, Done> lt_epilogue(const GemmArgs& g) {
-  Done d;
+std::pair<cublasLtEpilogue_t, gemm_passes::Done> lt_epilogue(const GemmArgs& g) {
+  gemm_passes::Done d;
   // cuBLASLt's GELU and its gradient are approximations that stay within a 16-bit result's
   // rounding but not within f32's; f32 products take Loom's own pass for them.
   const bool sixteen_bit = g.dtype == DType::bf16 || g.dtype == DType::f16;
@@ -248,7 +127,7 @@ struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-  Done done;          // what the epilogue covers; the rest runs in passes of its own
+  gemm_passes::Done done;    // what the epilogue covers; the rest runs in passes of its own
   cublasLtMatmulAlgo_t candidates[kCandidates]{};
   int count = 0;      // heuristic candidates; 0: cuBLASLt has none and the product takes cuBLAS's path
   int chosen = -1;    // the candidate in use; -1 until the first product picks one
@@ -442,7 +321,7 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
                                                    sizeof(g.aux)));
       if (plan.chosen < 0) choose(blas, plan, g, alpha, beta, s);
       LOOM_CUBLAS(lt_run(blas, plan, plan.candidates[plan.chosen], g, alpha, beta, s));
-      finish(g, plan.done, blas.workspace, s);
+      gemm_passes::finish(g, plan.done, blas.workspace, kWorkspaceBytes, s);
       return;
     }
   }
@@ -461,7 +340,8 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
                                            g.a, t.data, lda, g.stride_a, beta, g.c, t.data, ldc, g.stride_c,
                                            int(g.batch), t.compute, CUBLAS_GEMM_DEFAULT));
   }
-  finish(g, Done{}, blas.workspace, s);  // a product cuBLASLt could not plan (f64, k == 0, batched): bias and epilogue after
+  // A product cuBLASLt could not plan (f64, k == 0, batched): every extra in a pass after it.
+  gemm_passes::finish(g, gemm_passes::Done{}, blas.workspace, kWorkspaceBytes, s);
 }
 
 }  // namespace loom::cuda
