@@ -55,7 +55,7 @@ struct Output {
   Tensor residual;     // (rows, n) contiguous, when fused
 };
 
-Output plan_output(const Tensor& residual, DType t, const Shape& out_shape, const char* op) {
+Output plan_output(const Tensor& residual, DType t, const Shape& out_shape) {
   Output o{false, t, false, Tensor()};
   if (!residual.defined()) return o;
   const bool sixteen = t == DType::bf16 || t == DType::f16;
@@ -98,7 +98,7 @@ Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor
   const DType t = compute_dtype({x0, w0, b0}, "linear");
   Shape out_shape(x0.shape().begin(), x0.shape().end() - 1);
   out_shape.push_back(out_features);
-  const Output o = plan_output(residual0, t, out_shape, "linear");
+  const Output o = plan_output(residual0, t, out_shape);
   if (residual0.defined() && !o.fused) return add(residual0, linear(x0, w0, b0));
   Tensor x = x0.to(t).reshape({-1, in}), w = w0.to(t), b = cast(b0, o.dtype);
   if (b.defined()) b = b.contiguous();
@@ -140,7 +140,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
   const DType t = compute_dtype({x0, w1_0, b1_0, w2_0, b2_0}, "gelu_mlp");
   Shape out_shape(x0.shape().begin(), x0.shape().end() - 1);
   out_shape.push_back(out_features);
-  const Output o = plan_output(residual0, t, out_shape, "gelu_mlp");
+  const Output o = plan_output(residual0, t, out_shape);
   if (residual0.defined() && !o.fused) return add(residual0, gelu_mlp(x0, w1_0, b1_0, w2_0, b2_0));
   Tensor x = x0.to(t).reshape({-1, in}), w1 = w1_0.to(t), w2 = w2_0.to(t);
   Tensor b1 = cast(b1_0, t), b2 = cast(b2_0, o.dtype);
