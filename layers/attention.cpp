@@ -19,7 +19,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& residual) {
              "): expected input (B, T, ", embed_dim_, "), got ", shape_str(x.shape()));
   // (B, T, 3C) -> (B, T, C): the kernels read the heads of q, k and v inside the projection's
   // output and write theirs side by side, so neither direction copies to change layout.
-  return linear(packed_self_attention(c_attn->forward(x), num_heads_, causal_), c_proj->weight, c_proj->bias, residual);
+  return c_proj->forward(packed_self_attention(c_attn->forward(x), num_heads_, causal_), residual);
 }
 
 }  // namespace loom::nn

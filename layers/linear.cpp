@@ -24,10 +24,12 @@ Linear::Linear(int64_t in_features, int64_t out_features, Bias with_bias)
   }
 }
 
-Tensor Linear::forward(const Tensor& input) {
+Tensor Linear::forward(const Tensor& input) { return forward(input, Tensor()); }
+
+Tensor Linear::forward(const Tensor& input, const Tensor& residual) {
   LOOM_CHECK(input.dim() >= 1 && input.size(-1) == in_features_, "Linear(", in_features_, ", ", out_features_,
              "): expected input of shape (..., ", in_features_, "), got ", shape_str(input.shape()));
-  return linear(input, weight, bias);
+  return linear(input, weight, bias, residual);
 }
 
 }  // namespace loom::nn

@@ -15,6 +15,8 @@ class Linear : public Module {
 
   // (..., in) -> (..., out)
   Tensor forward(const Tensor& input) override;
+  // residual + forward(input), the sum made by the product (linear's residual).
+  Tensor forward(const Tensor& input, const Tensor& residual);
   std::string type_name() const override { return "Linear"; }
 
   int64_t in_features() const { return in_features_; }

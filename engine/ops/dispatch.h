@@ -18,6 +18,9 @@ inline const KernelTable& kernels(Device device) {
 // The compute stream of the tensor's device (null on the CPU).
 inline StreamHandle stream(const Tensor& t) { return compute_stream(t.device()); }
 
+// A kernel's pointer to t's data, or null for an undefined (optional) tensor.
+inline void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
 inline Strided strided(const Tensor& t) {
   Strided s;
   LOOM_CHECK(t.dim() <= kMaxDims, "tensors have at most ", kMaxDims, " dimensions, got shape ", shape_str(t.shape()));

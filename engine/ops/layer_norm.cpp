@@ -15,6 +15,7 @@
 namespace loom {
 
 using ops::kernels;
+using ops::ptr_or_null;
 
 namespace {
 
@@ -30,8 +31,6 @@ void check_param(const char* name, const Tensor& p, const Tensor& x) {
   LOOM_CHECK(p.dim() == 1 && p.size(0) == x.size(-1), "layer_norm: ", name, " must have shape (", x.size(-1),
              ") for input ", shape_str(x.shape()), " (normalised over its last dim), got ", shape_str(p.shape()));
 }
-
-void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 
 // LayerNorm of input; with `tee`, also an alias of the (contiguous) input as a second output

@@ -12,6 +12,8 @@
 
 namespace loom {
 
+using ops::ptr_or_null;
+
 namespace {
 
 // The sums of a product's rows or columns are written in its dtype; an undefined tensor
@@ -19,8 +21,6 @@ namespace {
 Tensor bias_grad(bool has_bias, int64_t n, const Tensor& like) {
   return has_bias ? Tensor::empty({n}, like.dtype(), like.device()) : Tensor();
 }
-
-void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 void check_weight(const Tensor& x, const Tensor& w, const Tensor& b, int64_t in, const char* op, const char* name) {
   ops::check_defined(w, op, name);
@@ -47,23 +47,22 @@ Tensor cast(const Tensor& t, DType dtype) { return t.defined() ? t.to(dtype) : t
 
 // How a product's output joins a residual: fused into the product (C = residual + x W^T + b)
 // when the residual has the output's shape and the compute dtype, or is f32 beside a 16-bit
-// product (then the output, bias and residual are f32). Otherwise the caller adds it.
+// product (then the output, bias and residual are f32: GemmArgs::c_f32). Otherwise the
+// caller adds it.
 struct Output {
   bool fused = false;
-  DType dtype;         // of the output and the bias
-  bool c_f32 = false;  // an f32 output of a 16-bit product
-  Tensor residual;     // (rows, n) contiguous, when fused
+  DType dtype;      // of the output and the bias: the compute dtype, or the residual's when fused
+  Tensor residual;  // (rows, n) contiguous, when fused
 };
 
 Output plan_output(const Tensor& residual, DType t, const Shape& out_shape) {
-  Output o{false, t, false, Tensor()};
+  Output o{false, t, Tensor()};
   if (!residual.defined()) return o;
   const bool sixteen = t == DType::bf16 || t == DType::f16;
   if (residual.shape() != out_shape || !(residual.dtype() == t || (residual.dtype() == DType::f32 && sixteen)))
     return o;
   o.fused = true;
   o.dtype = residual.dtype();
-  o.c_f32 = o.dtype != t;
   o.residual = residual.reshape({-1, out_shape.back()}).contiguous();
   return o;
 }
@@ -77,9 +76,7 @@ void set_output(GemmArgs& g, const Output& o, const Tensor& bias) {
 // The bias gradient, in the bias's dtype: row sums of dy^T in the product for dW when the
 // bias shares the compute dtype, else summed in it and cast (a 16-bit product with an f32
 // output keeps its bias in f32).
-Tensor cast_bias_grad(const Tensor& db, DType bias_dtype) {
-  return db.defined() && db.dtype() != bias_dtype ? db.to(bias_dtype) : db;
-}
+Tensor cast_bias_grad(const Tensor& db, DType bias_dtype) { return db.defined() ? db.to(bias_dtype) : db; }
 
 }  // namespace
 
@@ -105,7 +102,7 @@ Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor
   Tensor y;
   {
     NoGradGuard no_grad;
-    y = ops::product_2d(x, w.t(), [&](GemmArgs& g) { set_output(g, o, b); }, o.c_f32);
+    y = ops::product_2d(x, w.t(), [&](GemmArgs& g) { set_output(g, o, b); }, o.dtype != t);
   }
   if (any_requires_grad({x, w, b, o.residual})) {
     Tensor sx = x.detach(), sw = w.detach();
@@ -113,7 +110,7 @@ Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor
     const DType out_dtype = o.dtype;
     record("linear", {x, w, b, o.residual}, {y},
            [sx, sw, has_bias, need_x, fused, out_dtype, t, out_features](const TensorList& g) {
-             const Tensor dy = g[0].dtype() == t ? g[0] : g[0].to(t);
+             const Tensor dy = g[0].to(t);  // the f32 gradient of a fused f32 output
              Tensor db = bias_grad(has_bias, out_features, dy);
              Tensor dw = ops::product_2d(dy.t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); });
              Tensor dx = need_x ? ops::product_2d(dy, sw) : Tensor();
@@ -155,7 +152,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
       g.epilogue = GemmEpilogue::gelu;
       g.aux = z.data_ptr(), g.ld_aux = hidden;
     });
-    y = ops::product_2d(h, w2.t(), [&](GemmArgs& g) { set_output(g, o, b2); }, o.c_f32);
+    y = ops::product_2d(h, w2.t(), [&](GemmArgs& g) { set_output(g, o, b2); }, o.dtype != t);
   }
   if (any_requires_grad({x, w1, b1, w2, b2, o.residual})) {
     Tensor sx = x.detach(), sw1 = w1.detach(), sw2 = w2.detach();
@@ -164,7 +161,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
     record("gelu_mlp", {x, w1, b1, w2, b2, o.residual}, {y},
            [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden,
             out_features](const TensorList& g) {
-             const Tensor dy = g[0].dtype() == t ? g[0] : g[0].to(t);
+             const Tensor dy = g[0].to(t);  // the f32 gradient of a fused f32 output
              Tensor db2 = bias_grad(has_b2, out_features, dy);
              Tensor dw2 = ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); });
              Tensor db1 = bias_grad(has_b1, hidden, dy);

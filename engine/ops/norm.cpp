@@ -16,6 +16,7 @@
 namespace loom {
 
 using ops::kernels;
+using ops::ptr_or_null;
 
 namespace {
 
@@ -45,7 +46,6 @@ void check_running(const char* name, const Tensor& r, const Tensor& x, DType acc
              dtype_name(acc));
 }
 
-const void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 // The reduced dims of x (all but the channel axis) and the shape a (C) vector broadcasts as.
 std::vector<int> non_channel_dims(int ndim) {

@@ -11,18 +11,12 @@
 #include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "tests/common/tensor_checks.h"
 
 namespace loom {
 namespace {
 
-template <class F> void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    FAIL() << "expected a loom::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 void expect_all_close(const Tensor& a, const Tensor& b, double tol) {
   ASSERT_EQ(a.shape(), b.shape());

@@ -15,6 +15,7 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "tests/common/gpu.h"
+#include "tests/common/tensor_checks.h"
 
 namespace loom {
 namespace {
@@ -22,17 +23,6 @@ namespace {
 // Error allowed relative to the tensor's largest magnitude (at least 1), as the kernel tests;
 // twice that for gradients, which go through one more rounded product.
 double tolerance(DType dt) { return dt == DType::bf16 ? 2e-2 : dt == DType::f16 ? 4e-3 : 2e-4; }
-
-void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  const std::vector<double> g = got.to(Device::cpu()).to_vector<double>(), w = want.to_vector<double>();
-  double scale = 1.0;
-  for (double e : w) scale = std::max(scale, std::abs(e));
-  int bad = 0;
-  for (size_t i = 0; i < g.size() && bad < 5; ++i)
-    if (!(std::abs(g[i] - w[i]) <= tol * (scale + std::abs(w[i]))))
-      ++bad, ADD_FAILURE() << what << " element " << i << ": cuda " << g[i] << ", cpu " << w[i];
-}
 
 // q, k, v permuted out of qkv (B, T, 3C) into contiguous (B, H, T, D) copies, attention, and
 // the heads put back side by side: (B, T, C).
@@ -71,9 +61,9 @@ TEST(AttentionOpsCuda, PackedMatchesSdpaOnPermutedCopiesOnTheCpu) {
         ref.backward(w.to(DType::f64));
 
         const double tol = tolerance(dt);
-        expect_close(out, ref, tol, "out");
+        test::expect_close_to_scale(out, ref, tol, "out");
         // The whole buffer's gradient: zeros outside qkv's columns.
-        expect_close(buffer.grad(), ref_buffer.grad(), 2 * tol, "grad of qkv");
+        test::expect_close_to_scale(buffer.grad(), ref_buffer.grad(), 2 * tol, "grad of qkv");
       }
 }
 
@@ -100,8 +90,8 @@ TEST(AttentionOpsCuda, SdpaReadsStridedViewsAsTheCpuDoes) {
       ref.backward(g.to(DType::f64).transpose(1, 2).contiguous());
 
       const double tol = tolerance(dt);
-      expect_close(out, ref, tol, "out");
-      expect_close(x.grad(), xr.grad(), 2 * tol, "grad of q | k | v");
+      test::expect_close_to_scale(out, ref, tol, "out");
+      test::expect_close_to_scale(x.grad(), xr.grad(), 2 * tol, "grad of q | k | v");
     }
 }
 

@@ -8,25 +8,13 @@
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "tests/common/tensor_checks.h"
 
 namespace loom {
 namespace {
 
-template <class F> void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    FAIL() << "expected a loom::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
-void expect_all_close(const Tensor& a, const Tensor& b, double tol, const std::string& what) {
-  ASSERT_EQ(a.shape(), b.shape()) << what;
-  auto va = a.to_vector<double>(), vb = b.to_vector<double>();
-  for (size_t i = 0; i < va.size(); ++i)
-    ASSERT_NEAR(va[i], vb[i], tol * (1 + std::abs(vb[i]))) << what << " element " << i;
-}
+using test::expect_all_close;
+using test::expect_error;
 
 Tensor composite_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   Tensor y = matmul(x, w.t());

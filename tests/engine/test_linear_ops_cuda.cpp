@@ -13,23 +13,12 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "tests/common/gpu.h"
+#include "tests/common/tensor_checks.h"
 
 namespace loom {
 namespace {
 
 double tolerance(DType dt) { return dt == DType::bf16 ? 3e-2 : 5e-3; }
-
-// |got - want| <= tol * (max |want| + |want|), element by element.
-void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  const auto g = got.to(Device::cpu()).to_vector<double>(), w = want.to_vector<double>();
-  double scale = 1.0;
-  for (double e : w) scale = std::max(scale, std::abs(e));
-  int bad = 0;
-  for (size_t i = 0; i < g.size() && bad < 5; ++i)
-    if (!(std::abs(g[i] - w[i]) <= tol * (scale + std::abs(w[i]))))
-      ++bad, ADD_FAILURE() << what << " element " << i << ": cuda " << g[i] << ", cpu " << w[i];
-}
 
 struct Case {
   int64_t rows, in, hidden, out;
@@ -62,10 +51,10 @@ TEST(LinearOpsCuda, GeluMlpMatchesCpu) {
           return y;
         };
         Tensor want = go(cpu_leaves, up), got = go(gpu_leaves, up.to(gpu).to(dt));
-        expect_close(got, want, tolerance(dt), what + " output");
+        test::expect_close_to_scale(got, want, tolerance(dt), what + " output");
         for (size_t i = 0; i < host.size(); ++i)
           if (host[i].defined())
-            expect_close(gpu_leaves[i].grad(), cpu_leaves[i].grad(), 2 * tolerance(dt),
+            test::expect_close_to_scale(gpu_leaves[i].grad(), cpu_leaves[i].grad(), 2 * tolerance(dt),
                          what + " gradient " + std::to_string(i));
       }
 }
@@ -99,9 +88,9 @@ TEST(LinearOpsCuda, ResidualInF32BesideBf16ProductsMatchesCpu) {
       got = go(dev, up.to(gpu).to(DType::f32));
     }
     EXPECT_EQ(got.dtype(), DType::f32);
-    expect_close(got, want, tolerance(DType::bf16), "output");
+    test::expect_close_to_scale(got, want, tolerance(DType::bf16), "output");
     for (size_t i = 0; i < host.size(); ++i)
-      expect_close(dev[i].grad(), cpu[i].grad(), 2 * tolerance(DType::bf16), "gradient " + std::to_string(i));
+      test::expect_close_to_scale(dev[i].grad(), cpu[i].grad(), 2 * tolerance(DType::bf16), "gradient " + std::to_string(i));
   }
 }
 
@@ -119,7 +108,7 @@ TEST(LinearOpsCuda, LinearBiasGradientMatchesCpu) {
                      b.to(gpu).to(dt).set_requires_grad()};
       sum(mul(linear(cpu[0], cpu[1], cpu[2]), up)).backward();
       sum(mul(linear(dev[0], dev[1], dev[2]), up.to(gpu).to(dt))).backward();
-      for (int i = 0; i < 3; ++i) expect_close(dev[i].grad(), cpu[i].grad(), 2 * tolerance(dt), "gradient " + std::to_string(i));
+      for (int i = 0; i < 3; ++i) test::expect_close_to_scale(dev[i].grad(), cpu[i].grad(), 2 * tolerance(dt), "gradient " + std::to_string(i));
     }
 }
 
