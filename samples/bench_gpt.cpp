@@ -182,6 +182,10 @@ int main(int argc, char** argv) {
         }
         Tensor grad = randn(out.shape(), out.dtype(), dev);
         for (int i = 0; i < 23; ++i) {
+          // Every repetition's backward writes fresh gradients, as a training step's does,
+          // rather than adding into the last repetition's.
+          opt.zero_grad();
+          for (Tensor* leaf : {&h, &h16, &h4, &logits16, &q, &k, &v, &w_fc_g, &w_pr_g, &g4}) leaf->zero_grad();
           Event a, b, c;
           a.record(compute_stream(dev));
           {

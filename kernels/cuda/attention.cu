@@ -362,7 +362,10 @@ int64_t row_blocks(int64_t len) { return (len + kRowWarps - 1) / kRowWarps; }
 
 size_t attention_workspace_size(const AttentionArgs& args) {
   const int64_t q_pad = (args.q_len + attention::kRowPad - 1) / attention::kRowPad * attention::kRowPad;
-  return size_t(2 * args.batch * args.heads * q_pad) * acc_size(args.dtype);
+  const size_t rows = size_t(args.batch * args.heads * q_pad);
+  // The tensor-core backward's f32 dQ accumulator, after lse2 and Di.
+  const size_t dq_acc = attention::dq_by_atomics(args.dtype, args.head_dim) ? rows * args.head_dim * 4 : 0;
+  return 2 * rows * acc_size(args.dtype) + dq_acc;
 }
 
 void attention_forward(const AttentionArgs& args, void* out, void* lse, const void* q, const void* k, const void* v,
@@ -397,7 +400,17 @@ void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv,
               attention_workspace_size(args), " bytes");
   p.lse2 = workspace;
   p.di = static_cast<char*>(workspace) + rows * acc_size(args.dtype);
+  if (attention::dq_by_atomics(args.dtype, args.head_dim))
+    p.dq_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + 2 * rows * acc_size(args.dtype));
   cudaStream_t s = as_cuda(stream);
+  const AttentionLayout& st = p.strides;
+  if (attention::mma_supported(args.dtype, args.head_dim) &&
+      aligned16({q, k, v, out, dout, dq, dk, dv, workspace}) &&
+      mma_layout(p, {{st.q, p.q_len}, {st.k, p.kv_len}, {st.v, p.kv_len}, {st.out, p.q_len}, {st.dout, p.q_len},
+                     {st.dq, p.q_len}, {st.dk, p.kv_len}, {st.dv, p.kv_len}})) {
+    attention::mma_backward(p, out, lse, args.dtype, s);
+    return;
+  }
   dispatch_floating(args.dtype, "attention backward", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -406,13 +419,6 @@ void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv,
       backward_prep_kernel<T, A><<<blocks, 256, 0, s>>>(p, static_cast<const T*>(out), static_cast<const A*>(lse),
                                                         static_cast<A*>(workspace), static_cast<A*>(workspace) + rows);
       LOOM_CUDA_LAUNCH();
-    }
-    const AttentionLayout& st = p.strides;
-    if (attention::mma_supported(args.dtype, args.head_dim) && aligned16({q, k, v, dout, dq, dk, dv, workspace}) &&
-        mma_layout(p, {{st.q, p.q_len}, {st.k, p.kv_len}, {st.v, p.kv_len}, {st.dout, p.q_len},
-                       {st.dq, p.q_len}, {st.dk, p.kv_len}, {st.dv, p.kv_len}})) {
-      attention::mma_backward(p, args.dtype, s);
-      return;
     }
     const int D = p.head_dim;
     const size_t dkdv_smem = size_t(2 * kRowWarps * D + 2 * kTileRows * (D + 1) + 2 * kTileRows) * sizeof(A);

@@ -32,6 +32,7 @@ struct Params {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  float* dq_acc = nullptr;  // (heads, q_pad, head_dim) f32, zeroed: dQ / scale by atomics (mma_backward)
   AttentionLayout strides;  // every operand's, resolved (none left at the all-zero default)
   int64_t heads = 0;        // batch * heads, below 2^31
   int heads_per_batch = 1;
@@ -47,7 +48,7 @@ struct Params {
   }
 };
 
-constexpr int kRowPad = 64;
+constexpr int kRowPad = 128;  // a multiple of every tensor-core kernel's query tile
 
 // Lets `kernel` take `bytes` of dynamic shared memory, past the default 48 KiB where
 // needed; a clear error when the GPU allows less. Each (kernel, device) is raised once,
@@ -73,9 +74,14 @@ template <class Kernel> void allow_shared_memory(Kernel kernel, size_t bytes, co
 // True when the tensor-core kernels take these shapes: bf16 or f16, head_dim 32, 64, 80,
 // 96 or 128 (the caller also checks that every row they touch is 16-byte aligned).
 bool mma_supported(DType dtype, int64_t head_dim);
-// Forward (out, lse) and the backward's dq and dk/dv kernels; the backward expects
-// lse2 and di in the workspace already (attention.cu writes them).
+// The forward (out, lse); the backward (dq, dk, dv), which writes lse2 and di into the
+// workspace first (p.lse2, p.di) from the forward's out and lse, and with dq_by_atomics (the
+// default) expects p.dq_acc too: (heads, q_pad, head_dim) f32, which it zeroes and fills.
+// Every operand's rows are 16-byte aligned (the caller checks).
 void mma_forward(const Params& p, DType dtype, cudaStream_t stream);
-void mma_backward(const Params& p, DType dtype, cudaStream_t stream);
+void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, cudaStream_t stream);
+// Whether mma_backward accumulates dQ with atomics (fewer products, not deterministic) rather
+// than in a kernel of its own; LOOM_ATTENTION_DQ=separate in the environment asks for the latter.
+bool dq_by_atomics(DType dtype, int64_t head_dim);
 
 }  // namespace loom::cuda::attention

@@ -53,6 +53,8 @@ std::vector<Case> cases() {
     out.push_back({1, 2, 129, 129, 96, causal});
     out.push_back({1, 1, 100, 37, 64, causal});   // more queries than keys
     out.push_back({1, 1, 37, 200, 128, causal});  // more keys than queries
+    out.push_back({1, 2, 45, 300, 64, causal});    // the same where warps own two row tiles
+    out.push_back({2, 1, 257, 257, 32, causal});   // three 128-row tiles, the last with one row
     out.push_back({64, 40, 3, 3, 32, causal});    // 2560 heads
     out.push_back({1, 2, 70, 70, 40, causal});    // head_dim without a tensor-core kernel
     out.push_back({1, 1, 9, 9, 200, causal});
