@@ -11,6 +11,7 @@
 // (images/s, ms per step, peak memory; with --ddp the DDP step and the plain one beside it)
 // and appends it to --json.
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <tuple>
 #include <vector>
@@ -66,17 +67,33 @@ int main(int argc, char** argv) {
     Tensor x = randn({batch, c, side, side}, DType::f32, dev);
     Tensor y = argmax(randn({batch, 10}, DType::f32, dev), 1);
     std::optional<DType> cast = precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
-    auto step = [&](const std::shared_ptr<nn::Module>& net) {
+    // With --ddp, the host's time to issue each phase of the timed steps, per kind of step:
+    // where DDP's own host work goes (the hooks and all-reduce launches run in backward).
+    using Clock = std::chrono::steady_clock;
+    struct HostPhases {
+      std::vector<double> forward, backward, optimizer;
+    } plain_phases, ddp_phases;
+    bool timing = false;
+    auto step = [&](const std::shared_ptr<nn::Module>& net, HostPhases& phases) {
+      const auto t0 = Clock::now();
       opt.zero_grad();
       Tensor loss;
       {
         AutocastGuard guard(cast);
         loss = cross_entropy(net->forward(x).to(DType::f32), y);
       }
+      const auto t1 = Clock::now();
       loss.backward();
+      const auto t2 = Clock::now();
       opt.step();
+      if (!timing) return;
+      auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+      phases.forward.push_back(ms(t1 - t0));
+      phases.backward.push_back(ms(t2 - t1));
+      phases.optimizer.push_back(ms(Clock::now() - t2));
     };
-    std::function<void()> plain = [&] { step(model); }, data_parallel = [&] { step(trained); };
+    std::function<void()> plain = [&] { step(model, plain_phases); },
+                          data_parallel = [&] { step(trained, ddp_phases); };
     for (int64_t i = 0; i < warmup; ++i) {
       plain();
       if (ddp) data_parallel();
@@ -87,10 +104,17 @@ int main(int argc, char** argv) {
     if (ddp) {
       // Plain and DDP steps of the same model in alternating rounds, so both see the same clocks.
       std::vector<double> plain_host, ddp_host;
+      timing = true;
       std::tie(plain_ms, ddp_ms) = samples::alternating_steps(plain, data_parallel, 6, std::max<int64_t>(1, steps / 6),
                                                               dev, &plain_host, &ddp_host);
       std::fprintf(stderr, "bench_cnn --ddp: host time to issue a step (median ms): plain %.2f, ddp %.2f\n",
                    samples::median(plain_host), samples::median(ddp_host));
+      std::fprintf(stderr,
+                   "bench_cnn --ddp: host time per phase (median ms, plain / ddp): forward %.3f / %.3f, "
+                   "backward %.3f / %.3f, optimizer %.3f / %.3f\n",
+                   samples::median(plain_phases.forward), samples::median(ddp_phases.forward),
+                   samples::median(plain_phases.backward), samples::median(ddp_phases.backward),
+                   samples::median(plain_phases.optimizer), samples::median(ddp_phases.optimizer));
     } else {
       plain_ms = samples::timed_steps(plain, steps, dev);
     }

@@ -10,8 +10,11 @@
 // are rare and it stays correct.
 //
 // Cross-entropy rows are (N, C) contiguous: a warp per row up to C = 1024, else a block;
-// rows of a multiple of 16 bytes in aligned buffers move in 16-byte packs (a language
-// model's loss reads and writes (tokens, vocab) logits: the loads' width decides its speed).
+// rows of a multiple of 16 bytes in aligned buffers move in 16-byte packs, four loads in
+// flight a thread. A language model's loss reads and writes (tokens, vocab) logits, and at
+// 16-bit logits the per-logit arithmetic decides whether the pass keeps up with memory: one
+// fmax, one FFMA and one exp2 a logit forward, one FFMA, one exp2 and a multiply backward
+// (the target's entry is corrected by one extra store, not by a compare on every logit).
 // A target that is neither a class index nor ignore_index is a user error the engine
 // checks before the call where it can; here the kernel prints the row and target with
 // printf and executes __trap(), which aborts the kernel and leaves the CUDA context in an
@@ -183,35 +186,45 @@ struct CeMerge {
 // 16 bytes of T, the unit of a vectorized load or store: rows whose length is a multiple of
 // kPack<T> and whose buffers are 16-byte aligned are read and written a pack at a time.
 template <class T> constexpr int kPack = 16 / int(sizeof(T));
+constexpr int kAhead = 4;  // packs of a row a thread loads at once
 
 template <class T> bool packable(int64_t C, const void* a, const void* b = nullptr) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   return C % kPack<T> == 0 && aligned(a) && aligned(b);
 }
 
+// 2^x: for f32 the single MUFU instruction (ex2.approx.ftz: about 2 ulp, results below
+// 2^-126 flushed to zero, which a sum of terms up to 1 does not see).
 template <class A> __device__ __forceinline__ A exp2_acc(A x) {
-  if constexpr (std::is_same_v<A, float>) return exp2f(x);
-  else return exp2(x);
+  if constexpr (std::is_same_v<A, float>) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  } else {
+    return exp2(x);
+  }
 }
 template <class A> constexpr A kLog2e = A(1.4426950408889634);
 template <class A> constexpr A kLn2 = A(0.6931471805599453);
 
-// Pushes a pack of values already in base 2 (u = x log2(e)): one rescale for the pack's
-// maximum, then one exp2 per element (a single MUFU instruction for f32), so the pass stays
-// bound by memory. The state is (m, s) in base 2: s = sum 2^(u - m) = sum e^(x - m ln 2),
-// the same s as push's. Special cases as push: -inf adds nothing, NaN and +inf make s NaN
-// (the maximum keeps a NaN, so a pack of -inf and NaN still adds it).
-template <class A, int kN> __device__ __forceinline__ MaxSum<A> push_pack2(MaxSum<A> a, const A (&u)[kN]) {
-  A hi = u[0];
+// Pushes kN values x into a running state kept in base 2: m is the maximum of x log2(e) and
+// s = sum 2^(x log2(e) - m) = sum e^(x - m ln 2), the same s as push's. One rescale for the
+// whole group, then one FFMA and one exp2 per value (a single MUFU instruction for f32), so
+// the pass stays bound by memory, not by the ALU. Special cases as push: -inf adds nothing;
+// fmax drops a NaN from the maximum, but its exp2 makes s NaN; +inf makes m +inf and its own
+// term inf - inf, NaN.
+template <class A, int kN> __device__ __forceinline__ MaxSum<A> push_pack2(MaxSum<A> a, const A (&x)[kN]) {
+  A hi = x[0];
 #pragma unroll
-  for (int j = 1; j < kN; ++j) hi = (u[j] > hi || u[j] != u[j]) ? u[j] : hi;
+  for (int j = 1; j < kN; ++j) hi = fmax(hi, x[j]);
+  hi *= kLog2e<A>;
   if (hi > a.m) {
     a.s *= exp2_acc(a.m - hi);
     a.m = hi;
   }
-  if (a.m == neg_inf<A>() && hi == neg_inf<A>()) return a;  // nothing but -inf so far
+  const A base = a.m == neg_inf<A>() ? A(0) : a.m;  // nothing but -inf so far: terms of 2^-inf = 0
 #pragma unroll
-  for (int j = 0; j < kN; ++j) a.s += exp2_acc(u[j] - a.m);
+  for (int j = 0; j < kN; ++j) a.s += exp2_acc(fma(x[j], kLog2e<A>, -base));
   return a;
 }
 
@@ -227,16 +240,32 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss,
     const T* x = logits + row * C;
     CeState<A> st{{neg_inf<A>(), A(0)}, A(0)};
     if (packed) {
-      for (int64_t i = lane; i < C / P; i += kGroup) {
-        const Pack<T, P> pk = load<T, P>(x + i * P);
-        A u[P];
+      // kAhead packs are loaded before any is used, so each thread keeps that many loads in
+      // flight (one at a time leaves the pass bound by latency), then added to the state with
+      // one rescale for all of them.
+      auto push_packs = [&](const auto& pk) {
+        constexpr int kN = sizeof(pk) / sizeof(pk[0]);
+        A v[kN * P];
 #pragma unroll
-        for (int j = 0; j < P; ++j) {
-          const A v = to_acc(pk.v[j]);
-          st.sum += v;
-          u[j] = v * kLog2e<A>;
-        }
-        st.ms = push_pack2(st.ms, u);
+        for (int k = 0; k < kN; ++k)
+#pragma unroll
+          for (int j = 0; j < P; ++j) {
+            v[k * P + j] = to_acc(pk[k].v[j]);
+            st.sum += v[k * P + j];
+          }
+        st.ms = push_pack2(st.ms, v);
+      };
+      const int64_t packs = C / P;
+      int64_t i = lane;
+      for (; i + (kAhead - 1) * kGroup < packs; i += kAhead * kGroup) {
+        Pack<T, P> pk[kAhead];
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k) pk[k] = load<T, P>(x + (i + k * kGroup) * P);
+        push_packs(pk);
+      }
+      for (; i < packs; i += kGroup) {
+        const Pack<T, P> pk[1] = {load<T, P>(x + i * P)};
+        push_packs(pk);
       }
       st.ms.m *= kLn2<A>;  // back to base e for the merge
     } else {
@@ -265,26 +294,43 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(T* gra
   const int lane = threadIdx.x % kGroup;
   for (int64_t row = first_row<kGroup, kThreads>(); row < N; row += row_step<kGroup, kThreads>()) {
     T* g = grad + row * C;
-    const bool ignored = ignored_row(target, row, C, ignore_index, lane);
     const T* x = logits + row * C;
-    const A gr = ignored ? A(0) : A(grad_row[row]), l = A(lse[row]), hit = A(1 - eps), spread = A(eps / double(C));
-    const int64_t t = ignored ? -1 : target[row];
-    const A l2 = l * kLog2e<A>;  // softmax = 2^(x log2(e) - lse log2(e)): one FMA and one exp2
-    auto value = [&](int64_t c, T xc) {
-      const A p = exp2_acc(fma(to_acc(xc), kLog2e<A>, -l2));
-      return ignored ? from_acc<T>(A(0)) : from_acc<T>(gr * (p - (c == t ? hit : A(0)) - spread));
-    };
+    if (ignored_row(target, row, C, ignore_index, lane)) {  // no gradient, whatever the logits
+      if (packed)
+        for (int64_t i = lane; i < C / P; i += kGroup) store<T, P>(g + i * P, Pack<T, P>{});
+      else
+        for (int64_t c = lane; c < C; c += kGroup) g[c] = from_acc<T>(A(0));
+      continue;
+    }
+    const A gr = A(grad_row[row]), l2 = A(lse[row]) * kLog2e<A>, spread = A(eps / double(C));
+    // grad = gr (softmax - spread), softmax = 2^(x log2(e) - lse log2(e)): one FFMA and one
+    // exp2 a logit; the target's own entry, which also loses 1 - eps, is written again below.
+    auto value = [&](T xc) { return from_acc<T>(gr * (exp2_acc(fma(to_acc(xc), kLog2e<A>, -l2)) - spread)); };
     if (packed) {
-      for (int64_t i = lane; i < C / P; i += kGroup) {
-        const Pack<T, P> pk = load<T, P>(x + i * P);
+      auto write_pack = [&](int64_t i, const Pack<T, P>& pk) {
         Pack<T, P> out;
 #pragma unroll
-        for (int j = 0; j < P; ++j) out.v[j] = value(i * P + j, pk.v[j]);
+        for (int j = 0; j < P; ++j) out.v[j] = value(pk.v[j]);
         store<T, P>(g + i * P, out);
+      };
+      const int64_t packs = C / P;
+      int64_t i = lane;
+      for (; i + (kAhead - 1) * kGroup < packs; i += kAhead * kGroup) {  // as the forward: loads ahead
+        Pack<T, P> pk[kAhead];
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k) pk[k] = load<T, P>(x + (i + k * kGroup) * P);
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k) write_pack(i + k * kGroup, pk[k]);
       }
+      for (; i < packs; i += kGroup) write_pack(i, load<T, P>(x + i * P));
     } else {
-      for (int64_t c = lane; c < C; c += kGroup) g[c] = value(c, x[c]);
+      for (int64_t c = lane; c < C; c += kGroup) g[c] = value(x[c]);
     }
+    // The thread that wrote the target's entry overwrites it: its own later store, so no
+    // other thread's ordering matters.
+    const int64_t t = target[row];
+    if ((packed ? t / P : t) % kGroup == lane)
+      g[t] = from_acc<T>(gr * (exp2_acc(fma(to_acc(x[t]), kLog2e<A>, -l2)) - A(1 - eps) - spread));
   }
 }
 

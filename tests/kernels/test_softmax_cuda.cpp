@@ -178,7 +178,9 @@ TEST(SoftmaxCuda, BackwardMatchesCpu) {
 struct CeCase {
   int64_t N, C;
 };
-const CeCase kCeCases[] = {{1031, 10}, {5, 1}, {64, 1024}, {33, 1025}, {257, 50257}, {1, 100003}};
+// 1000 and 50304 are multiples of every pack width: rows read in packs, with and without a tail
+// beyond the packs loaded four at a time.
+const CeCase kCeCases[] = {{1031, 10}, {5, 1}, {64, 1024}, {9, 1000}, {33, 1025}, {24, 50304}, {257, 50257}, {1, 100003}};
 
 // Targets in [0, C), about one row in eight set to ignore_index (-100).
 std::vector<int64_t> random_targets(int64_t N, int64_t C, uint32_t seed) {
@@ -255,6 +257,54 @@ TEST(CrossEntropyCuda, BackwardMatchesCpu) {
             scale[n * c.C + k] = grad_row[n] * (std::exp(xd[n * c.C + k] - lse[n]) + (k == t[n]) + eps / double(c.C));
         expect_close(decode(d_g.to_host(), dt), decode(cpu_g, dt), scale, dt);
       }
+}
+
+// extreme_rows as logits, packed (R = 40: a warp a row; 2000: a block) and not (R = 2001):
+// the loss, log-sum-exp and gradient of each row as on the CPU, NaN where the CPU has NaN;
+// the fully masked row is ignored, so its loss and gradient are exactly 0.
+TEST(CrossEntropyCuda, MaskedAndHugeLogitsMatchCpu) {
+  LOOM_REQUIRE_CUDA();
+  const std::vector<int64_t> t = {3, 0, -100, 1, 2};
+  // NaN where the CPU has NaN, the same infinity, else within tol.
+  auto near = [](double got, double want, double tol) {
+    return std::isnan(want) ? std::isnan(got) : std::isinf(want) ? got == want : std::abs(got - want) <= tol;
+  };
+  for (int64_t R : {int64_t(40), int64_t(2000), int64_t(2001)})
+    for (DType dt : kDtypes) {
+      SCOPED_TRACE("C " + std::to_string(R) + " " + std::string(dtype_name(dt)));
+      auto x = encode(extreme_rows(R), dt);
+      const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
+      auto grad_row_b = encode(std::vector<double>(5, 1.0), acc);
+      std::vector<uint8_t> loss_b(5 * dtype_size(acc)), lse_b(5 * dtype_size(acc)), cpu_g(x.size());
+      cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), 5, R, -100, 0.0, nullptr);
+      cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse_b.data(), t.data(), grad_row_b.data(), dt,
+                                                5, R, -100, 0.0, nullptr);
+      DeviceBuffer<uint8_t> d_x(x), d_g(x.size()), d_loss(loss_b.size()), d_lse(lse_b.size()), d_gr(grad_row_b);
+      DeviceBuffer<int64_t> d_t(t);
+      cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), 5, R, -100, 0.0, nullptr);
+      cuda_kernel_table().cross_entropy_backward(d_g.get(), d_x.get(), d_lse.get(), d_t.get(), d_gr.get(), dt, 5, R,
+                                                 -100, 0.0, nullptr);
+      auto loss = decode(loss_b, acc), lse = decode(lse_b, acc), got_loss = decode(d_loss.to_host(), acc),
+           got_lse = decode(d_lse.to_host(), acc);
+      for (int n = 0; n < 5; ++n) {
+        // The loss is lse minus a logit: its error is the lse's, relative to the lse's size.
+        const double tol = (dt == DType::f64 ? 1e-9 : rtol(DType::f32)) * (std::isfinite(lse[n]) ? std::abs(lse[n]) + 1 : 1);
+        EXPECT_TRUE(near(got_lse[n], lse[n], tol)) << "row " << n << ": lse cuda " << got_lse[n] << ", cpu " << lse[n];
+        EXPECT_TRUE(near(got_loss[n], loss[n], tol)) << "row " << n << ": loss cuda " << got_loss[n] << ", cpu " << loss[n];
+      }
+      EXPECT_EQ(got_loss[2], 0.0);
+      auto want = decode(cpu_g, dt), got = decode(d_g.to_host(), dt);
+      int bad = 0;
+      for (size_t k = 0; k < want.size() && bad < 5; ++k) {
+        if (k / size_t(R) == 2 && got[k] != 0.0) ++bad, ADD_FAILURE() << "ignored row, element " << k % R << ": " << got[k];
+        // Softmax from exp2(x log2(e) - lse log2(e)) in the accumulation type beside the CPU's
+        // exp(x - lse): at logits near 1000, f32's rounding of lse log2(e) alone moves it by
+        // up to 4e-5 of itself, so a few times rtol(f32) on top of the output's rounding.
+        const double tol = rtol(dt) * std::abs(want[k]) + 4 * rtol(dt == DType::f64 ? dt : DType::f32) * (std::abs(want[k]) + 1e-3);
+        if (!near(got[k], want[k], tol))
+          ++bad, ADD_FAILURE() << "row " << k / R << ", element " << k % R << ": cuda " << got[k] << ", cpu " << want[k];
+      }
+    }
 }
 
 }  // namespace
