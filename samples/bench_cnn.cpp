@@ -67,25 +67,36 @@ int main(int argc, char** argv) {
     Tensor x = randn({batch, c, side, side}, DType::f32, dev);
     Tensor y = argmax(randn({batch, 10}, DType::f32, dev), 1);
     std::optional<DType> cast = precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
-    // With --ddp, the host's time to issue each phase of the timed steps, per kind of step:
-    // where DDP's own host work goes (the hooks and all-reduce launches run in backward).
+    // With --ddp, each phase of the timed steps, per kind of step: the host's time to issue
+    // it, and the GPU's time between events on the compute stream at its ends (where DDP's
+    // cost goes: its hooks, copies and all-reduce launches run in backward).
     using Clock = std::chrono::steady_clock;
-    struct HostPhases {
+    struct Phases {
       std::vector<double> forward, backward, optimizer;
+      std::vector<std::unique_ptr<Event>> marks;  // 4 a step: start, forward, backward, optimizer done
     } plain_phases, ddp_phases;
     bool timing = false;
-    auto step = [&](const std::shared_ptr<nn::Module>& net, HostPhases& phases) {
+    auto mark = [&](Phases& phases) {
+      if (!timing) return;
+      phases.marks.push_back(std::make_unique<Event>());
+      phases.marks.back()->record(compute_stream(dev));
+    };
+    auto step = [&](const std::shared_ptr<nn::Module>& net, Phases& phases) {
       const auto t0 = Clock::now();
+      mark(phases);
       opt.zero_grad();
       Tensor loss;
       {
         AutocastGuard guard(cast);
         loss = cross_entropy(net->forward(x).to(DType::f32), y);
       }
+      mark(phases);
       const auto t1 = Clock::now();
       loss.backward();
+      mark(phases);
       const auto t2 = Clock::now();
       opt.step();
+      mark(phases);
       if (!timing) return;
       auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
       phases.forward.push_back(ms(t1 - t0));
@@ -115,6 +126,18 @@ int main(int argc, char** argv) {
                    samples::median(plain_phases.forward), samples::median(ddp_phases.forward),
                    samples::median(plain_phases.backward), samples::median(ddp_phases.backward),
                    samples::median(plain_phases.optimizer), samples::median(ddp_phases.optimizer));
+      // GPU phases: the rounds ended synchronised, so every mark is complete.
+      auto gpu = [](const Phases& ph, int phase) {
+        std::vector<double> ms;
+        for (size_t i = 0; i + 3 < ph.marks.size(); i += 4)
+          ms.push_back(ph.marks[i + phase + 1]->elapsed_ms_since(*ph.marks[i + phase]));
+        return samples::median(ms);
+      };
+      std::fprintf(stderr,
+                   "bench_cnn --ddp: GPU time per phase (median ms, plain / ddp): forward %.3f / %.3f, "
+                   "backward %.3f / %.3f, optimizer %.3f / %.3f\n",
+                   gpu(plain_phases, 0), gpu(ddp_phases, 0), gpu(plain_phases, 1), gpu(ddp_phases, 1),
+                   gpu(plain_phases, 2), gpu(ddp_phases, 2));
     } else {
       plain_ms = samples::timed_steps(plain, steps, dev);
     }
