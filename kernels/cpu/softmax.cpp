@@ -108,7 +108,8 @@ void cross_entropy_typed(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const i
       A s, sum_x = 0;
       pairwise_cols<kTile>(0, C, One{}, &s, [&](int64_t c, int) { return std::exp(A(x[c]) - m); });
       if (eps != 0) pairwise_cols<kTile>(0, C, One{}, &sum_x, [&](int64_t c, int) { return A(x[c]); });
-      A l = m + std::log(s);
+      // A row of -inf only: log(sum exp) = log(0) = -inf, as on CUDA (exp(x - m) would be NaN).
+      A l = m == -std::numeric_limits<A>::infinity() ? m : m + std::log(s);
       lse[n] = l;
       loss[n] = ignored ? A(0) : A(1 - eps) * (l - A(x[target[n]])) + A(eps) * (l - sum_x / A(C));
     }

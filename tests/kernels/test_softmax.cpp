@@ -243,6 +243,26 @@ TEST(CrossEntropyCpu, BackwardMatchesFiniteDifferencesOfTheFormula) {
   }
 }
 
+// A row of -inf only has a log-sum-exp of -inf (log of an empty sum) and, ignored, a loss
+// and gradient of 0; a row holding +inf is NaN throughout.
+TEST(CrossEntropyCpu, FullyMaskedAndInfiniteRows) {
+  const double inf = INFINITY;
+  const std::vector<double> x{-inf, -inf, -inf, 1, inf, 2};
+  const std::vector<int64_t> t{-100, 0};
+  std::vector<double> loss(2), lse(2), grad(6, -1), grad_row{1, 1};
+  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 2, 3, -100, 0.0, nullptr);
+  EXPECT_EQ(lse[0], -inf);
+  EXPECT_EQ(loss[0], 0.0);
+  EXPECT_TRUE(std::isnan(lse[1]));
+  EXPECT_TRUE(std::isnan(loss[1]));
+  cpu_kernels().cross_entropy_backward(grad.data(), x.data(), lse.data(), t.data(), grad_row.data(), DType::f64, 2, 3,
+                                       -100, 0.0, nullptr);
+  for (int c = 0; c < 3; ++c) {
+    EXPECT_EQ(grad[c], 0.0) << "ignored row, class " << c;
+    EXPECT_TRUE(std::isnan(grad[3 + c])) << "class " << c;
+  }
+}
+
 TEST(CrossEntropyCpu, ATargetOutsideTheClassesNamesItsValueAndRow) {
   auto x = random_values(3 * kC, 12);
   std::vector<double> loss(3), lse(3), grad_row(3, 1.0);
