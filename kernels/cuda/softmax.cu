@@ -13,8 +13,9 @@
 // rows of a multiple of 16 bytes in aligned buffers move in 16-byte packs, four loads in
 // flight a thread. A language model's loss reads and writes (tokens, vocab) logits, and at
 // 16-bit logits the per-logit arithmetic decides whether the pass keeps up with memory: one
-// fmax, one FFMA and one exp2 a logit forward, one FFMA, one exp2 and a multiply backward
-// (the target's entry is corrected by one extra store, not by a compare on every logit).
+// fmax, a subtraction, a multiply and one exp2 a logit forward, a subtraction, two
+// multiplies and one exp2 backward (the target's entry is corrected by one extra store,
+// not by a compare on every logit).
 // A target that is neither a class index nor ignore_index is a user error the engine
 // checks before the call where it can; here the kernel prints the row and target with
 // printf and executes __trap(), which aborts the kernel and leaves the CUDA context in an
@@ -205,26 +206,24 @@ template <class A> __device__ __forceinline__ A exp2_acc(A x) {
   }
 }
 template <class A> constexpr A kLog2e = A(1.4426950408889634);
-template <class A> constexpr A kLn2 = A(0.6931471805599453);
 
-// Pushes kN values x into a running state kept in base 2: m is the maximum of x log2(e) and
-// s = sum 2^(x log2(e) - m) = sum e^(x - m ln 2), the same s as push's. One rescale for the
-// whole group, then one FFMA and one exp2 per value (a single MUFU instruction for f32), so
-// the pass stays bound by memory, not by the ALU. Special cases as push: -inf adds nothing;
-// fmax drops a NaN from the maximum, but its exp2 makes s NaN; +inf makes m +inf and its own
-// term inf - inf, NaN.
-template <class A, int kN> __device__ __forceinline__ MaxSum<A> push_pack2(MaxSum<A> a, const A (&x)[kN]) {
+// Pushes kN values x into a running (m, s), as push does, with one rescale for the whole
+// group and then one subtraction, one multiply and one exp2 per value (a single MUFU
+// instruction for f32): s += 2^((x - m) log2(e)). The pass then stays bound by memory, not
+// by the ALU; m is one of the x, so x - m is exact near the maximum at any magnitude and lse
+// = m + log(s) as on the CPU. Special cases as push: -inf adds nothing; fmax drops a NaN
+// from the maximum, but its exp2 makes s NaN; +inf makes m +inf and its own term NaN.
+template <class A, int kN> __device__ __forceinline__ MaxSum<A> push_pack(MaxSum<A> a, const A (&x)[kN]) {
   A hi = x[0];
 #pragma unroll
   for (int j = 1; j < kN; ++j) hi = fmax(hi, x[j]);
-  hi *= kLog2e<A>;
   if (hi > a.m) {
-    a.s *= exp2_acc(a.m - hi);
+    a.s *= exp2_acc((a.m - hi) * kLog2e<A>);
     a.m = hi;
   }
   const A base = a.m == neg_inf<A>() ? A(0) : a.m;  // nothing but -inf so far: terms of 2^-inf = 0
 #pragma unroll
-  for (int j = 0; j < kN; ++j) a.s += exp2_acc(fma(x[j], kLog2e<A>, -base));
+  for (int j = 0; j < kN; ++j) a.s += exp2_acc((x[j] - base) * kLog2e<A>);
   return a;
 }
 
@@ -253,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss,
             v[k * P + j] = to_acc(pk[k].v[j]);
             st.sum += v[k * P + j];
           }
-        st.ms = push_pack2(st.ms, v);
+        st.ms = push_pack(st.ms, v);
       };
       const int64_t packs = C / P;
       int64_t i = lane;
@@ -267,7 +266,6 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss,
         const Pack<T, P> pk[1] = {load<T, P>(x + i * P)};
         push_packs(pk);
       }
-      st.ms.m *= kLn2<A>;  // back to base e for the merge
     } else {
       for (int64_t c = lane; c < C; c += kGroup) {
         A v = to_acc(x[c]);
@@ -279,7 +277,10 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss,
     if (lane == 0) {
       const A l = st.ms.m + log_acc(st.ms.s);
       lse[row] = l;
-      loss[row] = ignored ? A(0) : A(1 - eps) * (l - to_acc(x[target[row]])) + A(eps) * (l - st.sum / A(C));
+      // Without label smoothing the mean of the logits takes no part (it is -inf in a row
+      // with a masked logit, and 0 * inf would make the loss NaN).
+      const A smooth = eps != 0 ? A(eps) * (l - st.sum / A(C)) : A(0);
+      loss[row] = ignored ? A(0) : A(1 - eps) * (l - to_acc(x[target[row]])) + smooth;
     }
   }
 }
@@ -302,10 +303,12 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(T* gra
         for (int64_t c = lane; c < C; c += kGroup) g[c] = from_acc<T>(A(0));
       continue;
     }
-    const A gr = A(grad_row[row]), l2 = A(lse[row]) * kLog2e<A>, spread = A(eps / double(C));
-    // grad = gr (softmax - spread), softmax = 2^(x log2(e) - lse log2(e)): one FFMA and one
-    // exp2 a logit; the target's own entry, which also loses 1 - eps, is written again below.
-    auto value = [&](T xc) { return from_acc<T>(gr * (exp2_acc(fma(to_acc(xc), kLog2e<A>, -l2)) - spread)); };
+    const A gr = A(grad_row[row]), l = A(lse[row]), spread = A(eps / double(C));
+    // grad = gr (softmax - spread), softmax = 2^((x - lse) log2(e)): x - lse is exact near
+    // the row's maximum at any magnitude, then one multiply and one exp2. The target's own
+    // entry, which also loses 1 - eps, is written again below.
+    auto softmax = [&](T xc) { return exp2_acc((to_acc(xc) - l) * kLog2e<A>); };
+    auto value = [&](T xc) { return from_acc<T>(gr * (softmax(xc) - spread)); };
     if (packed) {
       auto write_pack = [&](int64_t i, const Pack<T, P>& pk) {
         Pack<T, P> out;
@@ -330,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(T* gra
     // other thread's ordering matters.
     const int64_t t = target[row];
     if ((packed ? t / P : t) % kGroup == lane)
-      g[t] = from_acc<T>(gr * (exp2_acc(fma(to_acc(x[t]), kLog2e<A>, -l2)) - A(1 - eps) - spread));
+      g[t] = from_acc<T>(gr * (softmax(x[t]) - A(1 - eps) - spread));
   }
 }
 

@@ -244,23 +244,32 @@ TEST(CrossEntropyCpu, BackwardMatchesFiniteDifferencesOfTheFormula) {
 }
 
 // A row of -inf only has a log-sum-exp of -inf (log of an empty sum) and, ignored, a loss
-// and gradient of 0; a row holding +inf is NaN throughout.
+// and gradient of 0; a row holding +inf is NaN throughout, and so is one holding a NaN
+// among -inf (no finite maximum, but not an empty sum either). A masked logit elsewhere in
+// the row leaves the loss without label smoothing finite.
 TEST(CrossEntropyCpu, FullyMaskedAndInfiniteRows) {
-  const double inf = INFINITY;
-  const std::vector<double> x{-inf, -inf, -inf, 1, inf, 2};
-  const std::vector<int64_t> t{-100, 0};
-  std::vector<double> loss(2), lse(2), grad(6, -1), grad_row{1, 1};
-  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 2, 3, -100, 0.0, nullptr);
+  const double inf = INFINITY, nan = NAN;
+  const std::vector<double> x{-inf, -inf, -inf, 1, inf, 2, -inf, nan, -inf, 0, -inf, 0};
+  const std::vector<int64_t> t{-100, 0, 1, 0};
+  std::vector<double> loss(4), lse(4), grad(12, -1), grad_row(4, 1.0);
+  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 4, 3, -100, 0.0, nullptr);
   EXPECT_EQ(lse[0], -inf);
   EXPECT_EQ(loss[0], 0.0);
   EXPECT_TRUE(std::isnan(lse[1]));
   EXPECT_TRUE(std::isnan(loss[1]));
-  cpu_kernels().cross_entropy_backward(grad.data(), x.data(), lse.data(), t.data(), grad_row.data(), DType::f64, 2, 3,
+  EXPECT_TRUE(std::isnan(lse[2]));
+  EXPECT_TRUE(std::isnan(loss[2]));
+  EXPECT_NEAR(loss[3], std::log(2.0), 1e-15);  // row 3 is {0, -inf, 0}, target 0 (its first entry)
+  cpu_kernels().cross_entropy_backward(grad.data(), x.data(), lse.data(), t.data(), grad_row.data(), DType::f64, 4, 3,
                                        -100, 0.0, nullptr);
   for (int c = 0; c < 3; ++c) {
     EXPECT_EQ(grad[c], 0.0) << "ignored row, class " << c;
     EXPECT_TRUE(std::isnan(grad[3 + c])) << "class " << c;
+    EXPECT_TRUE(std::isnan(grad[6 + c])) << "class " << c;
   }
+  EXPECT_NEAR(grad[9], -0.5, 1e-15);
+  EXPECT_EQ(grad[10], 0.0);
+  EXPECT_NEAR(grad[11], 0.5, 1e-15);
 }
 
 TEST(CrossEntropyCpu, ATargetOutsideTheClassesNamesItsValueAndRow) {
