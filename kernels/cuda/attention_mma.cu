@@ -119,13 +119,7 @@ template <class T, int D, int MT> __global__ void __launch_bounds__(kThreads) fo
       }
 
       // O += P V, P straight from the S accumulators; each V fragment feeds every row tile.
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
-        mma_rows<D>(o, a, vt, kk * 16);
-      }
+      mma_acc_rows<D>(o, s, vt);
     }
     __syncthreads();  // every warp is done with buffer `buf` before it is refilled
   }

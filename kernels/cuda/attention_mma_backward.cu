@@ -234,13 +234,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkdv_kernel(const Params p)
         }
       }
       // dV += P^T dO
-#pragma unroll
-      for (int kk = 0; kk < BQ / 16; ++kk) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(a[mt], st[mt][2 * kk], st[mt][2 * kk + 1]);
-        mma_rows<D>(dv, a, ot, kk * 16);
-      }
+      mma_acc_rows<D>(dv, st, ot);
       // dP^T = V dO^T
       float dpt[MT][QB][4] = {};
       scores_from_smem<D>(dpt, sV, warp * WK, ot);
@@ -254,13 +248,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkdv_kernel(const Params p)
           for (int e = 0; e < 4; ++e) st[mt][nb][e] *= dpt[mt][nb][e] - ((e & 1) ? d2.y : d2.x);
       }
       // dK += dS^T Q
-#pragma unroll
-      for (int kk = 0; kk < BQ / 16; ++kk) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(a[mt], st[mt][2 * kk], st[mt][2 * kk + 1]);
-        mma_rows<D>(dk, a, qt, kk * 16);
-      }
+      mma_acc_rows<D>(dk, st, qt);
       if constexpr (kDq) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)

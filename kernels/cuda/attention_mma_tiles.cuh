@@ -153,6 +153,20 @@ __device__ __forceinline__ void mma_rows(float (&acc)[MT][D / 8][4], const uint3
   }
 }
 
+// acc[mt] (D / 8 n-blocks) += p[mt] times the first 8 NB rows of a [k][n] tile, where p[mt]
+// is a 16 x 8 NB accumulator (P of P V, P^T of P^T dO, dS^T of dS^T Q) rounded to T on the
+// way into A fragments.
+template <int D, int MT, int NB, class T>
+__device__ __forceinline__ void mma_acc_rows(float (&acc)[MT][D / 8][4], const float (&p)[MT][NB][4], const T* s) {
+#pragma unroll
+  for (int kk = 0; kk < NB / 2; ++kk) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(a[mt], p[mt][2 * kk], p[mt][2 * kk + 1]);
+    mma_rows<D>(acc, a, s, kk * 16);
+  }
+}
+
 // Rows [row0, row0 + R) of a (len, D) matrix whose rows are `ld` elements apart (16-byte
 // aligned) into a tile, by cp.async; rows at or past len are zeros. Every thread of the
 // block takes part. The tile's first row is found in int64 once; offsets inside the tile
