@@ -67,44 +67,38 @@ int main(int argc, char** argv) {
     Tensor x = randn({batch, c, side, side}, DType::f32, dev);
     Tensor y = argmax(randn({batch, 10}, DType::f32, dev), 1);
     std::optional<DType> cast = precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
-    // With --ddp, each phase of the timed steps, per kind of step: the host's time to issue
-    // it, and the GPU's time between events on the compute stream at its ends (where DDP's
-    // cost goes: its hooks, copies and all-reduce launches run in backward).
+    // With --ddp, each timed step leaves four marks (start, forward done, backward done,
+    // optimizer done), each a host clock reading and an event on the compute stream: the host's
+    // time to issue each phase and the GPU's time to run it, per kind of step (DDP's hooks,
+    // copies and all-reduce launches run in backward).
     using Clock = std::chrono::steady_clock;
-    struct Phases {
-      std::vector<double> forward, backward, optimizer;
-      std::vector<std::unique_ptr<Event>> marks;  // 4 a step: start, forward, backward, optimizer done
-    } plain_phases, ddp_phases;
+    struct Marks {
+      std::vector<Clock::time_point> host;
+      std::vector<std::unique_ptr<Event>> gpu;
+    } plain_marks, ddp_marks;
     bool timing = false;
-    auto mark = [&](Phases& phases) {
+    auto mark = [&](Marks& marks) {
       if (!timing) return;
-      phases.marks.push_back(std::make_unique<Event>());
-      phases.marks.back()->record(compute_stream(dev));
+      marks.host.push_back(Clock::now());
+      marks.gpu.push_back(std::make_unique<Event>());
+      marks.gpu.back()->record(compute_stream(dev));
     };
-    auto step = [&](const std::shared_ptr<nn::Module>& net, Phases& phases) {
-      const auto t0 = Clock::now();
-      mark(phases);
+    auto step = [&](const std::shared_ptr<nn::Module>& net, Marks& marks) {
+      mark(marks);
       opt.zero_grad();
       Tensor loss;
       {
         AutocastGuard guard(cast);
         loss = cross_entropy(net->forward(x).to(DType::f32), y);
       }
-      mark(phases);
-      const auto t1 = Clock::now();
+      mark(marks);
       loss.backward();
-      mark(phases);
-      const auto t2 = Clock::now();
+      mark(marks);
       opt.step();
-      mark(phases);
-      if (!timing) return;
-      auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
-      phases.forward.push_back(ms(t1 - t0));
-      phases.backward.push_back(ms(t2 - t1));
-      phases.optimizer.push_back(ms(Clock::now() - t2));
+      mark(marks);
     };
-    std::function<void()> plain = [&] { step(model, plain_phases); },
-                          data_parallel = [&] { step(trained, ddp_phases); };
+    std::function<void()> plain = [&] { step(model, plain_marks); },
+                          data_parallel = [&] { step(trained, ddp_marks); };
     for (int64_t i = 0; i < warmup; ++i) {
       plain();
       if (ddp) data_parallel();
@@ -114,30 +108,25 @@ int main(int argc, char** argv) {
     std::vector<double> plain_ms, ddp_ms;
     if (ddp) {
       // Plain and DDP steps of the same model in alternating rounds, so both see the same clocks.
-      std::vector<double> plain_host, ddp_host;
       timing = true;
       std::tie(plain_ms, ddp_ms) = samples::alternating_steps(plain, data_parallel, 6, std::max<int64_t>(1, steps / 6),
-                                                              dev, &plain_host, &ddp_host);
-      std::fprintf(stderr, "bench_cnn --ddp: host time to issue a step (median ms): plain %.2f, ddp %.2f\n",
-                   samples::median(plain_host), samples::median(ddp_host));
-      std::fprintf(stderr,
-                   "bench_cnn --ddp: host time per phase (median ms, plain / ddp): forward %.3f / %.3f, "
-                   "backward %.3f / %.3f, optimizer %.3f / %.3f\n",
-                   samples::median(plain_phases.forward), samples::median(ddp_phases.forward),
-                   samples::median(plain_phases.backward), samples::median(ddp_phases.backward),
-                   samples::median(plain_phases.optimizer), samples::median(ddp_phases.optimizer));
-      // GPU phases: the rounds ended synchronised, so every mark is complete.
-      auto gpu = [](const Phases& ph, int phase) {
+                                                              dev);
+      // Median ms of one phase (0 forward, 1 backward, 2 optimizer) on the host or the GPU;
+      // the rounds ended synchronised, so every event is complete.
+      auto phase_ms = [](const Marks& m, int phase, bool on_gpu) {
         std::vector<double> ms;
-        for (size_t i = 0; i + 3 < ph.marks.size(); i += 4)
-          ms.push_back(ph.marks[i + phase + 1]->elapsed_ms_since(*ph.marks[i + phase]));
+        for (size_t i = 0; i + 3 < m.host.size(); i += 4)
+          ms.push_back(on_gpu ? m.gpu[i + phase + 1]->elapsed_ms_since(*m.gpu[i + phase])
+                              : std::chrono::duration<double, std::milli>(m.host[i + phase + 1] - m.host[i + phase]).count());
         return samples::median(ms);
       };
-      std::fprintf(stderr,
-                   "bench_cnn --ddp: GPU time per phase (median ms, plain / ddp): forward %.3f / %.3f, "
-                   "backward %.3f / %.3f, optimizer %.3f / %.3f\n",
-                   gpu(plain_phases, 0), gpu(ddp_phases, 0), gpu(plain_phases, 1), gpu(ddp_phases, 1),
-                   gpu(plain_phases, 2), gpu(ddp_phases, 2));
+      for (bool on_gpu : {false, true})
+        std::fprintf(stderr,
+                     "bench_cnn --ddp: %s time per phase (median ms, plain / ddp): forward %.3f / %.3f, "
+                     "backward %.3f / %.3f, optimizer %.3f / %.3f\n",
+                     on_gpu ? "GPU" : "host", phase_ms(plain_marks, 0, on_gpu), phase_ms(ddp_marks, 0, on_gpu),
+                     phase_ms(plain_marks, 1, on_gpu), phase_ms(ddp_marks, 1, on_gpu), phase_ms(plain_marks, 2, on_gpu),
+                     phase_ms(ddp_marks, 2, on_gpu));
     } else {
       plain_ms = samples::timed_steps(plain, steps, dev);
     }

@@ -1,7 +1,6 @@
 #include "samples/common/step_timing.h"
 
 #include <algorithm>
-#include <chrono>
 #include <memory>
 
 namespace loom::samples {
@@ -12,17 +11,13 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps, Device device,
-                                std::vector<double>* host_ms) {
+std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps, Device device) {
   StreamHandle s = compute_stream(device);
   std::vector<std::unique_ptr<Event>> events;
   events.push_back(std::make_unique<Event>());
   events.back()->record(s);
   for (int64_t i = 0; i < steps; ++i) {
-    const auto start = std::chrono::steady_clock::now();
     step();
-    if (host_ms)
-      host_ms->push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
     events.push_back(std::make_unique<Event>());
     events.back()->record(s);
   }
@@ -35,13 +30,12 @@ std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps
 std::pair<std::vector<double>, std::vector<double>> alternating_steps(const std::function<void()>& a,
                                                                       const std::function<void()>& b,
                                                                       int64_t rounds, int64_t per_round,
-                                                                      Device device, std::vector<double>* host_a,
-                                                                      std::vector<double>* host_b) {
+                                                                      Device device) {
   std::vector<double> a_ms, b_ms;
   for (int64_t r = 0; r < rounds; ++r) {
     for (int half = 0; half < 2; ++half) {
       const bool run_a = (r + half) % 2 == 0;
-      auto ms = timed_steps(run_a ? a : b, per_round, device, run_a ? host_a : host_b);
+      auto ms = timed_steps(run_a ? a : b, per_round, device);
       auto& into = run_a ? a_ms : b_ms;
       into.insert(into.end(), ms.begin(), ms.end());
     }

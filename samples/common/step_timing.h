@@ -16,18 +16,14 @@ namespace loom::samples {
 double median(std::vector<double> v);
 
 // Runs `steps` steps back to back on `device`'s compute stream, an event between each two,
-// and returns each step's milliseconds. host_ms, when given, receives the host's time to
-// issue each step: close to the GPU's time, the step is bound by the host, not the GPU.
-std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps, Device device,
-                                std::vector<double>* host_ms = nullptr);
+// and returns each step's milliseconds.
+std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps, Device device);
 
 // Times `a` and `b` in `rounds` alternating rounds (a b, b a, a b, ...) of `per_round` steps
 // each, so clock drift and thermal state hit both alike; returns each one's step times.
 std::pair<std::vector<double>, std::vector<double>> alternating_steps(const std::function<void()>& a,
                                                                       const std::function<void()>& b,
                                                                       int64_t rounds, int64_t per_round,
-                                                                      Device device,
-                                                                      std::vector<double>* host_a = nullptr,
-                                                                      std::vector<double>* host_b = nullptr);
+                                                                      Device device);
 
 }  // namespace loom::samples
