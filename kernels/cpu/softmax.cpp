@@ -104,10 +104,9 @@ void cross_entropy_typed(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const i
       bool ignored = ignored_row(target, n, C, ignore_index);
       const T* x = logits + n * C;
       A m = -std::numeric_limits<A>::infinity();
-      for (int64_t c = 0; c < C; ++c) {  // the maximum, NaN once a NaN is seen (std::max would drop it)
-        const A v = A(x[c]);
-        if (v > m || std::isnan(v)) m = std::isnan(m) ? m : v;
-      }
+      // The maximum, NaN once a NaN is seen: std::max(m, NaN) would drop it, std::max(NaN, v)
+      // keeps it.
+      for (int64_t c = 0; c < C; ++c) m = std::isnan(A(x[c])) ? A(x[c]) : std::max(m, A(x[c]));
       A s, sum_x = 0;
       pairwise_cols<kTile>(0, C, One{}, &s, [&](int64_t c, int) { return std::exp(A(x[c]) - m); });
       if (eps != 0) pairwise_cols<kTile>(0, C, One{}, &sum_x, [&](int64_t c, int) { return A(x[c]); });
