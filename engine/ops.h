@@ -143,6 +143,13 @@ Tensor log_softmax(const Tensor& x, int dim);
 // bf16 language-model head, are read as they are and their gradient is written in their dtype).
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      double label_smoothing = 0.0);
+// cross_entropy(matmul(x, weight.t()), target, ...) for x (N, in) and weight (classes, in): a
+// classifier's output layer and its loss in one op, as a language model's head. In training
+// the logits' gradient is written over the logits by the loss kernel itself, so the (N,
+// classes) logits are read once and no second buffer of their size is made; the logits are
+// not returned. Under autocast the product runs in bf16/f16 with the loss accumulated in f32.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& target, int64_t ignore_index = -100,
+                            double label_smoothing = 0.0);
 
 // ---- indexing (ops/indexing.cpp) -----------------------------------------------
 // Rows of `x` along dim picked by i64 `index` (1-d).

@@ -64,6 +64,11 @@ struct GemmArgs {
   void* c = nullptr;
   int64_t ldc = 0, stride_c = 0;
   float alpha = 1.f, beta = 0.f;
+  // When set, alpha is read from here as the product runs instead (a scale that earlier
+  // kernels computed, with no wait for them on the host): one value on the product's device,
+  // f64 for f64 products and f32 for the others. Needs beta == 0 and no bias, epilogue or
+  // sums.
+  const void* alpha_ptr = nullptr;
   // Optional bias (n), C's dtype, added to every row after alpha and beta: C += bias
   // (a linear layer's y = x W^T + b in one pass; on CUDA a cuBLASLt epilogue).
   const void* bias = nullptr;
@@ -285,8 +290,13 @@ struct KernelTable {
   // type: f64 for f64 logits, f32 for the others.
   // A target outside [0, C) that is not ignore_index is a user error: the CPU kernel
   // throws; the CUDA kernel traps (the engine checks targets before calling where it can).
+  // grad_logits, when not null, also receives the gradient of the sum of the rows' losses,
+  // written as cross_entropy_backward writes it with grad_row = 1: a training step's loss
+  // then reads its logits once. It may be logits itself (each row is read whole before any
+  // of it is written).
   void (*cross_entropy)(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target,
-                        int64_t N, int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream);
+                        int64_t N, int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits,
+                        StreamHandle stream);
   // grad_logits[n, c] = grad_row[n] * (softmax(logits[n])[c] - (1 - eps) * [c == t] - eps / C),
   // zero on ignored rows. grad_row (N) and lse (from the forward) are in the accumulation type.
   void (*cross_entropy_backward)(void* grad_logits, const void* logits, const void* lse, const int64_t* target,

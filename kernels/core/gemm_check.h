@@ -19,6 +19,9 @@ inline void check_gemm_extras(const GemmArgs& g) {
                           (g.dtype == DType::bf16 || g.dtype == DType::f16)),
              "gemm: an f32 C needs a single bf16/f16 product without epilogue or sums");
   LOOM_CHECK(!g.c_in || single, "gemm: c_in needs a single product, got a batch of ", g.batch);
+  LOOM_CHECK(!g.alpha_ptr || (g.beta == 0.f && !g.bias && g.epilogue == GemmEpilogue::none && !g.column_sums &&
+                              !g.row_sums_a),
+             "gemm: alpha read from memory (alpha_ptr) needs beta == 0 and no bias, epilogue or sums");
 }
 
 }  // namespace loom

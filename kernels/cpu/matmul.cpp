@@ -78,7 +78,7 @@ void gemm_typed(const GemmArgs& g) {
   // b[p * b_ks + j * b_js].
   const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
   const int64_t b_ks = g.trans_b ? 1 : g.ldb, b_js = g.trans_b ? g.ldb : 1;
-  const A alpha = A(g.alpha), beta = A(g.beta);
+  const A alpha = g.alpha_ptr ? *static_cast<const A*>(g.alpha_ptr) : A(g.alpha), beta = A(g.beta);
   // Group small tasks so a tiny product is not spread over threads.
   const int64_t task_flops = std::min(g.m, kMC) * std::min(g.n, kNC) * std::max<int64_t>(g.k, 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / task_flops);

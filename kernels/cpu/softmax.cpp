@@ -95,9 +95,16 @@ bool ignored_row(const int64_t* target, int64_t n, int64_t C, int64_t ignore_ind
   return false;
 }
 
+// One row's gradient: g = gr (softmax(x) - (1 - eps) [c == t] - eps / C), lse = l. g may
+// be x itself: each value is read before it is written.
+template <class T, class A> void cross_entropy_row_grad(T* g, const T* x, A l, int64_t t, A gr, int64_t C, double eps) {
+  const A hit = A(1 - eps), spread = A(eps / double(C));
+  for (int64_t c = 0; c < C; ++c) g[c] = T(gr * (std::exp(A(x[c]) - l) - (c == t ? hit : A(0)) - spread));
+}
+
 template <class T>
 void cross_entropy_typed(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const int64_t* target, int64_t N, int64_t C,
-                         int64_t ignore_index, double eps) {
+                         int64_t ignore_index, double eps, T* grad) {
   using A = acc_t<T>;
   parallel_for(N, std::max<int64_t>(1, kWorkPerItem / C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
@@ -114,6 +121,10 @@ void cross_entropy_typed(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const i
       A l = m == -std::numeric_limits<A>::infinity() ? m : m + std::log(s);
       lse[n] = l;
       loss[n] = ignored ? A(0) : A(1 - eps) * (l - A(x[target[n]])) + A(eps) * (l - sum_x / A(C));
+      if (!grad) continue;
+      T* g = grad + n * C;
+      if (ignored) std::fill(g, g + C, T(0.f));
+      else cross_entropy_row_grad(g, x, l, target[n], A(1), C, eps);
     }
   });
 }
@@ -125,15 +136,8 @@ void cross_entropy_backward_typed(T* grad, const T* logits, const acc_t<T>* lse,
   parallel_for(N, std::max<int64_t>(1, kWorkPerItem / C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       T* g = grad + n * C;
-      if (ignored_row(target, n, C, ignore_index)) {
-        std::fill(g, g + C, T(0.f));
-        continue;
-      }
-      const T* x = logits + n * C;
-      const A gr = A(grad_row[n]), l = A(lse[n]), hit = A(1 - eps), spread = A(eps / double(C));
-      const int64_t t = target[n];
-      for (int64_t c = 0; c < C; ++c)
-        g[c] = T(gr * (std::exp(A(x[c]) - l) - (c == t ? hit : A(0)) - spread));
+      if (ignored_row(target, n, C, ignore_index)) std::fill(g, g + C, T(0.f));
+      else cross_entropy_row_grad(g, logits + n * C, A(lse[n]), target[n], A(grad_row[n]), C, eps);
     }
   });
 }
@@ -167,12 +171,13 @@ void softmax_backward(void* grad_in, const void* grad_out, const void* out, DTyp
 }
 
 void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
-                   int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream) {
+                   int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits, StreamHandle stream) {
   LOOM_CHECK(C > 0 || N == 0, "cross_entropy needs at least one class, got logits of shape (", N, ", 0)");
   dispatch_floating(dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    cross_entropy_typed(static_cast<A*>(loss), static_cast<A*>(lse), static_cast<const T*>(logits), target, N, C, ignore_index, label_smoothing);
+    cross_entropy_typed(static_cast<A*>(loss), static_cast<A*>(lse), static_cast<const T*>(logits), target, N, C,
+                        ignore_index, label_smoothing, static_cast<T*>(grad_logits));
   });
 }
 

@@ -7,7 +7,8 @@
 //
 // f32 runs on TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32), bf16 and f16 on tensor
 // cores with f32 accumulation and f32 alpha/beta, f64 in f64. With beta == 0 cuBLAS does
-// not read C, so NaNs there are ignored.
+// not read C, so NaNs there are ignored. An alpha in device memory (GemmArgs::alpha_ptr)
+// switches both scalars to device pointers, beta then read from a zero kept per device.
 //
 // One cuBLAS handle and one 32 MiB workspace per device are created on first use and
 // kept for the life of the process (destroying them at exit would race the CUDA
@@ -132,15 +133,17 @@ struct LtPlan {
   int count = 0;      // heuristic candidates; 0: cuBLASLt has none and the product takes cuBLAS's path
   int chosen = -1;    // the candidate in use; -1 until the first product picks one
 };
-// dtype, compute type, transposes, m, n, k, leading dims, beta != 0, epilogue, aux's leading
-// dim, and the alignment of A, B, C, bias (or sums) and aux.
-using LtKey = std::tuple<int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int64_t,
+// dtype, compute type, transposes, m, n, k, leading dims, scalars (beta != 0, alpha read
+// from memory), epilogue, aux's leading dim, and the alignment of A, B, C, bias (or sums)
+// and aux.
+using LtKey = std::tuple<int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int64_t,
                          uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 struct Blas {
   cublasHandle_t handle = nullptr;
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
+  void* zero = nullptr;  // 16 zero bytes on the device: beta (f32 or f64) beside an alpha in memory
   std::mutex mu;
   std::map<LtKey, LtPlan> plans;  // under mu; never freed (process lifetime, as the handle)
 };
@@ -157,6 +160,8 @@ Blas& blas_for_current_device() {
     LOOM_CUBLAS(cublasCreate(&b.handle));
     LOOM_CUBLAS(cublasLtCreate(&b.lt));
     LOOM_CUDA(cudaMalloc(&b.workspace, kWorkspaceBytes));
+    LOOM_CUDA(cudaMalloc(&b.zero, 16));
+    LOOM_CUDA(cudaMemset(b.zero, 0, 16));
     // The contract is f32 accumulation for bf16/f16: forbid split-K reductions in 16 bits.
     LOOM_CUBLAS(cublasSetMathMode(b.handle, CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
   });
@@ -201,7 +206,7 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
   const uint32_t align_a = alignment_of(g.b), align_b = alignment_of(g.a), align_c = alignment_of(g.c),
                  align_vec = alignment_of(lt_vector(g, epilogue)), align_aux = alignment_of(g.aux);
   const LtKey key{int(g.dtype) * 2 + int(g.c_f32), int(t.compute), g.trans_a, g.trans_b, m, n, k, lda, ldb, ldc,
-                  g.beta != 0.f, int(epilogue), g.aux ? g.ld_aux : 0, align_a, align_b,
+                  int(g.beta != 0.f) | (g.alpha_ptr ? 2 : 0), int(epilogue), g.aux ? g.ld_aux : 0, align_a, align_b,
                   std::min(align_c, alignment_of(g.c_in)), align_vec, align_aux};
   auto found = blas.plans.find(key);
   if (found != blas.plans.end()) return found->second;
@@ -212,6 +217,10 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
   const cublasOperation_t op_a = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  if (g.alpha_ptr) {  // alpha and beta both device pointers
+    const cublasLtPointerMode_t mode = CUBLASLT_POINTER_MODE_DEVICE;
+    LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof(mode)));
+  }
   if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
     LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
     if (lt_vector(g, epilogue)) {
@@ -296,10 +305,12 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
   LOOM_CHECK(!g.bias || g.batch == 1, "gemm: a bias needs a single product, got a batch of ", g.batch);
   check_gemm_extras(g);
   const Types t = types_for(g.dtype);
+  Blas& blas = blas_for_current_device();
   // Scalars live on the host (the default pointer mode): f64 takes double, the rest float.
+  // An alpha in device memory puts both on the device, beta from the zeros kept for it.
   const double alpha_d = g.alpha, beta_d = g.beta;
-  const void* alpha = g.dtype == DType::f64 ? static_cast<const void*>(&alpha_d) : &g.alpha;
-  const void* beta = g.dtype == DType::f64 ? static_cast<const void*>(&beta_d) : &g.beta;
+  const void* alpha = g.alpha_ptr ? g.alpha_ptr : g.dtype == DType::f64 ? static_cast<const void*>(&alpha_d) : &g.alpha;
+  const void* beta = g.alpha_ptr ? blas.zero : g.dtype == DType::f64 ? static_cast<const void*>(&beta_d) : &g.beta;
   const cublasOperation_t op_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   // cuBLAS rejects a leading dimension of 0 even where the matrix is empty (k == 0).
@@ -308,7 +319,6 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
   const int m = int(g.m), n = int(g.n), k = int(g.k);
   cudaStream_t s = as_cuda(stream);
 
-  Blas& blas = blas_for_current_device();
   std::lock_guard lock(blas.mu);
   if (g.batch == 1 && g.dtype != DType::f64 && k > 0) {
     LtPlan& plan = lt_plan(blas, g, t, m, n, k, lda, ldb, ldc);
@@ -332,6 +342,7 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
   }
   LOOM_CUBLAS(cublasSetStream(blas.handle, s));
   LOOM_CUBLAS(cublasSetWorkspace(blas.handle, blas.workspace, kWorkspaceBytes));
+  LOOM_CUBLAS(cublasSetPointerMode(blas.handle, g.alpha_ptr ? CUBLAS_POINTER_MODE_DEVICE : CUBLAS_POINTER_MODE_HOST));
   if (g.batch == 1) {
     LOOM_CUBLAS(cublasGemmEx(blas.handle, op_b, op_a, n, m, k, alpha, g.b, t.data, ldb, g.a, t.data, lda, beta, g.c,
                              c_type(g, t), ldc, t.compute, CUBLAS_GEMM_DEFAULT));

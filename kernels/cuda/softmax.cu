@@ -15,12 +15,15 @@
 // 16-bit logits the per-logit arithmetic decides whether the pass keeps up with memory: one
 // fmax, a subtraction, a multiply and one exp2 a logit forward, a subtraction, two
 // multiplies and one exp2 backward (the target's entry is corrected by one extra store,
-// not by a compare on every logit).
+// not by a compare on every logit). A training step's loss asks the forward for the
+// gradient too (grad_logits): the row's second pass then writes it, reading the row back
+// from L2, so the logits come from memory once instead of twice.
 // A target that is neither a class index nor ignore_index is a user error the engine
 // checks before the call where it can; here the kernel prints the row and target with
 // printf and executes __trap(), which aborts the kernel and leaves the CUDA context in an
 // error state (cudaErrorLaunchFailure on the next synchronising call). It never reads
 // logits[n, target] out of bounds.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
@@ -38,6 +41,7 @@ constexpr int kBlock = 512;     // threads per block when a block takes a row
 constexpr int kColThreads = 256;
 constexpr int64_t kWarpRowMax = 1024;
 constexpr int64_t kShortRow = 16;
+constexpr int kGradBlocksPerSm = 2;  // cross-entropy writing its gradient, a block per row
 
 template <class A> __device__ __forceinline__ A exp_acc(A x) {
   if constexpr (std::is_same_v<A, float>) return expf(x);
@@ -227,16 +231,69 @@ template <class A, int kN> __device__ __forceinline__ MaxSum<A> push_pack(MaxSum
   return a;
 }
 
+// Writes row `row`'s gradient g = gr (softmax(x) - (1 - eps) [c == t] - eps / C) with lse
+// = l, or zeros for an ignored row; xt = x[t], read by the caller before any of the row was
+// written, so that g may be x itself (each thread reads each of its values before writing
+// it, and the target's entry is corrected from xt).
+template <class T, int kGroup>
+__device__ __forceinline__ void write_row_grad(T* g, const T* x, bool ignored, acc_t<T> l, int64_t t, T xt,
+                                               acc_t<T> gr, int64_t C, double eps, bool packed, int lane) {
+  using A = acc_t<T>;
+  constexpr int P = kPack<T>;
+  if (ignored) {  // no gradient, whatever the logits
+    if (packed)
+      for (int64_t i = lane; i < C / P; i += kGroup) store<T, P>(g + i * P, Pack<T, P>{});
+    else
+      for (int64_t c = lane; c < C; c += kGroup) g[c] = from_acc<T>(A(0));
+    return;
+  }
+  const A spread = A(eps / double(C));
+  // softmax = 2^((x - lse) log2(e)): x - lse is exact near the row's maximum at any
+  // magnitude, then one multiply and one exp2. The target's own entry, which also loses
+  // 1 - eps, is written again below.
+  auto softmax = [&](T xc) { return exp2_acc((to_acc(xc) - l) * kLog2e<A>); };
+  auto value = [&](T xc) { return from_acc<T>(gr * (softmax(xc) - spread)); };
+  if (packed) {
+    auto write_pack = [&](int64_t i, const Pack<T, P>& pk) {
+      Pack<T, P> out;
+#pragma unroll
+      for (int j = 0; j < P; ++j) out.v[j] = value(pk.v[j]);
+      store<T, P>(g + i * P, out);
+    };
+    const int64_t packs = C / P;
+    int64_t i = lane;
+    for (; i + (kAhead - 1) * kGroup < packs; i += kAhead * kGroup) {  // as the forward: loads ahead
+      Pack<T, P> pk[kAhead];
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k) pk[k] = load<T, P>(x + (i + k * kGroup) * P);
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k) write_pack(i + k * kGroup, pk[k]);
+    }
+    for (; i < packs; i += kGroup) write_pack(i, load<T, P>(x + i * P));
+  } else {
+    for (int64_t c = lane; c < C; c += kGroup) g[c] = value(x[c]);
+  }
+  // The thread that wrote the target's entry overwrites it: its own later store, so no
+  // other thread's ordering matters.
+  if ((packed ? t / P : t) % kGroup == lane) g[t] = from_acc<T>(gr * (softmax(xt) - A(1 - eps) - spread));
+}
+
+// Per row: lse and the loss; with grad (not null), also the row's gradient for grad_row = 1,
+// from a second pass over the row (the block's rows in flight are few enough that it reads
+// them from L2, not memory).
 template <class T, int kGroup, int kThreads>
 __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss, acc_t<T>* lse, const T* logits,
                                                                  const int64_t* target, int64_t N, int64_t C,
-                                                                 int64_t ignore_index, double eps, bool packed) {
+                                                                 int64_t ignore_index, double eps, bool packed,
+                                                                 T* grad) {
   using A = acc_t<T>;
   constexpr int P = kPack<T>;
   const int lane = threadIdx.x % kGroup;
   for (int64_t row = first_row<kGroup, kThreads>(); row < N; row += row_step<kGroup, kThreads>()) {
     const bool ignored = ignored_row(target, row, C, ignore_index, lane);
     const T* x = logits + row * C;
+    const int64_t t = ignored ? 0 : target[row];
+    const T xt = x[t];  // before the reduction below, which orders it before any write of the row
     CeState<A> st{{neg_inf<A>(), A(0)}, A(0)};
     if (packed) {
       // kAhead packs are loaded before any is used, so each thread keeps that many loads in
@@ -273,15 +330,17 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss,
         st.sum += v;
       }
     }
-    st = group_reduce<kGroup>(st, CeMerge{});
+    st = group_reduce<kGroup>(st, CeMerge{});  // a block's reduction synchronises the block
+    if constexpr (kGroup == 32) __syncwarp();  // the shuffles alone do not order memory
+    const A l = st.ms.m + log_acc(st.ms.s);
     if (lane == 0) {
-      const A l = st.ms.m + log_acc(st.ms.s);
       lse[row] = l;
       // Without label smoothing the mean of the logits takes no part (it is -inf in a row
       // with a masked logit, and 0 * inf would make the loss NaN).
       const A smooth = eps != 0 ? A(eps) * (l - st.sum / A(C)) : A(0);
-      loss[row] = ignored ? A(0) : A(1 - eps) * (l - to_acc(x[target[row]])) + smooth;
+      loss[row] = ignored ? A(0) : A(1 - eps) * (l - to_acc(xt)) + smooth;
     }
+    if (grad) write_row_grad<T, kGroup>(grad + row * C, x, ignored, l, t, xt, A(1), C, eps, packed, lane);
   }
 }
 
@@ -291,49 +350,13 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(T* gra
                                                                           int64_t N, int64_t C, int64_t ignore_index,
                                                                           double eps, bool packed) {
   using A = acc_t<T>;
-  constexpr int P = kPack<T>;
   const int lane = threadIdx.x % kGroup;
   for (int64_t row = first_row<kGroup, kThreads>(); row < N; row += row_step<kGroup, kThreads>()) {
-    T* g = grad + row * C;
     const T* x = logits + row * C;
-    if (ignored_row(target, row, C, ignore_index, lane)) {  // no gradient, whatever the logits
-      if (packed)
-        for (int64_t i = lane; i < C / P; i += kGroup) store<T, P>(g + i * P, Pack<T, P>{});
-      else
-        for (int64_t c = lane; c < C; c += kGroup) g[c] = from_acc<T>(A(0));
-      continue;
-    }
-    const A gr = A(grad_row[row]), l = A(lse[row]), spread = A(eps / double(C));
-    // grad = gr (softmax - spread), softmax = 2^((x - lse) log2(e)): x - lse is exact near
-    // the row's maximum at any magnitude, then one multiply and one exp2. The target's own
-    // entry, which also loses 1 - eps, is written again below.
-    auto softmax = [&](T xc) { return exp2_acc((to_acc(xc) - l) * kLog2e<A>); };
-    auto value = [&](T xc) { return from_acc<T>(gr * (softmax(xc) - spread)); };
-    if (packed) {
-      auto write_pack = [&](int64_t i, const Pack<T, P>& pk) {
-        Pack<T, P> out;
-#pragma unroll
-        for (int j = 0; j < P; ++j) out.v[j] = value(pk.v[j]);
-        store<T, P>(g + i * P, out);
-      };
-      const int64_t packs = C / P;
-      int64_t i = lane;
-      for (; i + (kAhead - 1) * kGroup < packs; i += kAhead * kGroup) {  // as the forward: loads ahead
-        Pack<T, P> pk[kAhead];
-#pragma unroll
-        for (int k = 0; k < kAhead; ++k) pk[k] = load<T, P>(x + (i + k * kGroup) * P);
-#pragma unroll
-        for (int k = 0; k < kAhead; ++k) write_pack(i + k * kGroup, pk[k]);
-      }
-      for (; i < packs; i += kGroup) write_pack(i, load<T, P>(x + i * P));
-    } else {
-      for (int64_t c = lane; c < C; c += kGroup) g[c] = value(x[c]);
-    }
-    // The thread that wrote the target's entry overwrites it: its own later store, so no
-    // other thread's ordering matters.
-    const int64_t t = target[row];
-    if ((packed ? t / P : t) % kGroup == lane)
-      g[t] = from_acc<T>(gr * (softmax(x[t]) - A(1 - eps) - spread));
+    const bool ignored = ignored_row(target, row, C, ignore_index, lane);
+    const int64_t t = ignored ? 0 : target[row];
+    write_row_grad<T, kGroup>(grad + row * C, x, ignored, A(lse[row]), t, x[t], A(grad_row[row]), C, eps, packed,
+                              lane);
   }
 }
 
@@ -390,16 +413,20 @@ void softmax_backward(void* grad_in, const void* grad_out, const void* out, DTyp
 }
 
 void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
-                   int64_t C, int64_t ignore_index, double label_smoothing, StreamHandle stream) {
+                   int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits, StreamHandle stream) {
   LOOM_CHECK(C > 0 || N == 0, "cross_entropy needs at least one class, got logits of shape (", N, ", 0)");
   if (N == 0) return;
   dispatch_floating(dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     launch_rows(C, [&](auto group, auto threads) {
       constexpr int G = decltype(group)::value, kN = decltype(threads)::value;
-      cross_entropy_kernel<T, G, kN><<<blocks_for(N, kN / G), kN, 0, as_cuda(stream)>>>(
+      // Writing the gradient, a block per row re-reads its row from L2: at most
+      // kGradBlocksPerSm rows in flight an SM keep every row there until its second pass.
+      unsigned grid = blocks_for(N, kN / G);
+      if (grad_logits && G == kN) grid = std::min<unsigned>(grid, unsigned(sm_count() * kGradBlocksPerSm));
+      cross_entropy_kernel<T, G, kN><<<grid, kN, 0, as_cuda(stream)>>>(
           static_cast<acc_t<T>*>(loss), static_cast<acc_t<T>*>(lse), static_cast<const T*>(logits), target, N, C,
-          ignore_index, label_smoothing, packable<T>(C, logits));
+          ignore_index, label_smoothing, packable<T>(C, logits, grad_logits), static_cast<T*>(grad_logits));
     });
   });
 }

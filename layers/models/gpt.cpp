@@ -92,7 +92,7 @@ GPT::GPT(GPTConfig config) : config_(config) {
   register_module("lm_head", std::make_shared<Container>())->register_parameter("weight", lm_head);
 }
 
-Tensor GPT::forward(const Tensor& ids) {
+Tensor GPT::hidden(const Tensor& ids) {
   LOOM_CHECK(ids.dim() == 2 && ids.dtype() == DType::i64, "GPT: expected token ids (B, T) of i64, got ",
              shape_str(ids.shape()), " ", dtype_name(ids.dtype()));
   const int64_t T = ids.size(1);
@@ -104,15 +104,19 @@ Tensor GPT::forward(const Tensor& ids) {
   for (const auto& block : blocks)
     x = recomputing ? recompute([block](const TensorList& in) { return block->forward(in[0]); }, {x})
                     : block->forward(x);
-  return matmul(ln_f->forward_for_product(x), lm_head.t());
+  return ln_f->forward_for_product(x);
 }
 
+Tensor GPT::forward(const Tensor& ids) { return matmul(hidden(ids), lm_head.t()); }
+
 Tensor GPT::loss(const Tensor& ids, const Tensor& targets) {
-  Tensor logits = forward(ids);
-  const int64_t N = logits.size(0) * logits.size(1), V = logits.size(2);
-  // Under autocast the logits stay bf16: the fused loss reads them as they are (accumulating
-  // in f32) and writes their gradient in bf16, with no f32 copy of the (B T, V) logits.
-  return cross_entropy(logits.reshape({N, V}), targets.reshape({N}));
+  Tensor h = hidden(ids);
+  LOOM_CHECK(targets.numel() == ids.numel(), "GPT: targets of shape ", shape_str(targets.shape()),
+             " do not match token ids of shape ", shape_str(ids.shape()), " (one target a token)");
+  // The output layer and the loss as one op: under autocast the bf16 logits are read once,
+  // accumulating in f32, and their gradient is written over them (no f32 copy, no second
+  // (B T, vocab) buffer).
+  return linear_cross_entropy(h.reshape({-1, h.size(-1)}), lm_head, targets.reshape({-1}));
 }
 
 }  // namespace loom::nn

@@ -71,6 +71,9 @@ class GPT : public Module {
   Tensor lm_head;  // the token embedding's weight, tied
 
  private:
+  // The final LayerNorm's output (B, T, width) for token ids (B, T), in the dtype the output
+  // layer's product reads.
+  Tensor hidden(const Tensor& ids);
   GPTConfig config_;
 };
 

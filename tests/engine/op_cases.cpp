@@ -112,6 +112,12 @@ const std::vector<OpCase>& op_cases() {
        [](L x) { return cross_entropy(x[0], ids({1, 0, 4, 2}, {4}, x[0].device())); }},
       {"cross_entropy_ignore_smooth", {{{4, 5}}},
        [](L x) { return cross_entropy(x[0], ids({1, -100, 4, 3}, {4}, x[0].device()), -100, 0.1); }},
+      {"linear_cross_entropy", {{{4, 3}}, {{5, 3}}},
+       [](L x) { return linear_cross_entropy(x[0], x[1], ids({1, 0, 4, 2}, {4}, x[0].device())); }},
+      {"linear_cross_entropy_ignore_smooth", {{{4, 3}}, {{5, 3}}},
+       [](L x) { return linear_cross_entropy(x[0], x[1], ids({1, -100, 4, 3}, {4}, x[0].device()), -100, 0.1); }},
+      {"linear_cross_entropy_transposed_x", {{{3, 4}}, {{5, 3}}},
+       [](L x) { return linear_cross_entropy(x[0].t(), x[1], ids({4, 4, 0, 2}, {4}, x[0].device())); }},
       // ---- attention: the CPU kernel's f64 gradients; on CUDA, D = 32 in bf16/f16 takes
       // the tensor-core kernels and the others the rows kernels -------------------------
       {"sdpa", {{{1, 2, 5, 4}}, {{1, 2, 5, 4}}, {{1, 2, 5, 4}}},

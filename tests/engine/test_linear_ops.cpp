@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "tests/common/tensor_checks.h"
@@ -94,6 +95,62 @@ TEST(LinearOps, InputWithoutGradientStillGivesParameterGradients) {
       run([&] { return composite_linear(gelu(composite_linear(x, w1, b1)), w2, b2); }, up, {w1, b1, w2, b2});
   for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "output/grad " + std::to_string(i));
   EXPECT_FALSE(x.grad().defined());
+}
+
+// The classifier's loss against cross_entropy of matmul: the loss and both gradients, with
+// ignored rows, label smoothing and an upstream gradient other than 1; then with only the
+// weight wanting a gradient, and with neither (no gradient written over the logits).
+TEST(LinearOps, LinearCrossEntropyMatchesCompositeWithGradients) {
+  manual_seed(8);
+  Tensor x = randn({6, 5}, DType::f64).set_requires_grad(), w = randn({7, 5}, DType::f64).set_requires_grad();
+  Tensor target = from_vector(std::vector<int64_t>{3, -100, 0, 6, 6, 1}, {6});
+  for (double eps : {0.0, 0.2}) {
+    SCOPED_TRACE("label_smoothing " + std::to_string(eps));
+    const Tensor up = full({}, 1.75, DType::f64);
+    TensorList fused = run([&] { return linear_cross_entropy(x, w, target, -100, eps); }, up, {x, w});
+    TensorList plain = run([&] { return cross_entropy(matmul(x, w.t()), target, -100, eps); }, up, {x, w});
+    for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "loss/grad " + std::to_string(i));
+  }
+  Tensor frozen = x.detach();
+  TensorList fused = run([&] { return linear_cross_entropy(frozen, w, target); }, ones({}, DType::f64), {w});
+  TensorList plain = run([&] { return cross_entropy(matmul(frozen, w.t()), target); }, ones({}, DType::f64), {w});
+  expect_all_close(fused[1], plain[1], 1e-12, "weight grad, x frozen");
+  NoGradGuard no_grad;
+  expect_all_close(linear_cross_entropy(x, w, target), cross_entropy(matmul(x, w.t()), target), 1e-12, "no grad");
+}
+
+// Under bf16 autocast the f32 weight's gradient comes from the product in f32 (no bf16
+// rounding of it): f32 gradients for f32 leaves, close to the composite's to bf16 rounding,
+// and to the f64 loss's gradient.
+TEST(LinearOps, LinearCrossEntropyUnderAutocastGivesF32Gradients) {
+  manual_seed(9);
+  Tensor x = randn({16, 8}).set_requires_grad(), w = randn({11, 8}).set_requires_grad();
+  Tensor target = from_vector(std::vector<int64_t>{3, -100, 0, 6, 10, 1, 2, 2, 9, 4, 5, 7, 8, 0, 1, 3}, {16});
+  const Tensor up = ones({});
+  TensorList fused, plain;
+  {
+    AutocastGuard guard(DType::bf16);
+    fused = run([&] { return linear_cross_entropy(x, w, target); }, up, {x, w});
+    plain = run([&] { return cross_entropy(matmul(x, w.t()), target); }, up, {x, w});
+  }
+  Tensor x64 = x.detach().to(DType::f64).set_requires_grad(), w64 = w.detach().to(DType::f64).set_requires_grad();
+  TensorList exact = run([&] { return cross_entropy(matmul(x64, w64.t()), target); }, ones({}, DType::f64), {x64, w64});
+  for (size_t i = 0; i < fused.size(); ++i) {
+    EXPECT_EQ(fused[i].dtype(), DType::f32) << "loss/grad " << i;
+    expect_all_close(fused[i], plain[i], 2e-2, "against the composite, loss/grad " + std::to_string(i));
+    expect_all_close(fused[i], exact[i].to(DType::f32), 3e-2, "against f64, loss/grad " + std::to_string(i));
+  }
+}
+
+TEST(LinearOps, LinearCrossEntropyNamesBadArguments) {
+  Tensor x = randn({4, 3}), w = randn({5, 3}), t = from_vector(std::vector<int64_t>{0, 1, 2, 3}, {4});
+  expect_error([&] { linear_cross_entropy(x, randn({5, 2}), t); }, "weight of shape (5, 2) does not match x");
+  expect_error([&] { linear_cross_entropy(randn({2, 2, 3}), w, t); }, "expects x of shape (N, in)");
+  expect_error([&] { linear_cross_entropy(x, w, from_vector(std::vector<int64_t>{0, 1}, {2})); },
+               "target of shape (2,) does not match x of shape (4, 3)");
+  expect_error([&] { linear_cross_entropy(x, w, t, -100, 1.0); }, "label_smoothing must be in [0, 1)");
+  expect_error([&] { linear_cross_entropy(x, w, from_vector(std::vector<int64_t>{0, 1, 5, 3}, {4})); },
+               "target 5 in row 2");
 }
 
 TEST(LinearOps, MismatchedShapesNameTheArgument) {

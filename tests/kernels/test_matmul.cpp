@@ -22,6 +22,7 @@ struct GemmCase {
   float alpha = 1.f, beta = 0.f;
   bool broadcast_a = false, broadcast_b = false;
   int64_t pad = 0;  // extra elements on every leading dimension
+  bool alpha_in_memory = false;  // alpha given through alpha_ptr (beta must be 0)
 };
 
 const std::vector<GemmCase>& cases() {
@@ -42,6 +43,8 @@ const std::vector<GemmCase>& cases() {
       {"batch_broadcast_a", 5, 9, 7, 3, false, true, 1.f, 0.f, true, false},
       {"batch_broadcast_b", 17, 10, 33, 3, true, false, 1.f, 0.5f, false, true},
       {"k_zero", 4, 5, 0, 1, false, false, 1.f, 3.f},
+      {"alpha_in_memory", 33, 20, 40, 1, true, false, 0.375f, 0.f, false, false, 0, true},
+      {"alpha_in_memory_batch", 5, 9, 7, 3, false, true, -2.5f, 0.f, false, false, 0, true},
   };
   return table;
 }
@@ -91,6 +94,9 @@ void check_case(const GemmCase& cs, double tol) {
   g.b = b.data(), g.ldb = ldb, g.stride_b = stride_b;
   g.c = c.data(), g.ldc = ldc, g.stride_c = stride_c;
   g.alpha = cs.alpha, g.beta = cs.beta;
+  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;  // alpha_ptr's type
+  const A alpha_value = A(cs.alpha);
+  if (cs.alpha_in_memory) g.alpha = 0.f, g.alpha_ptr = &alpha_value;  // the field's value must not be used
   cpu::gemm(g, nullptr);
 
   for (int64_t bi = 0; bi < cs.batch; ++bi)

@@ -30,6 +30,7 @@ struct GemmCase {
   float alpha = 1.f, beta = 0.f;
   bool broadcast_a = false, broadcast_b = false;
   int64_t pad = 0;  // extra elements on every leading dimension
+  bool alpha_in_memory = false;  // alpha given through alpha_ptr (beta must be 0)
 };
 
 const std::vector<GemmCase>& cases() {
@@ -48,6 +49,9 @@ const std::vector<GemmCase>& cases() {
       {"batch_broadcast_a", 64, 48, 32, 3, false, true, 1.f, 0.f, true, false},
       {"batch_broadcast_b", 17, 10, 33, 3, true, false, 1.f, 0.5f, false, true},
       {"k_zero", 4, 5, 0, 2, false, false, 1.f, 3.f},
+      {"alpha_in_memory", 33, 20, 40, 1, true, false, 0.375f, 0.f, false, false, 0, true},
+      {"alpha_in_memory_batch", 5, 9, 7, 3, false, true, -2.5f, 0.f, false, false, 0, true},
+      {"alpha_in_memory_k_zero", 4, 5, 0, 1, false, false, 2.f, 0.f, false, false, 0, true},
   };
   return table;
 }
@@ -105,6 +109,10 @@ void check_case(const GemmCase& cs, double tol) {
   sg.alpha = std::abs(cs.alpha), sg.beta = cs.beta == 0 ? 0.f : 1.f;
   cpu::gemm(sg, nullptr);
 
+  // alpha through alpha_ptr: a device scalar of the accumulation type, the field set wrong.
+  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  DeviceBuffer<A> d_alpha(std::vector<A>{A(cs.alpha)});
+  if (cs.alpha_in_memory) g.alpha = 0.f, g.alpha_ptr = d_alpha.get();
   DeviceBuffer<T> da(a), db(b), dc(c0);
   g.a = da.get(), g.b = db.get(), g.c = dc.get();
   cuda::gemm(g, nullptr);

@@ -204,13 +204,13 @@ TEST(CrossEntropyCuda, ForwardMatchesCpu) {
         const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
         std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
         cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
-                                         nullptr);
+                                         nullptr, nullptr);
         auto loss = decode(loss_b, acc), lse = decode(lse_b, acc);
         DeviceBuffer<uint8_t> d_x(x);
         DeviceBuffer<int64_t> d_t(t);
         DeviceBuffer<uint8_t> d_loss(loss_b.size()), d_lse(lse_b.size());
         cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps,
-                                          nullptr);
+                                          nullptr, nullptr);
         const double rel = dt == DType::f64 ? 1e-9 : rtol(DType::f32);
         auto got_loss = decode(d_loss.to_host(), acc), got_lse = decode(d_lse.to_host(), acc);
         for (int64_t n = 0; n < c.N; ++n) {
@@ -240,7 +240,7 @@ TEST(CrossEntropyCuda, BackwardMatchesCpu) {
         auto grad_row_b = encode(random_values(c.N, seed++, 0.5, 1.5), acc);
         std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
         cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
-                                         nullptr);
+                                         nullptr, nullptr);
         auto grad_row = decode(grad_row_b, acc), lse = decode(lse_b, acc);
         std::vector<uint8_t> cpu_g(x.size());
         cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse_b.data(), t.data(), grad_row_b.data(),
@@ -256,6 +256,57 @@ TEST(CrossEntropyCuda, BackwardMatchesCpu) {
           for (int64_t k = 0; k < c.C; ++k)
             scale[n * c.C + k] = grad_row[n] * (std::exp(xd[n * c.C + k] - lse[n]) + (k == t[n]) + eps / double(c.C));
         expect_close(decode(d_g.to_host(), dt), decode(cpu_g, dt), scale, dt);
+      }
+}
+
+// Equal bytes, else the first element (of elem bytes) that differs.
+void expect_same_bytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, size_t elem,
+                       const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t k = 0; k < got.size(); ++k)
+    if (got[k] != want[k]) {
+      ADD_FAILURE() << what << ": element " << k / elem << " differs";
+      return;
+    }
+}
+
+// The forward asked for the gradient: the loss and lse it gives without, and the gradient
+// the backward writes with grad_row = 1, bit for bit, into a buffer of its own or over the
+// logits. Beyond kCeCases, 600 rows of 2056 are more rows than the grid has blocks.
+TEST(CrossEntropyCuda, ForwardWritesTheBackwardsGradientOfUnitRows) {
+  LOOM_REQUIRE_CUDA();
+  std::vector<CeCase> cases(std::begin(kCeCases), std::end(kCeCases));
+  cases.push_back({600, 2056});
+  uint32_t seed = 700;
+  for (CeCase c : cases)
+    for (DType dt : kDtypes)
+      for (double eps : {0.0, 0.1}) {
+        SCOPED_TRACE((Shape{c.N, c.C, 1}.str()) + " " + std::string(dtype_name(dt)) + " label_smoothing " +
+                     std::to_string(eps));
+        auto x = encode(random_values(c.N * c.C, seed++, -4, 4), dt);
+        auto t = random_targets(c.N, c.C, seed++);
+        const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
+        const size_t row_bytes = size_t(c.N) * dtype_size(acc);
+        DeviceBuffer<uint8_t> d_x(x), d_in_place(x), d_ones(encode(std::vector<double>(size_t(c.N), 1.0), acc));
+        DeviceBuffer<int64_t> d_t(t);
+        DeviceBuffer<uint8_t> d_loss(row_bytes), d_lse(row_bytes), d_loss_g(row_bytes), d_lse_g(row_bytes),
+            d_loss_i(row_bytes), d_lse_i(row_bytes), d_want(x.size()), d_grad(x.size());
+        const auto& cuda = cuda_kernel_table();
+        cuda.cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, nullptr, nullptr);
+        cuda.cross_entropy_backward(d_want.get(), d_x.get(), d_lse.get(), d_t.get(), d_ones.get(), dt, c.N, c.C, -100,
+                                    eps, nullptr);
+        cuda.cross_entropy(d_loss_g.get(), d_lse_g.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, d_grad.get(),
+                           nullptr);
+        cuda.cross_entropy(d_loss_i.get(), d_lse_i.get(), d_in_place.get(), dt, d_t.get(), c.N, c.C, -100, eps,
+                           d_in_place.get(), nullptr);
+        const size_t elem = dtype_size(dt), acc_elem = dtype_size(acc);
+        const auto loss = d_loss.to_host(), lse = d_lse.to_host(), want = d_want.to_host();
+        expect_same_bytes(d_loss_g.to_host(), loss, acc_elem, "loss");
+        expect_same_bytes(d_lse_g.to_host(), lse, acc_elem, "lse");
+        expect_same_bytes(d_grad.to_host(), want, elem, "gradient");
+        expect_same_bytes(d_loss_i.to_host(), loss, acc_elem, "loss, in place");
+        expect_same_bytes(d_lse_i.to_host(), lse, acc_elem, "lse, in place");
+        expect_same_bytes(d_in_place.to_host(), want, elem, "gradient, in place");
       }
 }
 
@@ -276,12 +327,14 @@ TEST(CrossEntropyCuda, MaskedAndHugeLogitsMatchCpu) {
       const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
       auto grad_row_b = encode(std::vector<double>(5, 1.0), acc);
       std::vector<uint8_t> loss_b(5 * dtype_size(acc)), lse_b(5 * dtype_size(acc)), cpu_g(x.size());
-      cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), 5, R, -100, 0.0, nullptr);
+      cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), 5, R, -100, 0.0, nullptr,
+                                       nullptr);
       cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse_b.data(), t.data(), grad_row_b.data(), dt,
                                                 5, R, -100, 0.0, nullptr);
       DeviceBuffer<uint8_t> d_x(x), d_g(x.size()), d_loss(loss_b.size()), d_lse(lse_b.size()), d_gr(grad_row_b);
       DeviceBuffer<int64_t> d_t(t);
-      cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), 5, R, -100, 0.0, nullptr);
+      cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), 5, R, -100, 0.0, nullptr,
+                                        nullptr);
       cuda_kernel_table().cross_entropy_backward(d_g.get(), d_x.get(), d_lse.get(), d_t.get(), d_gr.get(), dt, 5, R,
                                                  -100, 0.0, nullptr);
       auto loss = decode(loss_b, acc), lse = decode(lse_b, acc), got_loss = decode(d_loss.to_host(), acc),
@@ -303,6 +356,12 @@ TEST(CrossEntropyCuda, MaskedAndHugeLogitsMatchCpu) {
         if (!near(got[k], want[k], tol))
           ++bad, ADD_FAILURE() << "row " << k / R << ", element " << k % R << ": cuda " << got[k] << ", cpu " << want[k];
       }
+      // The forward writing the gradient over the logits: the backward's values, bit for bit.
+      DeviceBuffer<uint8_t> d_fused(x), d_loss_f(loss_b.size()), d_lse_f(lse_b.size());
+      cuda_kernel_table().cross_entropy(d_loss_f.get(), d_lse_f.get(), d_fused.get(), dt, d_t.get(), 5, R, -100, 0.0,
+                                        d_fused.get(), nullptr);
+      expect_same_bytes(d_fused.to_host(), d_g.to_host(), dtype_size(dt), "gradient written by the forward");
+      expect_same_bytes(d_loss_f.to_host(), d_loss.to_host(), dtype_size(acc), "loss beside the gradient");
     }
 }
 
