@@ -160,6 +160,10 @@ Tensor gather(const Tensor& x, int dim, const Tensor& index);
 Tensor scatter_add(const Tensor& x, int dim, const Tensor& index, const Tensor& src);
 // Rows of weight (V, D) for each i64 id in `ids` (any shape): output ids.shape + (D).
 Tensor embedding(const Tensor& weight, const Tensor& ids);
+// A GPT's input: embedding(wte, ids) + wpe[:T] for token ids (B, T), wte (vocabulary, dim)
+// and wpe (positions >= T, dim) of one floating dtype, in one pass; backward writes wpe's
+// gradient (the sum over the batch) and adds the rows into wte's in one pass too.
+Tensor token_position_embedding(const Tensor& wte, const Tensor& wpe, const Tensor& ids);
 
 // ---- operators ------------------------------------------------------------------
 inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }

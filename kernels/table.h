@@ -318,6 +318,17 @@ struct KernelTable {
   // scatter_add: out (outer, R, inner)[o, index[o, j, i], i] += src (outer, J, inner)[o, j, i]
   void (*scatter_add)(void* out, const void* src, const int64_t* index, int64_t J, DType dtype, int64_t outer,
                       int64_t R, int64_t inner, StreamHandle stream);
+  // Token and position embeddings summed, a GPT's input: for ids (B, T) i64,
+  //   out (B, T, C)[b, t] = wte (V, C)[ids[b, t]] + wpe (>= T, C)[t]
+  // (floating dtype, all contiguous). An id outside [0, V) is a user error: the CPU kernel
+  // throws before writing; the CUDA kernel traps.
+  void (*embedding_sum)(void* out, const void* wte, const void* wpe, const int64_t* ids, int64_t B, int64_t T,
+                        int64_t C, int64_t V, DType dtype, StreamHandle stream);
+  // Its gradient from grad (B, T, C): d_wte[ids[b, t]] += grad[b, t] (d_wte (V, C) holds what
+  // to add to, zeros for a fresh gradient; atomic on CUDA) and d_wpe[t] = sum_b grad[b, t]
+  // for t < T (its later rows untouched). Either output may be null.
+  void (*embedding_sum_backward)(void* d_wte, void* d_wpe, const void* grad, const int64_t* ids, int64_t B,
+                                 int64_t T, int64_t C, int64_t V, DType dtype, StreamHandle stream);
 
   // Counter-based random numbers (Philox4x32-10): element i of the contiguous `out`
   // takes word (i % 4) of the Philox block for counter (offset + i / 4) and key seed, so

@@ -117,4 +117,45 @@ Tensor scatter_add(const Tensor& x0, int dim, const Tensor& index0, const Tensor
   return out;
 }
 
+Tensor token_position_embedding(const Tensor& wte0, const Tensor& wpe0, const Tensor& ids0) {
+  const char* op = "token_position_embedding";
+  ops::check_defined(wte0, op, "wte");
+  ops::check_defined(wpe0, op, "wpe");
+  ops::check_same_device(wte0, wpe0, op);
+  ops::check_floating(wte0, op);
+  LOOM_CHECK(wte0.dim() == 2 && wpe0.dim() == 2 && wte0.size(1) == wpe0.size(1), op,
+             ": wte (vocabulary, dim) and wpe (positions, dim) must share dim, got ", shape_str(wte0.shape()), " and ",
+             shape_str(wpe0.shape()));
+  LOOM_CHECK(wte0.dtype() == wpe0.dtype(), op, ": wte is ", dtype_name(wte0.dtype()), " but wpe is ",
+             dtype_name(wpe0.dtype()), ": give both the same dtype");
+  Tensor ids = as_index(ids0, wte0, op);
+  LOOM_CHECK(ids.dim() == 2, op, ": expected token ids (B, T), got shape ", shape_str(ids.shape()));
+  const int64_t B = ids.size(0), T = ids.size(1), C = wte0.size(1), V = wte0.size(0);
+  LOOM_CHECK(T <= wpe0.size(0), op, ": a sequence of ", T, " tokens is longer than the ", wpe0.size(0),
+             " positions of wpe");
+  Tensor wte = wte0.contiguous(), wpe = wpe0.contiguous();
+  const Device dev = wte.device();
+  Tensor out = Tensor::empty({B, T, C}, wte.dtype(), dev);
+  kernels(dev).embedding_sum(out.data_ptr(), wte.data_ptr(), wpe.data_ptr(), ids.data<int64_t>(), B, T, C, V,
+                             wte.dtype(), ops::stream(wte));
+  if (any_requires_grad({wte, wpe})) {
+    const bool need_wte = wte.requires_grad(), need_wpe = wpe.requires_grad();
+    const Shape wte_shape = wte.shape(), wpe_shape = wpe.shape();
+    const DType dtype = wte.dtype();
+    record(op, {wte, wpe}, {out}, [ids, B, T, C, V, need_wte, need_wpe, wte_shape, wpe_shape, dtype](const TensorList& g) {
+      Tensor go = g[0].to(dtype).contiguous();
+      const Device d = go.device();
+      // The token rows are added into zeros; the position rows are written (zeros past T).
+      Tensor d_wte = need_wte ? zeros(wte_shape, go.dtype(), d) : Tensor();
+      Tensor d_wpe = need_wpe ? (wpe_shape[0] == T ? Tensor::empty(wpe_shape, go.dtype(), d)
+                                                   : zeros(wpe_shape, go.dtype(), d))
+                              : Tensor();
+      kernels(d).embedding_sum_backward(ops::ptr_or_null(d_wte), ops::ptr_or_null(d_wpe), go.data_ptr(),
+                                        ids.data<int64_t>(), B, T, C, V, go.dtype(), ops::stream(go));
+      return TensorList{d_wte, d_wpe};
+    });
+  }
+  return out;
+}
+
 }  // namespace loom

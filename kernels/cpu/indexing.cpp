@@ -125,4 +125,50 @@ void scatter_add(void* out, const void* src, const int64_t* index, int64_t J, DT
   });
 }
 
+void embedding_sum(void* out, const void* wte, const void* wpe, const int64_t* ids, int64_t B, int64_t T, int64_t C,
+                   int64_t V, DType dtype, StreamHandle) {
+  check_indices("embedding", ids, 1, B * T, 1, V);
+  dispatch_floating(dtype, "embedding", [&](auto tag) {
+    using T_ = decltype(tag);
+    using A = acc_t<T_>;
+    const T_* tok = static_cast<const T_*>(wte);
+    const T_* pos = static_cast<const T_*>(wpe);
+    T_* y = static_cast<T_*>(out);
+    parallel_for(B * T, grain_for(C), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T_* a = tok + ids[r] * C;
+        const T_* b = pos + r % T * C;
+        for (int64_t c = 0; c < C; ++c) y[r * C + c] = T_(A(a[c]) + A(b[c]));
+      }
+    });
+  });
+}
+
+void embedding_sum_backward(void* d_wte, void* d_wpe, const void* grad, const int64_t* ids, int64_t B, int64_t T,
+                            int64_t C, int64_t V, DType dtype, StreamHandle) {
+  if (d_wte) check_indices("embedding backward", ids, 1, B * T, 1, V);
+  dispatch_floating(dtype, "embedding backward", [&](auto tag) {
+    using T_ = decltype(tag);
+    using A = acc_t<T_>;
+    const T_* g = static_cast<const T_*>(grad);
+    auto* dt = static_cast<T_*>(d_wte);
+    auto* dp = static_cast<T_*>(d_wpe);
+    // Threads split the columns and walk the rows in order, as index_add: deterministic.
+    const int64_t blocks = (C + kInnerBlock - 1) / kInnerBlock;
+    parallel_for(blocks, grain_for(B * T * std::min(C, kInnerBlock)), [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t c0 = k * kInnerBlock, c1 = std::min(C, c0 + kInnerBlock);
+        for (int64_t t = 0; dp && t < T; ++t)
+          for (int64_t c = c0; c < c1; ++c) {
+            A s = 0;
+            for (int64_t b = 0; b < B; ++b) s += A(g[(b * T + t) * C + c]);
+            dp[t * C + c] = T_(s);
+          }
+        for (int64_t r = 0; dt && r < B * T; ++r)
+          for (int64_t c = c0; c < c1; ++c) add_into(dt[ids[r] * C + c], g[r * C + c]);
+      }
+    });
+  });
+}
+
 }  // namespace loom::cpu

@@ -22,6 +22,8 @@ const KernelTable& cpu_kernel_table() {
       .index_add = cpu::index_add,
       .gather = cpu::gather,
       .scatter_add = cpu::scatter_add,
+      .embedding_sum = cpu::embedding_sum,
+      .embedding_sum_backward = cpu::embedding_sum_backward,
       .uniform = cpu::uniform,
       .normal = cpu::normal,
       .conv2d_workspace_size = cpu::conv2d_workspace_size,

@@ -14,6 +14,8 @@
 // may be lost with the context; the error is not. The kernels never clamp or skip.
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
@@ -94,6 +96,70 @@ __global__ void scatter_add_kernel(T* out, const T* src, const int64_t* index, i
   }
 }
 
+// ---- token and position embeddings -----------------------------------------------------
+// A thread per pack of P values of a row (16 bytes when the rows allow it, else P = 1).
+
+template <class T, int P>
+__global__ void embedding_sum_kernel(T* out, const T* wte, const T* wpe, const int64_t* ids, int64_t rows, int64_t T_,
+                                     int64_t C, int64_t V) {
+  const int64_t packs = C / P, n = rows * packs;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e / packs, c = e % packs * P;
+    const int64_t id = checked("embedding", ids[r], r, V);
+    const Pack<T, P> a = load<T, P>(wte + id * C + c), b = load<T, P>(wpe + r % T_ * C + c);
+    Pack<T, P> y;
+#pragma unroll
+    for (int j = 0; j < P; ++j) y.v[j] = from_acc<T>(to_acc(a.v[j]) + to_acc(b.v[j]));
+    store<T, P>(out + r * C + c, y);
+  }
+}
+
+// Adds a pack into 16-byte aligned memory: one vector atomic for f32 on sm_90 and later.
+template <class T, int P> __device__ __forceinline__ void atomic_add_pack(T* p, const Pack<T, P>& v) {
+#if __CUDA_ARCH__ >= 900
+  if constexpr (std::is_same_v<T, float> && P == 4) {
+    atomicAdd(reinterpret_cast<float4*>(p), make_float4(v.v[0], v.v[1], v.v[2], v.v[3]));
+    return;
+  }
+#endif
+#pragma unroll
+  for (int j = 0; j < P; ++j) atomic_add(p + j, v.v[j]);
+}
+
+// A thread per pack of a position's row: walks the batch, summing into d_wpe[t] and adding
+// each row into d_wte at its id.
+template <class T, int P>
+__global__ void embedding_sum_backward_kernel(T* d_wte, T* d_wpe, const T* grad, const int64_t* ids, int64_t B,
+                                              int64_t T_, int64_t C, int64_t V) {
+  using A = acc_t<T>;
+  const int64_t packs = C / P, n = T_ * packs;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = e / packs, c = e % packs * P;
+    A sum[P] = {};
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t r = b * T_ + t;
+      const Pack<T, P> g = load<T, P>(grad + r * C + c);
+      if (d_wte) atomic_add_pack<T, P>(d_wte + checked("embedding backward", ids[r], r, V) * C + c, g);
+#pragma unroll
+      for (int j = 0; j < P; ++j) sum[j] += to_acc(g.v[j]);
+    }
+    if (!d_wpe) continue;
+    Pack<T, P> out;
+#pragma unroll
+    for (int j = 0; j < P; ++j) out.v[j] = from_acc<T>(sum[j]);
+    store<T, P>(d_wpe + t * C + c, out);
+  }
+}
+
+// Calls f(Int<P>{}) with 16-byte packs when C and every buffer allow them, else P = 1.
+template <class T, class F> void with_pack(int64_t C, std::initializer_list<const void*> buffers, F&& f) {
+  constexpr int kP = 16 / int(sizeof(T));
+  bool packed = C % kP == 0;
+  for (const void* b : buffers) packed = packed && reinterpret_cast<uintptr_t>(b) % 16 == 0;
+  if (packed) f(std::integral_constant<int, kP>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
 }  // namespace
 
 void index_select(void* out, const void* in, const int64_t* index, int64_t n_index, DType dtype, int64_t outer,
@@ -142,6 +208,34 @@ void scatter_add(void* out, const void* src, const int64_t* index, int64_t J, DT
         static_cast<T*>(out), static_cast<const T*>(src), index, J, R, inner, n);
   });
   LOOM_CUDA_LAUNCH();
+}
+
+void embedding_sum(void* out, const void* wte, const void* wpe, const int64_t* ids, int64_t B, int64_t T, int64_t C,
+                   int64_t V, DType dtype, StreamHandle stream) {
+  if (B * T * C == 0) return;
+  dispatch_floating(dtype, "embedding", [&](auto tag) {
+    using T_ = decltype(tag);
+    with_pack<T_>(C, {out, wte, wpe}, [&](auto pack) {
+      constexpr int P = decltype(pack)::value;
+      embedding_sum_kernel<T_, P><<<blocks_for(B * T * C / P, kThreads), kThreads, 0, as_cuda(stream)>>>(
+          static_cast<T_*>(out), static_cast<const T_*>(wte), static_cast<const T_*>(wpe), ids, B * T, T, C, V);
+      LOOM_CUDA_LAUNCH();
+    });
+  });
+}
+
+void embedding_sum_backward(void* d_wte, void* d_wpe, const void* grad, const int64_t* ids, int64_t B, int64_t T,
+                            int64_t C, int64_t V, DType dtype, StreamHandle stream) {
+  if (T * C == 0 || (!d_wte && !d_wpe)) return;
+  dispatch_floating(dtype, "embedding backward", [&](auto tag) {
+    using T_ = decltype(tag);
+    with_pack<T_>(C, {d_wte, d_wpe, grad}, [&](auto pack) {
+      constexpr int P = decltype(pack)::value;
+      embedding_sum_backward_kernel<T_, P><<<blocks_for(T * C / P, kThreads), kThreads, 0, as_cuda(stream)>>>(
+          static_cast<T_*>(d_wte), static_cast<T_*>(d_wpe), static_cast<const T_*>(grad), ids, B, T, C, V);
+      LOOM_CUDA_LAUNCH();
+    });
+  });
 }
 
 }  // namespace loom::cuda

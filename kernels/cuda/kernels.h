@@ -40,6 +40,10 @@ void index_select(void* out, const void* in, const int64_t* index, int64_t n_ind
                   int64_t R, int64_t inner, StreamHandle stream);
 void index_add(void* out, const void* src, const int64_t* index, int64_t n_index, DType dtype, int64_t outer,
                int64_t R, int64_t inner, StreamHandle stream);
+void embedding_sum(void* out, const void* wte, const void* wpe, const int64_t* ids, int64_t B, int64_t T, int64_t C,
+                   int64_t V, DType dtype, StreamHandle stream);
+void embedding_sum_backward(void* d_wte, void* d_wpe, const void* grad, const int64_t* ids, int64_t B, int64_t T,
+                            int64_t C, int64_t V, DType dtype, StreamHandle stream);
 void gather(void* out, const void* in, const int64_t* index, int64_t J, DType dtype, int64_t outer, int64_t R,
             int64_t inner, StreamHandle stream);
 void scatter_add(void* out, const void* src, const int64_t* index, int64_t J, DType dtype, int64_t outer,

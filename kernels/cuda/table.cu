@@ -22,6 +22,8 @@ const KernelTable& cuda_kernel_table() {
       .index_add = cuda::index_add,
       .gather = cuda::gather,
       .scatter_add = cuda::scatter_add,
+      .embedding_sum = cuda::embedding_sum,
+      .embedding_sum_backward = cuda::embedding_sum_backward,
       .uniform = cuda::uniform,
       .normal = cuda::normal,
       .conv2d_workspace_size = cuda::conv2d_workspace_size,

@@ -98,8 +98,7 @@ Tensor GPT::hidden(const Tensor& ids) {
   const int64_t T = ids.size(1);
   LOOM_CHECK(T <= config_.context, "GPT: a sequence of ", T, " tokens is longer than the context of ",
              config_.context);
-  Tensor pos = arange(0, double(T), 1, DType::i64, ids.device());
-  Tensor x = add(wte->forward(ids), wpe->forward(pos));
+  Tensor x = token_position_embedding(wte->weight, wpe->weight, ids);  // wte[ids] + wpe[:T], one pass
   const bool recomputing = config_.recompute && grad_enabled() && is_training();
   for (const auto& block : blocks)
     x = recomputing ? recompute([block](const TensorList& in) { return block->forward(in[0]); }, {x})

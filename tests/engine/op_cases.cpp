@@ -153,6 +153,8 @@ const std::vector<OpCase>& op_cases() {
       {"index_select", {{{5, 3}}}, [](L x) { return index_select(x[0], 0, ids({4, 0, 4, 2}, {4}, x[0].device())); }},
       {"index_select_dim1", {{{2, 5, 3}}},
        [](L x) { return index_select(x[0], 1, ids({1, 1, 3}, {3}, x[0].device())); }},
+      {"token_position_embedding", {{{7, 3}}, {{5, 3}}},
+       [](L x) { return token_position_embedding(x[0], x[1], ids({1, 6, 0, 1, 2, 2, 5, 1}, {2, 4}, x[0].device())); }},
       {"embedding", {{{6, 4}}}, [](L x) { return embedding(x[0], ids({5, 0, 5, 1, 2, 0}, {2, 3}, x[0].device())); }},
       {"gather", {{{3, 4}}},
        [](L x) { return gather(x[0], 1, ids({0, 3, 3, 1, 2, 2, 0, 0, 1}, {3, 3}, x[0].device())); }},

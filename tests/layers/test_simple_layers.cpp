@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 
 #include "engine/ops.h"
 #include "layers/activation.h"
@@ -68,6 +69,41 @@ TEST(LayersEmbedding, LooksUpRowsAndStartsStandardNormal) {
   EXPECT_EQ(grad[999 * 16], 1.0f);
   EXPECT_EQ(grad[0], 0.0f);
   EXPECT_THROW(table.forward(zeros({2})), Error);
+}
+
+// A GPT's input in one op: the two lookups and their sum, with both gradients.
+TEST(LayersEmbedding, TokenAndPositionEmbeddingsMatchTheirSum) {
+  manual_seed(32);
+  Embedding wte(11, 8), wpe(6, 8);
+  Tensor ids = from_vector(std::vector<int64_t>{3, 10, 3, 0, 7, 7, 1, 3}, {2, 4});
+  Tensor up = randn({2, 4, 8});
+  Tensor fused = token_position_embedding(wte.weight, wpe.weight, ids);
+  sum(mul(fused, up)).backward();
+  Tensor g_wte = wte.weight.grad().clone(), g_wpe = wpe.weight.grad().clone();
+  wte.weight.zero_grad(), wpe.weight.zero_grad();
+  Tensor plain = add(wte.forward(ids), wpe.forward(arange(0, 4, 1, DType::i64)));
+  sum(mul(plain, up)).backward();
+  EXPECT_EQ(fused.to_vector<float>(), plain.to_vector<float>());
+  auto near = [](const Tensor& a, const Tensor& b, const char* what) {
+    std::vector<float> x = a.to_vector<float>(), y = b.to_vector<float>();
+    ASSERT_EQ(x.size(), y.size()) << what;
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(x[i], y[i], 1e-6) << what << " element " << i;
+  };
+  near(g_wte, wte.weight.grad(), "wte gradient");
+  near(g_wpe, wpe.weight.grad(), "wpe gradient");  // rows 4 and 5, past T, are zero in both
+  try {
+    token_position_embedding(wte.weight, wpe.weight, from_vector(std::vector<int64_t>{1, 11}, {1, 2}));
+    ADD_FAILURE() << "id 11 of a vocabulary of 11 did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("index 11 at position 1"), std::string::npos) << e.what();
+  }
+  try {
+    token_position_embedding(wte.weight, wpe.weight, zeros({1, 7}, DType::i64));
+    ADD_FAILURE() << "7 tokens with 6 positions did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a sequence of 7 tokens is longer than the 6 positions"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
