@@ -1,6 +1,8 @@
 // CUDA indexing kernels over canonical (outer, R, inner) buffers: one thread per element
 // of the indexed side (the output of index_select/gather, the source of
-// index_add/scatter_add), with grid-stride loops so any size fits one launch.
+// index_add/scatter_add), with grid-stride loops so any size fits one launch. The token
+// and position embeddings of a GPT take a thread per 16-byte pack of a row instead; their
+// backward a thread per pack of a position's row, walking the batch.
 //
 // index_add and scatter_add accumulate with atomicAdd, so on the GPU the order of the
 // additions into one element (and so the last bits of a float sum) can change from run to
