@@ -30,39 +30,58 @@ __global__ void finish_kernel(T* c, int64_t ldc, const T* bias, T* aux, int64_t 
 }
 
 // out[i] = sum over p < len of x[i * step_i + p * step_p], in the accumulation type.
-// Adjacent outputs (step_i == 1, the column sums of a row-major matrix) in two passes: a
-// block sums kSumRows values of p for 32 adjacent outputs (8 warps, every 8th p each) into
-// a row of partial sums in the cuBLAS workspace, then a thread per output adds its partial
-// sums in order. Deterministic, and enough blocks to fill the GPU for (16k, 768) as for
-// (16k, 50k). Else a warp per output, its lanes striding p (coalesced when step_p == 1).
-constexpr int kSumCols = 32, kSumWarps = 8;
-constexpr int64_t kSumRows = 256;
+// Adjacent outputs (step_i == 1, the column sums of a row-major matrix, as every bias
+// gradient) in two passes: a block sums a chunk of kSumRows values of p for its adjacent
+// outputs (8 warps, every 8th p each) into a row of partial sums in the cuBLAS workspace,
+// then a block per 32 outputs adds their partial rows (8 warps, every 8th row each).
+// Deterministic, and enough blocks to fill the GPU for (16k, 768) as for (16k, 50k). When
+// rows are whole 16-byte packs, a thread reads kVecCols adjacent values at once (a block
+// covers 256 outputs), else one (a block covers 32). Else a warp per output, its lanes
+// striding p (coalesced when step_p == 1).
+constexpr int kSumCols = 32, kSumWarps = 8, kVecCols = 8;
+constexpr int64_t kSumRows = 128;
 
-template <class T> __global__ void __launch_bounds__(kSumCols * kSumWarps)
+template <class T, int V> __global__ void __launch_bounds__(kSumCols * kSumWarps)
     partial_sums_kernel(acc_t<T>* partial, const T* x, int64_t count, int64_t len, int64_t step_p) {
   using A = acc_t<T>;
-  __shared__ A part[kSumWarps][kSumCols];
+  __shared__ A part[kSumWarps][kSumCols * V];
   const int lane = threadIdx.x % kSumCols, warp = threadIdx.x / kSumCols;
-  const int64_t i = int64_t(blockIdx.x) * kSumCols + lane, p0 = int64_t(blockIdx.y) * kSumRows;
+  const int64_t i0 = (int64_t(blockIdx.x) * kSumCols + lane) * V, p0 = int64_t(blockIdx.y) * kSumRows;
   const int64_t p1 = p0 + kSumRows < len ? p0 + kSumRows : len;
-  A s = 0;
-  if (i < count)
-    for (int64_t p = p0 + warp; p < p1; p += kSumWarps) s += to_acc(x[i + p * step_p]);
-  part[warp][lane] = s;
+  A s[V] = {};
+  if (i0 < count)
+    for (int64_t p = p0 + warp; p < p1; p += kSumWarps) {
+      const Pack<T, V> v = load<T, V>(x + i0 + p * step_p);
+#pragma unroll
+      for (int j = 0; j < V; ++j) s[j] += to_acc(v.v[j]);
+    }
+#pragma unroll
+  for (int j = 0; j < V; ++j) part[warp][lane * V + j] = s[j];
   __syncthreads();
-  if (warp == 0 && i < count) {
-    for (int w = 1; w < kSumWarps; ++w) s += part[w][lane];
-    partial[int64_t(blockIdx.y) * count + i] = s;
+  // Thread k adds the warps' sums of the tile's output k, in warp order.
+  for (int k = threadIdx.x; k < kSumCols * V; k += kSumCols * kSumWarps) {
+    const int64_t i = int64_t(blockIdx.x) * kSumCols * V + k;
+    if (i >= count) break;
+    A t = part[0][k];
+    for (int w = 1; w < kSumWarps; ++w) t += part[w][k];
+    partial[int64_t(blockIdx.y) * count + i] = t;
   }
 }
 
-template <class T> __global__ void add_partials_kernel(T* out, const acc_t<T>* partial, int64_t count, int chunks) {
+template <class T> __global__ void __launch_bounds__(kSumCols * kSumWarps)
+    add_partials_kernel(T* out, const acc_t<T>* partial, int64_t count, int chunks) {
   using A = acc_t<T>;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
-    A s = 0;
-    for (int c = 0; c < chunks; ++c) s += partial[c * count + i];
-    out[i] = from_acc<T>(s);
-  }
+  __shared__ A part[kSumWarps][kSumCols];
+  const int lane = threadIdx.x % kSumCols, warp = threadIdx.x / kSumCols;
+  const int64_t i = int64_t(blockIdx.x) * kSumCols + lane;
+  A s = 0;
+  if (i < count)
+    for (int c = warp; c < chunks; c += kSumWarps) s += partial[c * count + i];
+  part[warp][lane] = s;
+  __syncthreads();
+  if (warp != 0 || i >= count) return;
+  for (int w = 1; w < kSumWarps; ++w) s += part[w][lane];
+  out[i] = from_acc<T>(s);
 }
 
 template <class T> __global__ void sums_warp_kernel(T* out, const T* x, int64_t count, int64_t len, int64_t step_i,
@@ -83,18 +102,19 @@ template <class T> void sums(T* out, const T* x, int64_t count, int64_t len, int
   using A = acc_t<T>;
   const int64_t chunks = std::min<int64_t>((len + kSumRows - 1) / kSumRows,
                                            int64_t(workspace_bytes / sizeof(A)) / std::max<int64_t>(count, 1));
-  if (step_i == 1 && step_p != 1 && chunks >= 1 && chunks < 65536) {
+  // A chunk past the last would be needed to cover what the workspace could not split.
+  if (step_i == 1 && step_p != 1 && chunks >= 1 && chunks < 65536 && chunks * kSumRows >= len) {
     auto* partial = static_cast<A*>(workspace);
-    const dim3 grid(unsigned((count + kSumCols - 1) / kSumCols), unsigned(chunks));
-    // A chunk past the last covers what the workspace could not split.
-    const int64_t covered = chunks * kSumRows;
-    if (covered >= len) {
-      partial_sums_kernel<<<grid, kSumCols * kSumWarps, 0, stream>>>(partial, x, count, len, step_p);
-      LOOM_CUDA_LAUNCH();
-      add_partials_kernel<<<blocks_for(count, 256), 256, 0, stream>>>(out, partial, count, int(chunks));
-      LOOM_CUDA_LAUNCH();
-      return;
-    }
+    const bool packed = count % kVecCols == 0 && step_p % kVecCols == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const int64_t per_block = kSumCols * (packed ? kVecCols : 1);
+    const dim3 grid(unsigned((count + per_block - 1) / per_block), unsigned(chunks));
+    if (packed) partial_sums_kernel<T, kVecCols><<<grid, kSumCols * kSumWarps, 0, stream>>>(partial, x, count, len, step_p);
+    else partial_sums_kernel<T, 1><<<grid, kSumCols * kSumWarps, 0, stream>>>(partial, x, count, len, step_p);
+    LOOM_CUDA_LAUNCH();
+    add_partials_kernel<<<unsigned((count + kSumCols - 1) / kSumCols), kSumCols * kSumWarps, 0, stream>>>(
+        out, partial, count, int(chunks));
+    LOOM_CUDA_LAUNCH();
+    return;
   }
   sums_warp_kernel<<<blocks_for(count, 256 / 32), 256, 0, stream>>>(out, x, count, len, step_i, step_p);
   LOOM_CUDA_LAUNCH();

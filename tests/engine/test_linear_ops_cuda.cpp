@@ -1,7 +1,8 @@
 // linear and gelu_mlp on the GPU against the CPU: bf16 and f32 (TF32) through cuBLASLt's
 // epilogues (bias, GELU with its pre-activation, DGELU with the bias gradient, BGRADB for the
 // weight gradient's bias sums), at GPT-like widths and at widths whose rows are not 16-byte
-// aligned in bf16 (7 and 13), where cuBLASLt may have no plan and the separate passes run.
+// aligned in bf16 (7 and 13), where cuBLASLt may have no plan and the separate passes run;
+// the bias sums over rows in one chunk and in several (300 and 270 rows).
 // The reference is the same op on the CPU in f64 from the same (rounded) values.
 #include <gtest/gtest.h>
 
@@ -28,7 +29,7 @@ TEST(LinearOpsCuda, GeluMlpMatchesCpu) {
   LOOM_REQUIRE_CUDA();
   const Device gpu = Device::cuda(0);
   for (DType dt : {DType::bf16, DType::f32})
-    for (const Case c : {Case{96, 64, 256, 64}, Case{33, 40, 160, 24}, Case{10, 7, 13, 5}})
+    for (const Case c : {Case{96, 64, 256, 64}, Case{300, 32, 128, 40}, Case{33, 40, 160, 24}, Case{10, 7, 13, 5}})
       for (bool biases : {true, false}) {
         const std::string what = std::string(dtype_name(dt)) + " rows " + std::to_string(c.rows) + " in " +
                                  std::to_string(c.in) + " hidden " + std::to_string(c.hidden) +
@@ -101,8 +102,9 @@ TEST(LinearOpsCuda, LinearBiasGradientMatchesCpu) {
     for (int64_t out : {int64_t(48), int64_t(13)}) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + " out " + std::to_string(out));
       manual_seed(12);
-      Tensor x = randn({70, 32}, DType::f64).to(dt).to(DType::f64), w = randn({out, 32}, DType::f64).to(dt).to(DType::f64);
-      Tensor b = randn({out}, DType::f64).to(dt).to(DType::f64), up = randn({70, out}, DType::f64).to(dt).to(DType::f64);
+      // 270 rows: the bias sums take three chunks of rows, the last one short.
+      Tensor x = randn({270, 32}, DType::f64).to(dt).to(DType::f64), w = randn({out, 32}, DType::f64).to(dt).to(DType::f64);
+      Tensor b = randn({out}, DType::f64).to(dt).to(DType::f64), up = randn({270, out}, DType::f64).to(dt).to(DType::f64);
       TensorList cpu{x.clone().set_requires_grad(), w.clone().set_requires_grad(), b.clone().set_requires_grad()};
       TensorList dev{x.to(gpu).to(dt).set_requires_grad(), w.to(gpu).to(dt).set_requires_grad(),
                      b.to(gpu).to(dt).set_requires_grad()};
