@@ -162,6 +162,7 @@ Blas& blas_for_current_device() {
     LOOM_CUDA(cudaMalloc(&b.workspace, kWorkspaceBytes));
     LOOM_CUDA(cudaMalloc(&b.zero, 16));
     LOOM_CUDA(cudaMemset(b.zero, 0, 16));
+    LOOM_CUDA(cudaDeviceSynchronize());  // zeroed before any stream reads it, blocking or not
     // The contract is f32 accumulation for bf16/f16: forbid split-K reductions in 16 bits.
     LOOM_CUBLAS(cublasSetMathMode(b.handle, CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
   });
