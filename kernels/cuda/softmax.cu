@@ -331,8 +331,14 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss,
       }
     }
     st = group_reduce<kGroup>(st, CeMerge{});  // a block's reduction synchronises the block
-    if constexpr (kGroup == 32) __syncwarp();  // the shuffles alone do not order memory
-    const A l = st.ms.m + log_acc(st.ms.s);
+    A l = st.ms.m + log_acc(st.ms.s);
+    if constexpr (kGroup == 32) {
+      // A warp's butterfly leaves each lane a sum in its own order: all take lane 0's lse, the
+      // one stored (so the gradient is the backward's, bit for bit). The shuffle and the
+      // barrier after it also order every lane's reads of the row before any write.
+      l = __shfl_sync(0xffffffffu, l, 0);
+      __syncwarp();
+    }
     if (lane == 0) {
       lse[row] = l;
       // Without label smoothing the mean of the logits takes no part (it is -inf in a row
