@@ -85,9 +85,9 @@ struct GemmArgs {
   // row_sums_a (m) of op(A) over k (the bias gradient beside a weight gradient dW = dY^T X).
   void* column_sums = nullptr;
   void* row_sums_a = nullptr;
-  // f32 C for 16-bit A and B (bf16/f16): C, c_in and bias are f32, so a product lands in an
-  // f32 stream without a 16-bit rounding or a cast of its own. Single products with no
-  // epilogue or sums only.
+  // f32 C for 16-bit A and B (bf16/f16): C, c_in, bias and row_sums_a are f32, so a product
+  // lands in an f32 stream (or an f32 parameter's gradient) without a 16-bit rounding or a
+  // cast of its own. Single products with no epilogue or column sums only.
   bool c_f32 = false;
   // Optional input for the beta term (same dtype and row stride as C): C = alpha AB + beta
   // c_in (+ bias), C only written. A residual connection, out = x + layer(h), in the product.

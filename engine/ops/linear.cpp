@@ -16,10 +16,10 @@ using ops::ptr_or_null;
 
 namespace {
 
-// The sums of a product's rows or columns are written in its dtype; an undefined tensor
-// when the bias is absent.
-Tensor bias_grad(bool has_bias, int64_t n, const Tensor& like) {
-  return has_bias ? Tensor::empty({n}, like.dtype(), like.device()) : Tensor();
+// The sums of a product's rows or columns are written in its C's dtype (`dtype`); an
+// undefined tensor when the bias is absent.
+Tensor bias_grad(bool has_bias, int64_t n, DType dtype, Device device) {
+  return has_bias ? Tensor::empty({n}, dtype, device) : Tensor();
 }
 
 void check_weight(const Tensor& x, const Tensor& w, const Tensor& b, int64_t in, const char* op, const char* name) {
@@ -42,8 +42,6 @@ DType compute_dtype(std::initializer_list<Tensor> ts, const char* op) {
   LOOM_CHECK(is_floating(t), op, " needs floating-point tensors, got ", dtype_name(t));
   return autocast_compute_dtype(t);
 }
-
-Tensor cast(const Tensor& t, DType dtype) { return t.defined() ? t.to(dtype) : t; }
 
 // How a product's output joins a residual: fused into the product (C = residual + x W^T + b)
 // when the residual has the output's shape and the compute dtype, or is f32 beside a 16-bit
@@ -78,6 +76,32 @@ void set_output(GemmArgs& g, const Output& o, const Tensor& bias) {
 // output keeps its bias in f32).
 Tensor cast_bias_grad(const Tensor& db, DType bias_dtype) { return db.defined() ? db.to(bias_dtype) : db; }
 
+// f32 parameters under 16-bit products (autocast's master weights): the products read
+// 16-bit copies made without a node, and the weight gradients come out of their products
+// in f32 (GemmArgs::c_f32), bias sums too, with no 16-bit rounding and no cast pass. Else
+// the casts are the differentiable to() and gradients come back through them.
+bool f32_params(DType t, std::initializer_list<Tensor> params) {
+  if (t != DType::bf16 && t != DType::f16) return false;
+  for (const Tensor& p : params)
+    if (p.defined() && p.dtype() != DType::f32) return false;
+  return true;
+}
+
+// The tensor an op computes with, and the one its node takes as input: p cast to `dtype`
+// with a node (then both are the cast), or, for f32_params, the cast without one and p itself.
+struct Param {
+  Tensor used, input;
+};
+Param param(const Tensor& p, DType dtype, bool f32) {
+  if (!p.defined()) return {};
+  if (!f32) {
+    Tensor c = p.to(dtype);
+    return {c, c};
+  }
+  NoGradGuard no_grad;
+  return {p.to(dtype), p};
+}
+
 }  // namespace
 
 Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor& residual0) {
@@ -97,24 +121,26 @@ Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor
   out_shape.push_back(out_features);
   const Output o = plan_output(residual0, t, out_shape);
   if (residual0.defined() && !o.fused) return add(residual0, linear(x0, w0, b0));
-  Tensor x = x0.to(t).reshape({-1, in}), w = w0.to(t), b = cast(b0, o.dtype);
-  if (b.defined()) b = b.contiguous();
+  const bool f32 = f32_params(t, {w0, b0});
+  Tensor x = x0.to(t).reshape({-1, in});
+  const Param w = param(w0, t, f32), b = param(b0, o.dtype, f32);
+  const Tensor bias = b.used.defined() ? b.used.contiguous() : Tensor();
   Tensor y;
   {
     NoGradGuard no_grad;
-    y = ops::product_2d(x, w.t(), [&](GemmArgs& g) { set_output(g, o, b); }, o.dtype != t);
+    y = ops::product_2d(x, w.used.t(), [&](GemmArgs& g) { set_output(g, o, bias); }, o.dtype != t);
   }
-  if (any_requires_grad({x, w, b, o.residual})) {
-    Tensor sx = x.detach(), sw = w.detach();
-    const bool has_bias = b.defined(), need_x = x.requires_grad(), fused = o.fused;
+  if (any_requires_grad({x, w.input, b.input, o.residual})) {
+    Tensor sx = x.detach(), sw = w.used.detach();
+    const bool has_bias = b.input.defined(), need_x = x.requires_grad(), fused = o.fused;
     const DType out_dtype = o.dtype;
-    record("linear", {x, w, b, o.residual}, {y},
-           [sx, sw, has_bias, need_x, fused, out_dtype, t, out_features](const TensorList& g) {
+    record("linear", {x, w.input, b.input, o.residual}, {y},
+           [sx, sw, has_bias, need_x, fused, out_dtype, t, out_features, f32](const TensorList& g) {
              const Tensor dy = g[0].to(t);  // the f32 gradient of a fused f32 output
-             Tensor db = bias_grad(has_bias, out_features, dy);
-             Tensor dw = ops::product_2d(dy.t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); });
+             Tensor db = bias_grad(has_bias, out_features, f32 ? DType::f32 : t, dy.device());
+             Tensor dw = ops::product_2d(dy.t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); }, f32);
              Tensor dx = need_x ? ops::product_2d(dy, sw) : Tensor();
-             return TensorList{dx, dw, cast_bias_grad(db, out_dtype), fused ? g[0] : Tensor()};
+             return TensorList{dx, dw, f32 ? db : cast_bias_grad(db, out_dtype), fused ? g[0] : Tensor()};
            });
   }
   return y.reshape(out_shape);
@@ -139,40 +165,46 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
   out_shape.push_back(out_features);
   const Output o = plan_output(residual0, t, out_shape);
   if (residual0.defined() && !o.fused) return add(residual0, gelu_mlp(x0, w1_0, b1_0, w2_0, b2_0));
-  Tensor x = x0.to(t).reshape({-1, in}), w1 = w1_0.to(t), w2 = w2_0.to(t);
-  Tensor b1 = cast(b1_0, t), b2 = cast(b2_0, o.dtype);
-  if (b1.defined()) b1 = b1.contiguous();
-  if (b2.defined()) b2 = b2.contiguous();
+  const bool f32 = f32_params(t, {w1_0, b1_0, w2_0, b2_0});
+  Tensor x = x0.to(t).reshape({-1, in});
+  const Param w1 = param(w1_0, t, f32), w2 = param(w2_0, t, f32);
+  const Param b1 = param(b1_0, t, f32), b2 = param(b2_0, o.dtype, f32);
+  const Tensor bias1 = b1.used.defined() ? b1.used.contiguous() : Tensor();
+  const Tensor bias2 = b2.used.defined() ? b2.used.contiguous() : Tensor();
   const int64_t rows = x.size(0);
   Tensor z = Tensor::empty({rows, hidden}, t, x.device()), h, y;
   {
     NoGradGuard no_grad;
-    h = ops::product_2d(x, w1.t(), [&](GemmArgs& g) {
-      g.bias = ptr_or_null(b1);
+    h = ops::product_2d(x, w1.used.t(), [&](GemmArgs& g) {
+      g.bias = ptr_or_null(bias1);
       g.epilogue = GemmEpilogue::gelu;
       g.aux = z.data_ptr(), g.ld_aux = hidden;
     });
-    y = ops::product_2d(h, w2.t(), [&](GemmArgs& g) { set_output(g, o, b2); }, o.dtype != t);
+    y = ops::product_2d(h, w2.used.t(), [&](GemmArgs& g) { set_output(g, o, bias2); }, o.dtype != t);
   }
-  if (any_requires_grad({x, w1, b1, w2, b2, o.residual})) {
-    Tensor sx = x.detach(), sw1 = w1.detach(), sw2 = w2.detach();
-    const bool has_b1 = b1.defined(), has_b2 = b2.defined(), need_x = x.requires_grad(), fused = o.fused;
+  if (any_requires_grad({x, w1.input, b1.input, w2.input, b2.input, o.residual})) {
+    Tensor sx = x.detach(), sw1 = w1.used.detach(), sw2 = w2.used.detach();
+    const bool has_b1 = b1.input.defined(), has_b2 = b2.input.defined(), need_x = x.requires_grad(), fused = o.fused;
     const DType out_dtype = o.dtype;
-    record("gelu_mlp", {x, w1, b1, w2, b2, o.residual}, {y},
-           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden,
-            out_features](const TensorList& g) {
+    record("gelu_mlp", {x, w1.input, b1.input, w2.input, b2.input, o.residual}, {y},
+           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden, out_features,
+            f32](const TensorList& g) {
              const Tensor dy = g[0].to(t);  // the f32 gradient of a fused f32 output
-             Tensor db2 = bias_grad(has_b2, out_features, dy);
-             Tensor dw2 = ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); });
-             Tensor db1 = bias_grad(has_b1, hidden, dy);
+             Tensor db2 = bias_grad(has_b2, out_features, f32 ? DType::f32 : t, dy.device());
+             Tensor dw2 =
+                 ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); }, f32);
+             // b1's sums ride in the dgelu product, in its (16-bit) dtype: f32 params get a cast
+             // of those (hidden) values.
+             Tensor db1 = bias_grad(has_b1, hidden, t, dy.device());
              Tensor dz = ops::product_2d(dy, sw2, [&](GemmArgs& a) {
                a.epilogue = GemmEpilogue::dgelu;
                a.aux = z.data_ptr(), a.ld_aux = hidden;
                a.column_sums = ptr_or_null(db1);
              });
-             Tensor dw1 = ops::product_2d(dz.t(), sx);
+             Tensor dw1 = ops::product_2d(dz.t(), sx, {}, f32);
              Tensor dx = need_x ? ops::product_2d(dz, sw1) : Tensor();
-             return TensorList{dx, dw1, db1, dw2, cast_bias_grad(db2, out_dtype), fused ? g[0] : Tensor()};
+             return TensorList{dx, dw1, f32 ? cast_bias_grad(db1, DType::f32) : db1, dw2,
+                               f32 ? db2 : cast_bias_grad(db2, out_dtype), fused ? g[0] : Tensor()};
            });
   }
   return y.reshape(out_shape);

@@ -15,9 +15,9 @@ inline void check_gemm_extras(const GemmArgs& g) {
   LOOM_CHECK(!g.column_sums || (single && g.beta == 0.f && !g.bias),
              "gemm: column sums need a single product with beta == 0 and no bias");
   LOOM_CHECK(!g.row_sums_a || single, "gemm: row sums of A need a single product, got a batch of ", g.batch);
-  LOOM_CHECK(!g.c_f32 || (single && g.epilogue == GemmEpilogue::none && !g.column_sums && !g.row_sums_a &&
+  LOOM_CHECK(!g.c_f32 || (single && g.epilogue == GemmEpilogue::none && !g.column_sums &&
                           (g.dtype == DType::bf16 || g.dtype == DType::f16)),
-             "gemm: an f32 C needs a single bf16/f16 product without epilogue or sums");
+             "gemm: an f32 C needs a single bf16/f16 product without epilogue or column sums");
   LOOM_CHECK(!g.c_in || single, "gemm: c_in needs a single product, got a batch of ", g.batch);
   LOOM_CHECK(!g.alpha_ptr || (g.beta == 0.f && !g.bias && g.epilogue == GemmEpilogue::none && !g.column_sums &&
                               !g.row_sums_a),

@@ -147,16 +147,16 @@ template <class T> void column_sums(const GemmArgs& g) {
   });
 }
 
-template <class T> void row_sums_a(const GemmArgs& g) {
+template <class T, class O = T> void row_sums_a(const GemmArgs& g) {
   using A = acc_t<T>;
   const T* a = static_cast<const T*>(g.a);
   const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
-  T* out = static_cast<T*>(g.row_sums_a);
+  O* out = static_cast<O*>(g.row_sums_a);
   parallel_for(g.m, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       A s = 0;
       for (int64_t p = 0; p < g.k; ++p) s += A(a[i * a_rs + p * a_cs]);
-      out[i] = store<T>(s);
+      out[i] = store<O>(s);
     }
   });
 }
@@ -169,7 +169,11 @@ void gemm(const GemmArgs& args, StreamHandle) {
   dispatch_floating(args.dtype, "gemm", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
-      if (args.c_f32) return gemm_typed<T, float>(args);
+      if (args.c_f32) {
+        gemm_typed<T, float>(args);
+        if (args.row_sums_a) row_sums_a<T, float>(args);
+        return;
+      }
     }
     gemm_typed<T>(args);
     if (args.column_sums) column_sums<T>(args);

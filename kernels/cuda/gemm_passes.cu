@@ -68,8 +68,8 @@ template <class T, int V> __global__ void __launch_bounds__(kSumCols * kSumWarps
   }
 }
 
-template <class T> __global__ void __launch_bounds__(kSumCols * kSumWarps)
-    add_partials_kernel(T* out, const acc_t<T>* partial, int64_t count, int chunks) {
+template <class T, class O> __global__ void __launch_bounds__(kSumCols * kSumWarps)
+    add_partials_kernel(O* out, const acc_t<T>* partial, int64_t count, int chunks) {
   using A = acc_t<T>;
   __shared__ A part[kSumWarps][kSumCols];
   const int lane = threadIdx.x % kSumCols, warp = threadIdx.x / kSumCols;
@@ -81,11 +81,11 @@ template <class T> __global__ void __launch_bounds__(kSumCols * kSumWarps)
   __syncthreads();
   if (warp != 0 || i >= count) return;
   for (int w = 1; w < kSumWarps; ++w) s += part[w][lane];
-  out[i] = from_acc<T>(s);
+  out[i] = from_acc<O>(s);
 }
 
-template <class T> __global__ void sums_warp_kernel(T* out, const T* x, int64_t count, int64_t len, int64_t step_i,
-                                                    int64_t step_p) {
+template <class T, class O> __global__ void sums_warp_kernel(O* out, const T* x, int64_t count, int64_t len,
+                                                             int64_t step_i, int64_t step_p) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
   for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; i < count;
@@ -93,12 +93,13 @@ template <class T> __global__ void sums_warp_kernel(T* out, const T* x, int64_t 
     A s = 0;
     for (int64_t p = lane; p < len; p += 32) s += to_acc(x[i * step_i + p * step_p]);
     for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
-    if (lane == 0) out[i] = from_acc<T>(s);
+    if (lane == 0) out[i] = from_acc<O>(s);
   }
 }
 
-template <class T> void sums(T* out, const T* x, int64_t count, int64_t len, int64_t step_i, int64_t step_p,
-                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+// The sums in the accumulation type, stored as O (T, or f32 beside an f32 C).
+template <class T, class O> void sums(O* out, const T* x, int64_t count, int64_t len, int64_t step_i, int64_t step_p,
+                                      void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   using A = acc_t<T>;
   const int64_t chunks = std::min<int64_t>((len + kSumRows - 1) / kSumRows,
                                            int64_t(workspace_bytes / sizeof(A)) / std::max<int64_t>(count, 1));
@@ -111,24 +112,36 @@ template <class T> void sums(T* out, const T* x, int64_t count, int64_t len, int
     if (packed) partial_sums_kernel<T, kVecCols><<<grid, kSumCols * kSumWarps, 0, stream>>>(partial, x, count, len, step_p);
     else partial_sums_kernel<T, 1><<<grid, kSumCols * kSumWarps, 0, stream>>>(partial, x, count, len, step_p);
     LOOM_CUDA_LAUNCH();
-    add_partials_kernel<<<unsigned((count + kSumCols - 1) / kSumCols), kSumCols * kSumWarps, 0, stream>>>(
+    add_partials_kernel<T, O><<<unsigned((count + kSumCols - 1) / kSumCols), kSumCols * kSumWarps, 0, stream>>>(
         out, partial, count, int(chunks));
     LOOM_CUDA_LAUNCH();
     return;
   }
-  sums_warp_kernel<<<blocks_for(count, 256 / 32), 256, 0, stream>>>(out, x, count, len, step_i, step_p);
+  sums_warp_kernel<T, O><<<blocks_for(count, 256 / 32), 256, 0, stream>>>(out, x, count, len, step_i, step_p);
   LOOM_CUDA_LAUNCH();
+}
+
+// The row sums of op(A) over k, stored as O.
+template <class T, class O> void row_sums(const GemmArgs& g, void* workspace, size_t workspace_bytes,
+                                          cudaStream_t stream) {
+  const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
+  sums(static_cast<O*>(g.row_sums_a), static_cast<const T*>(g.a), g.m, g.k, a_rs, a_cs, workspace, workspace_bytes,
+       stream);
 }
 
 }  // namespace
 
 void finish(const GemmArgs& g, Done done, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (g.c_f32) {  // no epilogue or sums (check_gemm_extras): at most the bias, in f32
+  if (g.c_f32) {  // no epilogue or column sums (check_gemm_extras): the bias and row sums, in f32
     if (g.bias && !done.bias) {
       finish_kernel<<<blocks_for(g.m * g.n, 256), 256, 0, stream>>>(
           static_cast<float*>(g.c), g.ldc, static_cast<const float*>(g.bias), static_cast<float*>(nullptr), 0,
           GemmEpilogue::none, g.m, g.n);
       LOOM_CUDA_LAUNCH();
+    }
+    if (g.row_sums_a && !done.row_sums_a) {
+      if (g.dtype == DType::bf16) row_sums<__nv_bfloat16, float>(g, workspace, workspace_bytes, stream);
+      else row_sums<__half, float>(g, workspace, workspace_bytes, stream);
     }
     return;
   }
@@ -143,10 +156,7 @@ void finish(const GemmArgs& g, Done done, void* workspace, size_t workspace_byte
     }
     if (g.column_sums && !done.column_sums)
       sums(static_cast<T*>(g.column_sums), static_cast<const T*>(g.c), g.n, g.m, 1, g.ldc, workspace, workspace_bytes, stream);
-    if (g.row_sums_a && !done.row_sums_a) {
-      const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
-      sums(static_cast<T*>(g.row_sums_a), static_cast<const T*>(g.a), g.m, g.k, a_rs, a_cs, workspace, workspace_bytes, stream);
-    }
+    if (g.row_sums_a && !done.row_sums_a) row_sums<T, T>(g, workspace, workspace_bytes, stream);
   });
 }
 

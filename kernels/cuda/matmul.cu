@@ -114,7 +114,7 @@ std::pair<cublasLtEpilogue_t, gemm_passes::Done> lt_epilogue(const GemmArgs& g) 
     d.bias = true;
     return {CUBLASLT_EPILOGUE_BIAS, d};
   }
-  if (g.epilogue == GemmEpilogue::none && g.row_sums_a && bgrad_epilogues()) {
+  if (g.epilogue == GemmEpilogue::none && g.row_sums_a && !g.c_f32 && bgrad_epilogues()) {
     d.row_sums_a = true;
     return {CUBLASLT_EPILOGUE_BGRADB, d};
   }

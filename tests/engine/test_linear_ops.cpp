@@ -153,6 +153,41 @@ TEST(LinearOps, LinearCrossEntropyNamesBadArguments) {
                "target 5 in row 2");
 }
 
+// Under bf16 autocast, f32 weights and biases get f32 gradients straight from the products
+// (no bf16 rounding of them): close to the f64 op's, with and without an f32 residual.
+TEST(LinearOps, F32ParametersUnderAutocastGetF32GradientsFromTheProducts) {
+  manual_seed(10);
+  for (bool residual : {false, true}) {
+    SCOPED_TRACE(residual ? "f32 residual" : "no residual");
+    Tensor x = randn({2, 9, 16}).set_requires_grad(), r = randn({2, 9, 8}).set_requires_grad();
+    Tensor w1 = mul(randn({24, 16}), 0.3).set_requires_grad(), b1 = mul(randn({24}), 0.3).set_requires_grad();
+    Tensor w2 = mul(randn({8, 24}), 0.3).set_requires_grad(), b2 = mul(randn({8}), 0.3).set_requires_grad();
+    Tensor w = mul(randn({8, 16}), 0.3).set_requires_grad();
+    Tensor up = randn({2, 9, 8});
+    TensorList leaves{x, w1, b1, w2, b2, w};
+    if (residual) leaves.push_back(r);
+    TensorList fused;
+    {
+      AutocastGuard guard(DType::bf16);
+      fused = run([&] {
+        Tensor res = residual ? r : Tensor();
+        return add(gelu_mlp(x, w1, b1, w2, b2, res), linear(x, w, b2, res));
+      }, up, leaves);
+    }
+    TensorList leaves64;
+    for (const Tensor& t : leaves) leaves64.push_back(t.detach().to(DType::f64).set_requires_grad());
+    TensorList exact = run([&] {
+      const TensorList& l = leaves64;
+      Tensor res = residual ? l.back() : Tensor();
+      return add(gelu_mlp(l[0], l[1], l[2], l[3], l[4], res), linear(l[0], l[5], l[4], res));
+    }, up.to(DType::f64), leaves64);
+    for (size_t i = 1; i < fused.size(); ++i) {
+      EXPECT_EQ(fused[i].dtype(), DType::f32) << "gradient " << i;
+      expect_all_close(fused[i], exact[i].to(DType::f32), 5e-2, "gradient " + std::to_string(i));
+    }
+  }
+}
+
 TEST(LinearOps, MismatchedShapesNameTheArgument) {
   Tensor x = randn({2, 5}), w1 = randn({7, 5}), w2 = randn({4, 7});
   expect_error([&] { gelu_mlp(x, randn({7, 6}), Tensor(), w2, Tensor()); }, "w1 of shape (7, 6)");
