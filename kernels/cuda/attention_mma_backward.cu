@@ -38,9 +38,6 @@ template <class T, int D> __global__ void __launch_bounds__(256) prep_kernel(con
     const int64_t row = first + lane_id() / 16, bh = row / p.q_pad;
     const int i = int(row - bh * p.q_pad);
     const bool real = row < rows && i < p.q_len;
-    // The row's lse is loaded beside its dout and out, not after the sum: one trip to memory
-    // a row instead of two (the kernel is bound by that latency, not by bandwidth).
-    const float l = real && sub == 0 ? lse[bh * p.q_len + i] : -INFINITY;
     float d = 0.f;
     if (real && sub < D / 8) {
       const int64_t col = sub * 8;
@@ -55,6 +52,7 @@ template <class T, int D> __global__ void __launch_bounds__(256) prep_kernel(con
 #pragma unroll
     for (int offset = 8; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
     if (sub == 0 && row < rows) {
+      const float l = real ? lse[bh * p.q_len + i] : -INFINITY;
       lse2[row] = l == -INFINITY ? INFINITY : l * kLog2e;
       di[row] = d;
     }
