@@ -12,6 +12,9 @@
 
 namespace loom {
 
+using ops::f32_params;
+using ops::param;
+using ops::Param;
 using ops::ptr_or_null;
 
 namespace {
@@ -76,31 +79,6 @@ void set_output(GemmArgs& g, const Output& o, const Tensor& bias) {
 // output keeps its bias in f32).
 Tensor cast_bias_grad(const Tensor& db, DType bias_dtype) { return db.defined() ? db.to(bias_dtype) : db; }
 
-// f32 parameters under 16-bit products (autocast's master weights): the products read
-// 16-bit copies made without a node, and the weight gradients come out of their products
-// in f32 (GemmArgs::c_f32), bias sums too, with no 16-bit rounding and no cast pass. Else
-// the casts are the differentiable to() and gradients come back through them.
-bool f32_params(DType t, std::initializer_list<Tensor> params) {
-  if (t != DType::bf16 && t != DType::f16) return false;
-  for (const Tensor& p : params)
-    if (p.defined() && p.dtype() != DType::f32) return false;
-  return true;
-}
-
-// The tensor an op computes with, and the one its node takes as input: p cast to `dtype`
-// with a node (then both are the cast), or, for f32_params, the cast without one and p itself.
-struct Param {
-  Tensor used, input;
-};
-Param param(const Tensor& p, DType dtype, bool f32) {
-  if (!p.defined()) return {};
-  if (!f32) {
-    Tensor c = p.to(dtype);
-    return {c, c};
-  }
-  NoGradGuard no_grad;
-  return {p.to(dtype), p};
-}
 
 }  // namespace
 

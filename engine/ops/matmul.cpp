@@ -65,6 +65,23 @@ Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(Gem
   return c;
 }
 
+bool f32_params(DType t, std::initializer_list<Tensor> params) {
+  if (t != DType::bf16 && t != DType::f16) return false;
+  for (const Tensor& p : params)
+    if (p.defined() && p.dtype() != DType::f32) return false;
+  return true;
+}
+
+Param param(const Tensor& p, DType dtype, bool f32) {
+  if (!p.defined()) return {};
+  if (!f32) {
+    Tensor c = p.to(dtype);
+    return {c, c};
+  }
+  NoGradGuard no_grad;
+  return {p.to(dtype), p};
+}
+
 }  // namespace ops
 
 namespace {

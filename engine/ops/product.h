@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <initializer_list>
 
 #include "engine/ops/dispatch.h"
 
@@ -22,5 +23,18 @@ Operand as_operand(const Tensor& t);
 // fills bias, epilogue, sums and c_in before the call. No autograd: callers record their own.
 Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras = {},
                   bool c_f32 = false);
+
+// f32 parameters under 16-bit products (autocast's master weights): the products read
+// 16-bit copies made without a node, and the parameters' gradients come out of their
+// products in f32 (GemmArgs::c_f32), bias sums too, with no 16-bit rounding and no cast
+// pass. Else the casts are the differentiable to() and gradients come back through them.
+bool f32_params(DType t, std::initializer_list<Tensor> params);
+
+// The tensor an op computes with, and the one its node takes as input: p cast to `dtype`
+// with a node (then both are the cast), or, for f32_params, the cast without one and p itself.
+struct Param {
+  Tensor used, input;
+};
+Param param(const Tensor& p, DType dtype, bool f32);
 
 }  // namespace loom::ops

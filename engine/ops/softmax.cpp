@@ -143,36 +143,25 @@ Tensor linear_cross_entropy(const Tensor& x0, const Tensor& weight0, const Tenso
   LOOM_CHECK(is_floating(t), op, " needs floating-point x and weight, got ", dtype_name(x0.dtype()), " and ",
              dtype_name(weight0.dtype()));
   t = autocast_compute_dtype(t);
-  // x through the differentiable cast; the weight cast without a node, its gradient made here
-  // in the weight's dtype: an f32 weight beside 16-bit products (a tied embedding under
-  // autocast) gets it straight from the product's f32 output, with no 16-bit rounding and no
-  // cast pass over (classes, in).
+  // An f32 weight beside 16-bit products (a tied embedding under autocast) gets its gradient
+  // straight from the product's f32 output (ops::f32_params).
+  const bool f32 = ops::f32_params(t, {weight0});
+  const ops::Param w = ops::param(weight0, t, f32);
   Tensor x = x0.to(t);
-  Tensor w;
-  {
-    NoGradGuard no_grad;
-    w = weight0.to(t);
-  }
   Tensor target = target0.to(DType::i64).contiguous();
-  const bool need_x = x.requires_grad(), need_w = weight0.requires_grad();
-  Tensor logits = ops::product_2d(x, w.t());  // (N, classes), only ever seen here
+  const bool need_x = x.requires_grad(), need_w = w.input.requires_grad();
+  Tensor logits = ops::product_2d(x, w.used.t());  // (N, classes), only ever seen here
   // Training: the loss kernel overwrites the logits with their gradient as it goes.
   MeanLoss m = mean_loss(logits, target, ignore_index, label_smoothing, need_x || need_w ? logits.data_ptr() : nullptr);
   if (need_x || need_w) {
-    const DType w_dtype = weight0.dtype();
-    const bool f32_dw = w_dtype == DType::f32 && (t == DType::bf16 || t == DType::f16);
-    Tensor sx = x.detach(), sw = w, grad = logits, denom = m.denom;
-    record(op, {x, weight0}, {m.loss}, [sx, sw, grad, denom, need_x, need_w, w_dtype, f32_dw](const TensorList& g) {
+    Tensor sx = x.detach(), sw = w.used.detach(), grad = logits, denom = m.denom;
+    record(op, {x, w.input}, {m.loss}, [sx, sw, grad, denom, need_x, need_w, f32](const TensorList& g) {
       // d(mean)/d(logits) = g / count times the gradient the kernel wrote: that scale is
       // the products' alpha, read on the device.
       Tensor scale = div(g[0].to(denom.dtype()), denom).contiguous();
       auto scaled = [&](GemmArgs& a) { a.alpha_ptr = scale.data_ptr(); };
-      Tensor dx = need_x ? ops::product_2d(grad, sw, scaled) : Tensor();  // (N, in)
-      Tensor dw;                                                           // (classes, in)
-      if (need_w) {
-        dw = ops::product_2d(grad.t(), sx, scaled, f32_dw);
-        if (dw.dtype() != w_dtype) dw = dw.to(w_dtype);
-      }
+      Tensor dx = need_x ? ops::product_2d(grad, sw, scaled) : Tensor();              // (N, in)
+      Tensor dw = need_w ? ops::product_2d(grad.t(), sx, scaled, f32) : Tensor();      // (classes, in)
       return TensorList{dx, dw};
     });
   }
