@@ -180,7 +180,8 @@ struct CeCase {
 };
 // 1000 and 50304 are multiples of every pack width: rows read in packs, with and without a tail
 // beyond the packs loaded four at a time.
-const CeCase kCeCases[] = {{1031, 10}, {5, 1}, {64, 1024}, {9, 1000}, {33, 1025}, {24, 50304}, {257, 50257}, {1, 100003}};
+const std::vector<CeCase> kCeCases = {{1031, 10},  {5, 1},      {64, 1024},   {9, 1000},
+                                      {33, 1025},  {24, 50304}, {257, 50257}, {1, 100003}};
 
 // Targets in [0, C), about one row in eight set to ignore_index (-100).
 std::vector<int64_t> random_targets(int64_t N, int64_t C, uint32_t seed) {
@@ -190,73 +191,74 @@ std::vector<int64_t> random_targets(int64_t N, int64_t C, uint32_t seed) {
   return t;
 }
 
-TEST(CrossEntropyCuda, ForwardMatchesCpu) {
-  LOOM_REQUIRE_CUDA();
-  uint32_t seed = 7;
-  for (CeCase c : kCeCases)
+// Runs f for every case, dtype and label smoothing (0 and 0.1), traced, with logits x
+// (random in [-4, 4), encoded in the dtype) and targets t drawn from seeds counted up from
+// `seed`; f may draw more from the same count.
+template <class F> void for_each_ce_case(const std::vector<CeCase>& cases, uint32_t seed, F&& f) {
+  for (CeCase c : cases)
     for (DType dt : kDtypes)
       for (double eps : {0.0, 0.1}) {
         SCOPED_TRACE((Shape{c.N, c.C, 1}.str()) + " " + std::string(dtype_name(dt)) + " label_smoothing " +
                      std::to_string(eps));
-        auto x = encode(random_values(c.N * c.C, seed++, -4, 4), dt);
-        auto t = random_targets(c.N, c.C, seed++);
-        // Per-row results come in the accumulation type: f64 for f64 logits, else f32.
-        const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
-        std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
-        cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
-                                         nullptr, nullptr);
-        auto loss = decode(loss_b, acc), lse = decode(lse_b, acc);
-        DeviceBuffer<uint8_t> d_x(x);
-        DeviceBuffer<int64_t> d_t(t);
-        DeviceBuffer<uint8_t> d_loss(loss_b.size()), d_lse(lse_b.size());
-        cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps,
-                                          nullptr, nullptr);
-        const double rel = dt == DType::f64 ? 1e-9 : rtol(DType::f32);
-        auto got_loss = decode(d_loss.to_host(), acc), got_lse = decode(d_lse.to_host(), acc);
-        for (int64_t n = 0; n < c.N; ++n) {
-          double tol = rel * (std::abs(lse[n]) + 1);
-          EXPECT_NEAR(got_lse[n], lse[n], tol) << "row " << n;
-          EXPECT_NEAR(got_loss[n], loss[n], tol) << "row " << n;
-          if (t[n] == -100) {
-            EXPECT_EQ(got_loss[n], 0.0) << "ignored row " << n;
-          }
-        }
+        const auto x = encode(random_values(c.N * c.C, seed++, -4, 4), dt);
+        const auto t = random_targets(c.N, c.C, seed++);
+        f(c, dt, eps, x, t, seed);
       }
+}
+
+TEST(CrossEntropyCuda, ForwardMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  for_each_ce_case(kCeCases, 7, [](CeCase c, DType dt, double eps, const std::vector<uint8_t>& x,
+                                    const std::vector<int64_t>& t, uint32_t& seed) {
+    const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
+    std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
+    cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
+                                     nullptr, nullptr);
+    auto loss = decode(loss_b, acc), lse = decode(lse_b, acc);
+    DeviceBuffer<uint8_t> d_x(x);
+    DeviceBuffer<int64_t> d_t(t);
+    DeviceBuffer<uint8_t> d_loss(loss_b.size()), d_lse(lse_b.size());
+    cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps,
+                                      nullptr, nullptr);
+    const double rel = dt == DType::f64 ? 1e-9 : rtol(DType::f32);
+    auto got_loss = decode(d_loss.to_host(), acc), got_lse = decode(d_lse.to_host(), acc);
+    for (int64_t n = 0; n < c.N; ++n) {
+      double tol = rel * (std::abs(lse[n]) + 1);
+      EXPECT_NEAR(got_lse[n], lse[n], tol) << "row " << n;
+      EXPECT_NEAR(got_loss[n], loss[n], tol) << "row " << n;
+      if (t[n] == -100) {
+        EXPECT_EQ(got_loss[n], 0.0) << "ignored row " << n;
+      }
+    }
+  });
 }
 
 TEST(CrossEntropyCuda, BackwardMatchesCpu) {
   LOOM_REQUIRE_CUDA();
-  uint32_t seed = 70;
-  for (CeCase c : kCeCases)
-    for (DType dt : kDtypes)
-      for (double eps : {0.0, 0.1}) {
-        SCOPED_TRACE((Shape{c.N, c.C, 1}.str()) + " " + std::string(dtype_name(dt)) + " label_smoothing " +
-                     std::to_string(eps));
-        auto xd = random_values(c.N * c.C, seed++, -4, 4);
-        auto x = encode(xd, dt);
-        xd = decode(x, dt);
-        auto t = random_targets(c.N, c.C, seed++);
-        const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
-        auto grad_row_b = encode(random_values(c.N, seed++, 0.5, 1.5), acc);
-        std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
-        cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
-                                         nullptr, nullptr);
-        auto grad_row = decode(grad_row_b, acc), lse = decode(lse_b, acc);
-        std::vector<uint8_t> cpu_g(x.size());
-        cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse_b.data(), t.data(), grad_row_b.data(),
-                                                  dt, c.N, c.C, -100, eps, nullptr);
-        DeviceBuffer<uint8_t> d_x(x), d_g(x.size());
-        DeviceBuffer<int64_t> d_t(t);
-        DeviceBuffer<uint8_t> d_lse(lse_b), d_gr(grad_row_b);
-        cuda_kernel_table().cross_entropy_backward(d_g.get(), d_x.get(), d_lse.get(), d_t.get(), d_gr.get(), dt, c.N,
-                                                   c.C, -100, eps, nullptr);
-        // Scale: |g| (p + [c == t] + eps / C), the sizes of the terms before they cancel.
-        std::vector<double> scale(xd.size());
-        for (int64_t n = 0; n < c.N; ++n)
-          for (int64_t k = 0; k < c.C; ++k)
-            scale[n * c.C + k] = grad_row[n] * (std::exp(xd[n * c.C + k] - lse[n]) + (k == t[n]) + eps / double(c.C));
-        expect_close(decode(d_g.to_host(), dt), decode(cpu_g, dt), scale, dt);
-      }
+  for_each_ce_case(kCeCases, 70, [](CeCase c, DType dt, double eps, const std::vector<uint8_t>& x,
+                                    const std::vector<int64_t>& t, uint32_t& seed) {
+    const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
+    const std::vector<double> xd = decode(x, dt);
+    auto grad_row_b = encode(random_values(c.N, seed++, 0.5, 1.5), acc);
+    std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
+    cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
+                                     nullptr, nullptr);
+    auto grad_row = decode(grad_row_b, acc), lse = decode(lse_b, acc);
+    std::vector<uint8_t> cpu_g(x.size());
+    cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse_b.data(), t.data(), grad_row_b.data(),
+                                              dt, c.N, c.C, -100, eps, nullptr);
+    DeviceBuffer<uint8_t> d_x(x), d_g(x.size());
+    DeviceBuffer<int64_t> d_t(t);
+    DeviceBuffer<uint8_t> d_lse(lse_b), d_gr(grad_row_b);
+    cuda_kernel_table().cross_entropy_backward(d_g.get(), d_x.get(), d_lse.get(), d_t.get(), d_gr.get(), dt, c.N,
+                                               c.C, -100, eps, nullptr);
+    // Scale: |g| (p + [c == t] + eps / C), the sizes of the terms before they cancel.
+    std::vector<double> scale(xd.size());
+    for (int64_t n = 0; n < c.N; ++n)
+      for (int64_t k = 0; k < c.C; ++k)
+        scale[n * c.C + k] = grad_row[n] * (std::exp(xd[n * c.C + k] - lse[n]) + (k == t[n]) + eps / double(c.C));
+    expect_close(decode(d_g.to_host(), dt), decode(cpu_g, dt), scale, dt);
+  });
 }
 
 // Equal bytes, else the first element (of elem bytes) that differs.
@@ -275,39 +277,33 @@ void expect_same_bytes(const std::vector<uint8_t>& got, const std::vector<uint8_
 // logits. Beyond kCeCases, 600 rows of 2056 are more rows than the grid has blocks.
 TEST(CrossEntropyCuda, ForwardWritesTheBackwardsGradientOfUnitRows) {
   LOOM_REQUIRE_CUDA();
-  std::vector<CeCase> cases(std::begin(kCeCases), std::end(kCeCases));
+  std::vector<CeCase> cases = kCeCases;
   cases.push_back({600, 2056});
-  uint32_t seed = 700;
-  for (CeCase c : cases)
-    for (DType dt : kDtypes)
-      for (double eps : {0.0, 0.1}) {
-        SCOPED_TRACE((Shape{c.N, c.C, 1}.str()) + " " + std::string(dtype_name(dt)) + " label_smoothing " +
-                     std::to_string(eps));
-        auto x = encode(random_values(c.N * c.C, seed++, -4, 4), dt);
-        auto t = random_targets(c.N, c.C, seed++);
-        const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
-        const size_t row_bytes = size_t(c.N) * dtype_size(acc);
-        DeviceBuffer<uint8_t> d_x(x), d_in_place(x), d_ones(encode(std::vector<double>(size_t(c.N), 1.0), acc));
-        DeviceBuffer<int64_t> d_t(t);
-        DeviceBuffer<uint8_t> d_loss(row_bytes), d_lse(row_bytes), d_loss_g(row_bytes), d_lse_g(row_bytes),
-            d_loss_i(row_bytes), d_lse_i(row_bytes), d_want(x.size()), d_grad(x.size());
-        const auto& cuda = cuda_kernel_table();
-        cuda.cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, nullptr, nullptr);
-        cuda.cross_entropy_backward(d_want.get(), d_x.get(), d_lse.get(), d_t.get(), d_ones.get(), dt, c.N, c.C, -100,
-                                    eps, nullptr);
-        cuda.cross_entropy(d_loss_g.get(), d_lse_g.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, d_grad.get(),
-                           nullptr);
-        cuda.cross_entropy(d_loss_i.get(), d_lse_i.get(), d_in_place.get(), dt, d_t.get(), c.N, c.C, -100, eps,
-                           d_in_place.get(), nullptr);
-        const size_t elem = dtype_size(dt), acc_elem = dtype_size(acc);
-        const auto loss = d_loss.to_host(), lse = d_lse.to_host(), want = d_want.to_host();
-        expect_same_bytes(d_loss_g.to_host(), loss, acc_elem, "loss");
-        expect_same_bytes(d_lse_g.to_host(), lse, acc_elem, "lse");
-        expect_same_bytes(d_grad.to_host(), want, elem, "gradient");
-        expect_same_bytes(d_loss_i.to_host(), loss, acc_elem, "loss, in place");
-        expect_same_bytes(d_lse_i.to_host(), lse, acc_elem, "lse, in place");
-        expect_same_bytes(d_in_place.to_host(), want, elem, "gradient, in place");
-      }
+  for_each_ce_case(cases, 700, [](CeCase c, DType dt, double eps, const std::vector<uint8_t>& x,
+                                    const std::vector<int64_t>& t, uint32_t& seed) {
+    const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
+    const size_t row_bytes = size_t(c.N) * dtype_size(acc);
+    DeviceBuffer<uint8_t> d_x(x), d_in_place(x), d_ones(encode(std::vector<double>(size_t(c.N), 1.0), acc));
+    DeviceBuffer<int64_t> d_t(t);
+    DeviceBuffer<uint8_t> d_loss(row_bytes), d_lse(row_bytes), d_loss_g(row_bytes), d_lse_g(row_bytes),
+        d_loss_i(row_bytes), d_lse_i(row_bytes), d_want(x.size()), d_grad(x.size());
+    const auto& cuda = cuda_kernel_table();
+    cuda.cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, nullptr, nullptr);
+    cuda.cross_entropy_backward(d_want.get(), d_x.get(), d_lse.get(), d_t.get(), d_ones.get(), dt, c.N, c.C, -100,
+                                eps, nullptr);
+    cuda.cross_entropy(d_loss_g.get(), d_lse_g.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, d_grad.get(),
+                       nullptr);
+    cuda.cross_entropy(d_loss_i.get(), d_lse_i.get(), d_in_place.get(), dt, d_t.get(), c.N, c.C, -100, eps,
+                       d_in_place.get(), nullptr);
+    const size_t elem = dtype_size(dt), acc_elem = dtype_size(acc);
+    const auto loss = d_loss.to_host(), lse = d_lse.to_host(), want = d_want.to_host();
+    expect_same_bytes(d_loss_g.to_host(), loss, acc_elem, "loss");
+    expect_same_bytes(d_lse_g.to_host(), lse, acc_elem, "lse");
+    expect_same_bytes(d_grad.to_host(), want, elem, "gradient");
+    expect_same_bytes(d_loss_i.to_host(), loss, acc_elem, "loss, in place");
+    expect_same_bytes(d_lse_i.to_host(), lse, acc_elem, "lse, in place");
+    expect_same_bytes(d_in_place.to_host(), want, elem, "gradient, in place");
+  });
 }
 
 // extreme_rows as logits, packed (R = 40: a warp a row; 2000: a block) and not (R = 2001):
