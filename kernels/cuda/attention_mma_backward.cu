@@ -24,37 +24,59 @@ using namespace mma_tiles;
 // ---- backward: dQ ----------------------------------------------------------------------
 
 // lse2 = lse log2(e) (+inf for rows that see no key, and padding rows) and Di = rowsum(dout
-// * out) (0 on padding rows) for every (head, row < q_pad): 16 lanes a row, each reading 16
-// bytes of dout and of out.
+// * out) (0 on padding rows) for every (head, row < q_pad). A row takes L lanes (D / 8
+// rounded up to a power of two), each reading 16 bytes of dout and of out, so a warp covers
+// 32 / L rows; a warp loads kPrepRows such groups before it reduces any, and the grid is
+// sized to the GPU (blocks loop over the rows), so each block has many loads in flight
+// rather than launching a block per 16 rows.
+constexpr int kPrepRows = 4;
+
+template <int D> constexpr int prep_lanes() { return D / 8 <= 4 ? 4 : D / 8 <= 8 ? 8 : 16; }
+
 template <class T, int D> __global__ void __launch_bounds__(256) prep_kernel(const Params p, const T* out, const float* lse) {
-  static_assert(D / 8 <= 16, "a row's 16-byte chunks must fit in half a warp");
+  constexpr int L = prep_lanes<D>(), R = 32 / L;
+  static_assert(D / 8 <= L, "a row's 16-byte chunks must fit in its lanes");
   constexpr float kLog2e = 1.4426950408889634f;
-  const int sub = int(threadIdx.x % 16);
-  const int64_t rows = p.heads * p.q_pad, step = int64_t(gridDim.x) * blockDim.x / 16;
+  const int sub = lane_id() % L;
+  const int64_t rows = p.heads * p.q_pad;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
   float* lse2 = static_cast<float*>(const_cast<void*>(p.lse2));
   float* di = static_cast<float*>(const_cast<void*>(p.di));
   // Whole warps iterate together, so the shuffles below see all 32 lanes.
-  for (int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x - lane_id()) / 16; first < rows; first += step) {
-    const int64_t row = first + lane_id() / 16, bh = row / p.q_pad;
-    const int i = int(row - bh * p.q_pad);
-    const bool real = row < rows && i < p.q_len;
-    float d = 0.f;
-    if (real && sub < D / 8) {
-      const int64_t col = sub * 8;
-      const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + p.offset(p.strides.dout, bh) +
-                                                      int64_t(i) * p.strides.dout.seq + col);
-      const uint4 b = *reinterpret_cast<const uint4*>(out + p.offset(p.strides.out, bh) + int64_t(i) * p.strides.out.seq + col);
-      const T* x = reinterpret_cast<const T*>(&a);
-      const T* y = reinterpret_cast<const T*>(&b);
+  for (int64_t first = warp * R * kPrepRows; first < rows; first += warps * R * kPrepRows) {
+    uint4 a[kPrepRows], b[kPrepRows];
+    float l[kPrepRows];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) d += float(x[e]) * float(y[e]);
+    for (int u = 0; u < kPrepRows; ++u) {
+      const int64_t row = first + u * R + lane_id() / L, bh = row / p.q_pad;
+      const int i = int(row - bh * p.q_pad);
+      const bool real = row < rows && i < p.q_len;
+      a[u] = b[u] = uint4{0, 0, 0, 0};
+      l[u] = -INFINITY;
+      if (real && sub < D / 8) {
+        const int64_t col = sub * 8;
+        a[u] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + p.offset(p.strides.dout, bh) +
+                                               int64_t(i) * p.strides.dout.seq + col);
+        b[u] = *reinterpret_cast<const uint4*>(out + p.offset(p.strides.out, bh) + int64_t(i) * p.strides.out.seq +
+                                               col);
+      }
+      if (real && sub == 0) l[u] = lse[bh * p.q_len + i];
     }
 #pragma unroll
-    for (int offset = 8; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
-    if (sub == 0 && row < rows) {
-      const float l = real ? lse[bh * p.q_len + i] : -INFINITY;
-      lse2[row] = l == -INFINITY ? INFINITY : l * kLog2e;
-      di[row] = d;
+    for (int u = 0; u < kPrepRows; ++u) {
+      const T* x = reinterpret_cast<const T*>(&a[u]);
+      const T* y = reinterpret_cast<const T*>(&b[u]);
+      float d = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d += float(x[e]) * float(y[e]);
+#pragma unroll
+      for (int offset = L / 2; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
+      const int64_t row = first + u * R + lane_id() / L;
+      if (sub == 0 && row < rows) {
+        lse2[row] = l[u] == -INFINITY ? INFINITY : l[u] * kLog2e;
+        di[row] = d;
+      }
     }
   }
 }
@@ -349,7 +371,9 @@ void mma_backward(const Params& p, const void* out, const void* lse, DType dtype
     constexpr int D = decltype(dim)::value, MT = D <= 64 ? 2 : 1;
     const int64_t rows = p.heads * p.q_pad;
     if (rows > 0) {
-      prep_kernel<T, D><<<unsigned(std::min<int64_t>((rows + 15) / 16, 65535)), 256, 0, stream>>>(
+      constexpr int64_t rows_per_block = 256 / prep_lanes<D>() * kPrepRows;
+      const int64_t blocks = std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, int64_t(sm_count()) * 8);
+      prep_kernel<T, D><<<unsigned(blocks), 256, 0, stream>>>(
           p, static_cast<const T*>(out), static_cast<const float*>(lse));
       LOOM_CUDA_LAUNCH();
     }
