@@ -1,10 +1,24 @@
 #include "engine/autocast.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "engine/autograd.h"
+#include "engine/tensor.h"
 #include "kernels/core/error.h"
 
 namespace loom {
 namespace {
 thread_local std::optional<DType> current;
+
+std::atomic<bool>& copies_on() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("LOOM_AUTOCAST_WEIGHT_COPIES");
+    return !(env && std::string(env) == "0");
+  }()};
+  return on;
+}
 }  // namespace
 
 AutocastGuard::AutocastGuard(std::optional<DType> dtype) : previous_(current) {
@@ -18,5 +32,31 @@ AutocastGuard::~AutocastGuard() { current = previous_; }
 std::optional<DType> autocast_dtype() { return current; }
 
 DType autocast_compute_dtype(DType t) { return current && t == DType::f32 ? *current : t; }
+
+void set_autocast_weight_copies(bool enabled) { copies_on() = enabled; }
+bool autocast_weight_copies() { return copies_on(); }
+
+Tensor weight_copy(const Tensor& p, DType dtype) {
+  TensorImpl* impl = p.impl();
+  const bool keep = autocast_weight_copies() && p.is_leaf() && p.requires_grad();
+  if (keep && impl->cast_copy && impl->cast_copy->dtype == dtype && impl->cast_version == p.storage()->version())
+    return Tensor(impl->cast_copy);
+  NoGradGuard no_grad;
+  Tensor copy = p.to(dtype);
+  if (keep) set_weight_copy(p, copy);
+  else impl->cast_copy.reset();
+  return copy;
+}
+
+std::optional<DType> weight_copy_dtype(const Tensor& p) {
+  if (!p.impl()->cast_copy || !autocast_weight_copies()) return std::nullopt;
+  return p.impl()->cast_copy->dtype;
+}
+
+void set_weight_copy(const Tensor& p, const Tensor& copy) {
+  LOOM_ASSERT(copy.shape() == p.shape() && copy.is_contiguous(), "a weight copy has its parameter's shape");
+  p.impl()->cast_copy = copy.impl_ptr();
+  p.impl()->cast_version = p.storage()->version();
+}
 
 }  // namespace loom

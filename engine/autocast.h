@@ -7,6 +7,15 @@
 // tensor promotes to f32, as in PyTorch), so normalisation, softmax and losses stay exact.
 //
 // The guard is per thread and nests; AutocastGuard(std::nullopt) turns autocast off inside.
+//
+// Weight copies: the products that take f32 parameters straight (ops::param: linear,
+// gelu_mlp, linear_cross_entropy) keep the 16-bit copy they read on the parameter and
+// reuse it while the parameter's storage is unchanged (Storage::version), instead of
+// casting every weight again at every forward. The optimizers write a fresh copy in the
+// same kernel that updates the parameter (2 bytes more a element), so a training step
+// makes no weight casts. A kept copy costs 2 bytes a parameter element for as long as the
+// parameter lives; set_autocast_weight_copies(false) turns this off (a cast at every use,
+// nothing kept), as does the environment variable LOOM_AUTOCAST_WEIGHT_COPIES=0.
 #pragma once
 
 #include <optional>
@@ -14,6 +23,8 @@
 #include "kernels/core/dtype.h"
 
 namespace loom {
+
+class Tensor;
 
 class AutocastGuard {
  public:
@@ -32,5 +43,18 @@ std::optional<DType> autocast_dtype();
 // The dtype an autocast op computes in given its operands' promoted dtype `t`: the autocast
 // dtype for f32 under a guard, else `t` unchanged (f64 stays f64, as in PyTorch).
 DType autocast_compute_dtype(DType t);
+
+// Process-wide; on unless LOOM_AUTOCAST_WEIGHT_COPIES=0.
+void set_autocast_weight_copies(bool enabled);
+bool autocast_weight_copies();
+
+// p in `dtype`, with no autograd node: p's kept copy while it is valid, else a new cast,
+// kept on p when p is a parameter (a leaf that requires a gradient) and copies are on.
+Tensor weight_copy(const Tensor& p, DType dtype);
+
+// For optimizers, which refresh copies as they update: the dtype of the copy p keeps
+// (valid or not), if any; and `copy` recorded as p's copy of p's values as of now.
+std::optional<DType> weight_copy_dtype(const Tensor& p);
+void set_weight_copy(const Tensor& p, const Tensor& copy);
 
 }  // namespace loom

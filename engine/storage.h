@@ -1,7 +1,9 @@
 // Storage: one allocation of bytes on one device, shared by every tensor that views it.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 
@@ -23,12 +25,21 @@ class Storage {
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
 
+  // Changes whenever Loom's in-place ops write these bytes (copy_, fill_, optimizer
+  // updates, collectives; Tensor::bump_version() for writes made any other way). Values
+  // come from one process-wide counter, so no two storages, and no two states of one, ever
+  // share a version: a copy derived from the data, stamped with the version it saw, is
+  // valid exactly while the version is unchanged (autocast's weight casts rely on this).
+  uint64_t version() const { return version_.load(std::memory_order_relaxed); }
+  void bump_version();
+
  private:
   Device device_;
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   std::function<void(void*)> deleter_;
   bool owned_ = true;
+  std::atomic<uint64_t> version_;
 };
 
 }  // namespace loom

@@ -143,6 +143,7 @@ void Tensor::set_data(const Tensor& other) {
   impl()->strides = other.strides();
   impl()->offset = other.offset();
   impl()->dtype = other.dtype();
+  impl()->cast_copy.reset();
 }
 
 namespace {

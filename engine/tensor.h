@@ -38,6 +38,11 @@ struct TensorImpl {
   int output_nr = 0;              // which output of grad_fn this is
   std::weak_ptr<Node> grad_accumulator;
   std::vector<std::function<void(Tensor&)>> post_accumulate_hooks;
+
+  // Autocast's 16-bit copy of a parameter (engine/autocast.h): valid while the storage's
+  // version is still cast_version.
+  std::shared_ptr<TensorImpl> cast_copy;
+  uint64_t cast_version = 0;
 };
 
 class Tensor {
@@ -69,6 +74,10 @@ class Tensor {
   size_t nbytes() const { return size_t(numel()) * element_size(); }
   bool is_contiguous() const;
   const std::shared_ptr<Storage>& storage() const { return impl()->storage; }
+  // Records a write into the storage made around Loom's in-place ops (through data_ptr()
+  // by a kernel of one's own, say), so that copies derived from the old values, such as
+  // autocast's weight casts, are not reused. Loom's own in-place ops do this themselves.
+  void bump_version() const { storage()->bump_version(); }
 
   // Pointer to the first element (storage base + offset).
   void* data_ptr() const;

@@ -162,6 +162,9 @@ struct LayerNormArgs {
 // bf16 or f16; 16-bit tensors compute in f32 and round once at the store). The lists
 // themselves are host arrays. state1/state2 are the optimizer's buffers: SGD's
 // momentum_buffer (state1); Adam's exp_avg (state1) and exp_avg_sq (state2).
+// Optionally (sgd_step and adam_step, f32 parameters only) copies[i], when not null,
+// receives the updated parameter rounded to copy_dtype (bf16 or f16), exactly as a cast
+// of it would: autocast's weight copies, written in the update's own pass.
 struct MultiTensorArgs {
   DType dtype = DType::f32;
   int64_t count = 0;
@@ -170,6 +173,8 @@ struct MultiTensorArgs {
   void* const* state1 = nullptr;
   void* const* state2 = nullptr;
   const int64_t* numel = nullptr;
+  void* const* copies = nullptr;
+  DType copy_dtype = DType::bf16;
 };
 
 // torch.optim.SGD's update for every element (g the gradient, p the parameter, b the buffer):

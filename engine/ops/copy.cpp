@@ -55,6 +55,7 @@ void copy_(const Tensor& dst, const Tensor& src) {
   Shape bshape = broadcast_shapes(dst.shape(), src.shape());
   LOOM_CHECK(bshape == dst.shape(), "copy_: source of shape ", shape_str(src.shape()),
              " does not broadcast to the destination's shape ", shape_str(dst.shape()));
+  dst.bump_version();
   if (dst.numel() == 0) return;
   if (dst.device() == src.device()) {
     ops::kernels(dst.device()).copy(ops::strided(dst), ops::broadcast_strided(src, dst.shape()), ops::stream(dst));

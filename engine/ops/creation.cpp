@@ -12,6 +12,7 @@ using ops::strided;
 void fill_(const Tensor& t, double value) {
   if (t.numel() == 0) return;
   LOOM_CHECK(!(grad_enabled() && t.requires_grad()), "fill_ on a tensor that requires a gradient: wrap it in NoGradGuard");
+  t.bump_version();
   kernels(t.device()).fill(strided(t), value, ops::stream(t));
 }
 

@@ -177,6 +177,7 @@ void add_(const Tensor& a, const Tensor& b, double alpha) {
   LOOM_CHECK(!(grad_enabled() && a.requires_grad()),
              "add_ on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
   ops::check_same_device(a, b, "add_");
+  a.bump_version();
   NoGradGuard no_grad;
   Tensor rhs = b.dtype() == a.dtype() ? b : b.to(a.dtype());
   if (alpha != 1) rhs = mul(rhs, alpha);
@@ -192,6 +193,7 @@ void add_(const Tensor& a, const Tensor& b, double alpha) {
 void mul_(const Tensor& a, double s) {
   LOOM_CHECK(!(grad_enabled() && a.requires_grad()),
              "mul_ on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
+  a.bump_version();
   if (a.numel() == 0) return;
   if (a.is_contiguous()) {
     kernels(a.device()).unary(UnaryOp::mul_scalar, strided(a), strided(a), s, ops::stream(a));

@@ -78,8 +78,7 @@ Param param(const Tensor& p, DType dtype, bool f32) {
     Tensor c = p.to(dtype);
     return {c, c};
   }
-  NoGradGuard no_grad;
-  return {p.to(dtype), p};
+  return {weight_copy(p, dtype), p};
 }
 
 }  // namespace ops

@@ -7,9 +7,13 @@
 // kernel treat every tensor as a flat array behind one pointer. Mixed lists are the
 // caller's to split (layers/optim does, by device and dtype). Nothing here is recorded by
 // autograd: the update writes the parameters' memory in place.
+//
+// The update changes every parameter's storage version, and a parameter that keeps an
+// autocast weight copy (engine/autocast.h) gets a fresh copy written by the update itself.
 #include <cstdint>
 #include <vector>
 
+#include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
 
 namespace loom {
@@ -59,6 +63,39 @@ struct Lists {
     a.state2 = state2.empty() ? nullptr : state2.data();
     a.numel = numel.data();
     return a;
+  }
+};
+
+// New 16-bit copies for the f32 parameters that keep one (all of one dtype: a parameter
+// whose copy has another is left to be cast again at its next use).
+struct Copies {
+  TensorList tensors;        // per parameter, undefined where none
+  std::vector<void*> ptrs;   // the kernel's list
+  DType dtype = DType::bf16;
+  bool any = false;
+
+  explicit Copies(const TensorList& params) : tensors(params.size()), ptrs(params.size(), nullptr) {
+    if (params[0].dtype() != DType::f32) return;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const std::optional<DType> d = weight_copy_dtype(params[i]);
+      if (!d || (any && *d != dtype)) continue;
+      dtype = *d;
+      any = true;
+      tensors[i] = Tensor::empty(params[i].shape(), dtype, params[i].device());
+      ptrs[i] = tensors[i].data_ptr();
+    }
+  }
+  void add_to(MultiTensorArgs& a) const {
+    if (!any) return;
+    a.copies = ptrs.data();
+    a.copy_dtype = dtype;
+  }
+  // After the update: every parameter changed; the fresh copies match it.
+  void record(const TensorList& params) const {
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].bump_version();
+      if (tensors[i].defined()) set_weight_copy(params[i], tensors[i]);
+    }
   }
 };
 
@@ -112,7 +149,11 @@ void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorL
   hyper.weight_decay = weight_decay;
   hyper.nesterov = nesterov;
   hyper.first = first.data();
-  ops::kernels(device).sgd_step(l.args(dtype), hyper, ops::stream(params[0]));
+  const Copies copies(params);
+  MultiTensorArgs args = l.args(dtype);
+  copies.add_to(args);
+  ops::kernels(device).sgd_step(args, hyper, ops::stream(params[0]));
+  copies.record(params);
 }
 
 void adam_update_fused(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
@@ -148,7 +189,11 @@ void adam_update_fused(const TensorList& params, const TensorList& grads, const 
   hyper.weight_decay = weight_decay;
   hyper.decoupled = decoupled;
   hyper.step = steps.data();
-  ops::kernels(params[0].device()).adam_step(l.args(params[0].dtype()), hyper, ops::stream(params[0]));
+  const Copies copies(params);
+  MultiTensorArgs args = l.args(params[0].dtype());
+  copies.add_to(args);
+  ops::kernels(params[0].device()).adam_step(args, hyper, ops::stream(params[0]));
+  copies.record(params);
 }
 
 void copy_many_(const TensorList& dst, const TensorList& src) {
@@ -159,6 +204,7 @@ void copy_many_(const TensorList& dst, const TensorList& src) {
   for (size_t i = 0; i < src.size(); ++i) check_entry(op, "src", i, src[i], dst);
   Lists l = lists_of(dst, src);
   ops::kernels(dst[0].device()).multi_tensor_copy(l.args(dst[0].dtype()), ops::stream(dst[0]));
+  for (const Tensor& t : dst) t.bump_version();
 }
 
 }  // namespace loom

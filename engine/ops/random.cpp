@@ -45,6 +45,7 @@ void set_rng_state(uint64_t seed, uint64_t offset) {
 
 void uniform_(const Tensor& t, double lo, double hi) {
   check_random_target(t, "uniform_");
+  t.bump_version();
   if (t.numel() == 0) return;
   Tensor target = t.is_contiguous() ? t : Tensor::empty(t.shape(), t.dtype(), t.device());
   uint64_t seed;
@@ -55,6 +56,7 @@ void uniform_(const Tensor& t, double lo, double hi) {
 
 void normal_(const Tensor& t, double mean, double std) {
   check_random_target(t, "normal_");
+  t.bump_version();
   if (t.numel() == 0) return;
   Tensor target = t.is_contiguous() ? t : Tensor::empty(t.shape(), t.dtype(), t.device());
   uint64_t seed;

@@ -8,6 +8,7 @@
 // tensor; 16-bit values are widened to f32, updated, and rounded once at the store.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/core/optim_math.h"
@@ -45,6 +46,21 @@ void for_each_range(const MultiTensorArgs& a, const Body& body) {
 
 void check_lists(const MultiTensorArgs& a, const char* op) {
   LOOM_ASSERT(a.count == 0 || (a.params && a.grads && a.numel), op, ": params, grads and numel are required");
+  LOOM_ASSERT(!a.copies || (a.dtype == DType::f32 && (a.copy_dtype == DType::bf16 || a.copy_dtype == DType::f16)),
+              op, ": 16-bit copies are written from f32 parameters only");
+}
+
+// copies[i][k] = p[k] rounded, for k in [begin, end), when tensor i has a copy.
+template <class T> void write_copy(const MultiTensorArgs& a, int64_t i, const T* p, int64_t begin, int64_t end) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!a.copies || !a.copies[i]) return;
+    auto round_into = [&](auto* c) {
+      using C = std::remove_pointer_t<decltype(c)>;
+      for (int64_t k = begin; k < end; ++k) c[k] = C(p[k]);
+    };
+    if (a.copy_dtype == DType::bf16) round_into(static_cast<bf16*>(a.copies[i]));
+    else round_into(static_cast<f16*>(a.copies[i]));
+  }
 }
 
 }  // namespace
@@ -67,6 +83,7 @@ void sgd_step(const MultiTensorArgs& a, const SgdHyper& h, StreamHandle) {
         p[k] = T(math.step(A(p[k]), A(g[k]), buf, first));
         if (b) b[k] = T(buf);
       }
+      write_copy(a, i, p, begin, end);
     });
   });
 }
@@ -95,6 +112,7 @@ void adam_step(const MultiTensorArgs& a, const AdamHyper& h, StreamHandle) {
         m[k] = T(mk);
         v[k] = T(vk);
       }
+      write_copy(a, i, p, begin, end);
     });
   });
 }

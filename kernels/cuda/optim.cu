@@ -20,8 +20,12 @@
 // - Empty tensors take no block, and a call with none to update launches nothing.
 // All four floating dtypes work; f64 computes in f64, the others in f32 with one rounding at
 // each store. Adam's bias corrections are computed per tensor in double on the host.
+// f32 parameters may also have their updated values stored as bf16 or f16 (autocast's
+// weight copies, MultiTensorArgs::copies) in the same pass: 2 bytes more a element, where a
+// cast afterwards would read the 4 again.
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 #include "kernels/core/optim_math.h"
 #include "kernels/cuda/common.cuh"
@@ -78,7 +82,7 @@ template <class A> struct CopyOp {
 
 // The most tensors one launch's parameters hold.
 template <class Op> constexpr int max_capacity() {
-  constexpr size_t per_tensor = Op::kLists * sizeof(void*) + sizeof(int64_t) + sizeof(typename Op::Extra) +
+  constexpr size_t per_tensor = (Op::kLists + 1) * sizeof(void*) + sizeof(int64_t) + sizeof(typename Op::Extra) +
                                 sizeof(int32_t);
   constexpr size_t fixed = sizeof(Op) + 64;  // the op, count, one more block_start, padding
   return int((kMaxParamBytes - fixed) / per_tensor);
@@ -91,6 +95,7 @@ template <class Op, int kCap> struct Launch {
   Op op;
   int count;                       // tensors in this launch, all non-empty
   void* ptr[Op::kLists][kCap];     // [list k][tensor i]
+  void* copy[kCap];                // the parameter's 16-bit copy, or null
   int64_t numel[kCap];
   typename Op::Extra extra[kCap];
   int32_t block_start[kCap + 1];   // tensor i owns blocks [block_start[i], block_start[i + 1])
@@ -109,7 +114,8 @@ template <class Op, int kCap> __device__ __forceinline__ int tensor_of_block(con
   return lo;
 }
 
-template <class T, class Op, int kCap>
+// C is the type of the parameters' copies (void: none in this launch).
+template <class T, class C, class Op, int kCap>
 __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_constant__ Launch<Op, kCap> l) {
   using A = acc_t<T>;
   constexpr int K = Op::kLists;
@@ -130,12 +136,19 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
     write[k] = op.writes(k);
     if (read[k] || write[k]) vectorized &= reinterpret_cast<uintptr_t>(ptr[k]) % 16 == 0;
   }
+  using Copy = std::conditional_t<std::is_void_v<C>, T, C>;  // C, or a stand-in never stored
+  [[maybe_unused]] Copy* copy = nullptr;
+  if constexpr (!std::is_void_v<C>) {
+    copy = l.copy[i] ? static_cast<C*>(l.copy[i]) + begin : nullptr;
+    vectorized &= reinterpret_cast<uintptr_t>(copy) % (N * sizeof(C)) == 0;
+  }
 
   int64_t done = 0;
   if (vectorized) {
     const int64_t packs = n / N;
     for (int64_t j = threadIdx.x; j < packs; j += kThreads) {
       Pack<T, N> pk[K];
+      [[maybe_unused]] Pack<Copy, N> pc;
 #pragma unroll
       for (int k = 0; k < K; ++k)
         if (read[k]) pk[k] = reinterpret_cast<const Pack<T, N>*>(ptr[k])[j];
@@ -147,10 +160,13 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
         op(x, extra);
 #pragma unroll
         for (int k = 0; k < K; ++k) pk[k].v[e] = from_acc<T>(x[k]);
+        if constexpr (!std::is_void_v<C>) pc.v[e] = from_acc<C>(x[0]);
       }
 #pragma unroll
       for (int k = 0; k < K; ++k)
         if (write[k]) reinterpret_cast<Pack<T, N>*>(ptr[k])[j] = pk[k];
+      if constexpr (!std::is_void_v<C>)
+        if (copy) reinterpret_cast<Pack<C, N>*>(copy)[j] = pc;
     }
     done = packs * N;
   }
@@ -162,12 +178,14 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
 #pragma unroll
     for (int k = 0; k < K; ++k)
       if (write[k]) ptr[k][j] = from_acc<T>(x[k]);
+    if constexpr (!std::is_void_v<C>)
+      if (copy) copy[j] = from_acc<C>(x[0]);
   }
 }
 
 // Packs the non-empty tensors of `a` into launches of up to kCap tensors, in order;
 // extra_of(i) gives tensor i's per-tensor value.
-template <class T, int kCap, class Op, class ExtraOf>
+template <class T, class C, int kCap, class Op, class ExtraOf>
 void launch_packed(const MultiTensorArgs& a, const Op& op, const ExtraOf& extra_of, cudaStream_t stream) {
   using L = Launch<Op, kCap>;
   static_assert(kCap > 0 && sizeof(L) <= kMaxParamBytes, "the launch parameters exceed what a kernel takes");
@@ -179,7 +197,7 @@ void launch_packed(const MultiTensorArgs& a, const Op& op, const ExtraOf& extra_
   auto flush = [&] {
     if (l->count == 0) return;
     l->block_start[l->count] = int32_t(blocks);
-    multi_tensor_kernel<T, Op, kCap><<<unsigned(blocks), kThreads, 0, stream>>>(*l);
+    multi_tensor_kernel<T, C, Op, kCap><<<unsigned(blocks), kThreads, 0, stream>>>(*l);
     LOOM_CUDA_LAUNCH();
     l->count = 0;
     blocks = 0;
@@ -191,6 +209,7 @@ void launch_packed(const MultiTensorArgs& a, const Op& op, const ExtraOf& extra_
     if (l->count == kCap || blocks + need > kMaxBlocks) flush();
     const int c = l->count++;
     for (int k = 0; k < K; ++k) l->ptr[k][c] = lists[k] ? lists[k][i] : nullptr;
+    l->copy[c] = a.copies ? a.copies[i] : nullptr;
     l->numel[c] = n;
     l->extra[c] = extra_of(i);
     l->block_start[c] = int32_t(blocks);
@@ -212,8 +231,19 @@ void launch_all(const MultiTensorArgs& a, const Op& op, const ExtraOf& extra_of,
     nonempty += n > 0;
   }
   if (nonempty == 0) return;
-  if (nonempty <= kSmallCapacity) launch_packed<T, kSmallCapacity>(a, op, extra_of, stream);
-  else launch_packed<T, max_capacity<Op>()>(a, op, extra_of, stream);
+  auto sized = [&](auto copy_tag) {
+    using C = typename decltype(copy_tag)::type;
+    if (nonempty <= kSmallCapacity) launch_packed<T, C, kSmallCapacity>(a, op, extra_of, stream);
+    else launch_packed<T, C, max_capacity<Op>()>(a, op, extra_of, stream);
+  };
+  if (!a.copies) return sized(std::type_identity<void>{});
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.copy_dtype == DType::bf16) return sized(std::type_identity<__nv_bfloat16>{});
+    LOOM_ASSERT(a.copy_dtype == DType::f16, "optimizer step: copies are bf16 or f16, not ", dtype_name(a.copy_dtype));
+    return sized(std::type_identity<__half>{});
+  } else {
+    LOOM_ASSERT(false, "optimizer step: 16-bit copies are written from f32 parameters only");
+  }
 }
 
 }  // namespace

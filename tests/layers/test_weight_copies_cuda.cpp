@@ -1,0 +1,28 @@
+// Autocast's kept weight copies on cuda:0: the optimizers' CUDA kernels write, in their own
+// pass, the copy a cast would make (16-byte and scalar stores, past the 16384-element
+// chunks), and training with copies is training without them, bit for bit.
+#include "tests/common/gpu.h"
+#include "tests/layers/weight_copies.h"
+
+namespace loom::test {
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+TEST(WeightCopiesCuda, OptimizersWriteTheCopyACastWouldMake) {
+  LOOM_REQUIRE_CUDA();
+  expect_optimizers_write_the_cast(kGpu);
+}
+
+TEST(WeightCopiesCuda, EveryInPlaceWriteRetiresTheCopy) {
+  LOOM_REQUIRE_CUDA();
+  expect_in_place_writes_retire_copies(kGpu);
+}
+
+TEST(WeightCopiesCuda, TrainingIsTheSameWithAndWithoutCopies) {
+  LOOM_REQUIRE_CUDA();
+  expect_training_unchanged_by_copies(kGpu);
+}
+
+}  // namespace
+}  // namespace loom::test

@@ -1,0 +1,151 @@
+// Autocast's kept weight copies (engine/autocast.h), on any device: the optimizers write the
+// copy a cast would make, every in-place op retires a copy, and training with copies is
+// training without them, bit for bit. test_weight_copies.cpp runs these on the CPU,
+// test_weight_copies_cuda.cpp on cuda:0.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/autocast.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "layers/models/gpt.h"
+#include "layers/optim/adam.h"
+#include "layers/optim/sgd.h"
+
+namespace loom::test {
+
+// The copy p keeps, when it is valid (else undefined), without making one.
+inline Tensor valid_copy(const Tensor& p) {
+  const TensorImpl* impl = p.impl();
+  if (!impl->cast_copy || impl->cast_version != p.storage()->version()) return Tensor();
+  return Tensor(impl->cast_copy);
+}
+
+inline void expect_same_values(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_TRUE(got.defined()) << what << ": no valid copy";
+  ASSERT_EQ(got.dtype(), want.dtype()) << what;
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<float> a = got.to(DType::f32).to(Device::cpu()).to_vector<float>();
+  const std::vector<float> b = want.to(DType::f32).to(Device::cpu()).to_vector<float>();
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << what << ", element " << i;
+}
+
+// f32 parameters on `device`: sizes across the CUDA kernel's 16384-element chunks, and one
+// a float past 16-byte alignment (a view one element into its storage), so the vector and
+// the scalar stores both run.
+inline TensorList copy_test_params(Device device) {
+  TensorList params;
+  for (int64_t n : {int64_t(3), int64_t(16384 + 5), int64_t(1) << 15, int64_t(7)})
+    params.push_back(mul(randn({n}), 0.5).to(device).set_requires_grad());
+  Tensor flat = randn({16384 * 2 + 2}).to(device);
+  params.push_back(flat.slice(0, 1, flat.numel()).set_requires_grad());
+  return params;
+}
+
+using MakeOptimizer = std::function<std::unique_ptr<optim::Optimizer>(const TensorList&)>;
+
+inline std::vector<std::pair<std::string, MakeOptimizer>> copy_test_optimizers() {
+  return {
+      {"SGD with momentum",
+       [](const TensorList& p) { return std::make_unique<optim::SGD>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9}); }},
+      {"AdamW", [](const TensorList& p) { return std::make_unique<optim::AdamW>(p, optim::AdamWOptions{.lr = 0.01}); }},
+  };
+}
+
+// Each parameter takes a copy (as a product under autocast would), then the optimizer
+// steps twice: after each step the kept copy is valid and equals the updated parameter
+// cast now, element for element.
+inline void expect_optimizers_write_the_cast(Device device) {
+  for (DType dtype : {DType::bf16, DType::f16})
+    for (const auto& [name, make] : copy_test_optimizers()) {
+      SCOPED_TRACE(name + ", " + std::string(dtype_name(dtype)));
+      manual_seed(3);
+      TensorList params = copy_test_params(device);
+      for (const Tensor& p : params) weight_copy(p, dtype);
+      std::unique_ptr<optim::Optimizer> opt = make(params);
+      for (int step = 1; step <= 2; ++step) {
+        for (Tensor& p : params) p.set_grad(randn(p.shape()).to(device));
+        opt->step();
+        for (size_t i = 0; i < params.size(); ++i) {
+          const std::string what = "step " + std::to_string(step) + ", parameter " + std::to_string(i);
+          expect_same_values(valid_copy(params[i]), params[i].to(dtype), what);
+        }
+      }
+    }
+}
+
+// A copy is reused while the parameter is unchanged and retired by every in-place write.
+inline void expect_in_place_writes_retire_copies(Device device) {
+  const std::vector<std::pair<std::string, std::function<void(const Tensor&)>>> writes = {
+      {"fill_", [](const Tensor& p) { fill_(p, 0.25); }},
+      {"zero_", [](const Tensor& p) { zero_(p); }},
+      {"copy_", [device](const Tensor& p) { copy_(p, randn(p.shape()).to(device)); }},
+      {"add_", [device](const Tensor& p) { add_(p, randn(p.shape()).to(device), 0.5); }},
+      {"mul_", [](const Tensor& p) { mul_(p, 1.5); }},
+      {"uniform_", [](const Tensor& p) { uniform_(p, -1, 1); }},
+      {"normal_", [](const Tensor& p) { normal_(p, 0, 1); }},
+      {"copy_many_", [device](const Tensor& p) { copy_many_({p}, {randn(p.shape()).to(device)}); }},
+      {"a write into a view", [](const Tensor& p) { fill_(p.slice(0, 1, 2), 3.0); }},
+  };
+  for (const auto& [name, write] : writes) {
+    SCOPED_TRACE(name);
+    manual_seed(4);
+    Tensor p = randn({5, 6}).to(device).set_requires_grad();
+    Tensor first = weight_copy(p, DType::bf16);
+    EXPECT_TRUE(weight_copy(p, DType::bf16).same(first)) << "an unchanged parameter is cast again";
+    {
+      NoGradGuard no_grad;
+      write(p);
+    }
+    EXPECT_FALSE(valid_copy(p).defined()) << "the copy outlived the write";
+    Tensor again = weight_copy(p, DType::bf16);
+    EXPECT_FALSE(again.same(first));
+    expect_same_values(again, p.to(DType::bf16), "after the write");
+  }
+}
+
+// A tiny GPT under bf16 autocast trains three AdamW steps with copies and without: the
+// losses and the parameters after are the same bits.
+inline void expect_training_unchanged_by_copies(Device device) {
+  struct Run {
+    std::vector<float> losses, params;
+  };
+  auto train = [device](bool copies) {
+    set_autocast_weight_copies(copies);
+    manual_seed(0);
+    nn::GPT model(nn::GPTConfig::named("tiny"));
+    model.to(device);
+    std::vector<int64_t> in, out;
+    for (int64_t i = 0; i < 2 * 16; ++i) in.push_back((i * 37 + 11) % 256), out.push_back((i * 53 + 5) % 256);
+    Tensor ids = from_vector(in, {2, 16}).to(device), targets = from_vector(out, {2, 16}).to(device);
+    optim::AdamW opt(model.parameters(), {.lr = 1e-2});
+    Run run;
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      AutocastGuard guard(DType::bf16);
+      Tensor loss = model.loss(ids, targets);
+      loss.backward();
+      opt.step();
+      run.losses.push_back(float(loss.item()));
+    }
+    for (const Tensor& p : model.parameters()) {
+      const std::vector<float> v = p.to(Device::cpu()).to(DType::f32).to_vector<float>();
+      run.params.insert(run.params.end(), v.begin(), v.end());
+    }
+    set_autocast_weight_copies(true);
+    return run;
+  };
+  const Run with = train(true), without = train(false);
+  ASSERT_EQ(with.losses.size(), without.losses.size());
+  for (size_t i = 0; i < with.losses.size(); ++i) EXPECT_EQ(with.losses[i], without.losses[i]) << "step " << i;
+  ASSERT_EQ(with.params.size(), without.params.size());
+  for (size_t i = 0; i < with.params.size(); ++i) ASSERT_EQ(with.params[i], without.params[i]) << "element " << i;
+}
+
+}  // namespace loom::test
