@@ -110,6 +110,7 @@ void check_peer(const char* op, const char* name, int peer, int rank, int size) 
 WorkPtr ProcessGroup::all_reduce(const Tensor& t, ReduceOp op) {
   check_tensor("all_reduce", "t", t, AllowBytes::no, backend());
   begin_call("all_reduce", t, reduce_op_name(op));
+  t.bump_version();  // the result lands in t (Storage::version)
   return all_reduce_impl(t, op);
 }
 
@@ -118,6 +119,7 @@ WorkPtr ProcessGroup::broadcast(const Tensor& t, int root) {
   LOOM_CHECK(root >= 0 && root < size_, "broadcast: `root` = ", root, " is out of range for a group of size ", size_,
              " (expected 0 <= root < ", size_, ")");
   begin_call("broadcast", t, "root " + std::to_string(root));
+  t.bump_version();
   return broadcast_impl(t, root);
 }
 
@@ -129,6 +131,7 @@ WorkPtr ProcessGroup::all_gather(const Tensor& out, const Tensor& in) {
              in.numel(), " = ", size_ * in.numel(), " elements, got ", out.numel(), " (shape ", shape_str(out.shape()),
              ")");
   begin_call("all_gather", in, "");
+  out.bump_version();
   return all_gather_impl(out, in);
 }
 
@@ -140,6 +143,7 @@ WorkPtr ProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, Reduce
              " * ", out.numel(), " = ", size_ * out.numel(), " elements, got ", in.numel(), " (shape ",
              shape_str(in.shape()), ")");
   begin_call("reduce_scatter", in, reduce_op_name(op));
+  out.bump_version();
   return reduce_scatter_impl(out, in, op);
 }
 
@@ -154,6 +158,7 @@ WorkPtr ProcessGroup::recv(const Tensor& t, int src, int tag) {
   check_tensor("recv", "t", t, AllowBytes::yes, backend());
   LOOM_CHECK(tag >= 0, "recv: `tag` = ", tag, " must be >= 0");
   check_peer("recv", "src", src, rank_, size_);
+  t.bump_version();
   return recv_impl(t, src, tag);
 }
 
