@@ -80,11 +80,11 @@ bool any_requires_grad(const TensorList& inputs) {
   return false;
 }
 
-void record(const char* name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward) {
+namespace {
+std::shared_ptr<Node> new_node(const char* name, const TensorList& inputs, const TensorList& outputs) {
   auto node = std::make_shared<Node>();
   node->name = name;
   node->sequence_nr = g_sequence.fetch_add(1);
-  node->backward = std::move(backward);
   node->next_edges.reserve(inputs.size());
   for (const Tensor& in : inputs) node->next_edges.push_back(gradient_edge(in));
   for (size_t i = 0; i < outputs.size(); ++i) {
@@ -94,6 +94,17 @@ void record(const char* name, const TensorList& inputs, const TensorList& output
     out->grad_fn = node;
     out->output_nr = int(i);
   }
+  return node;
+}
+}  // namespace
+
+void record(const char* name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward) {
+  new_node(name, inputs, outputs)->backward = std::move(backward);
+}
+
+void record_accumulating(const char* name, const TensorList& inputs, const TensorList& outputs,
+                         AccumulatingBackwardFn backward) {
+  new_node(name, inputs, outputs)->backward_into = std::move(backward);
 }
 
 void queue_callback(std::function<void()> callback) {
@@ -123,6 +134,24 @@ void run_backward(const TensorList& roots, const TensorList& grads, Nesting nest
     if (buf.size() < edge.node->outputs.size()) buf.resize(edge.node->outputs.size());
     Tensor& slot = buf[edge.input_nr];
     slot = slot.defined() ? add(slot, g) : g;
+  };
+
+  // For an accumulating node: per input, the gradient already sent there when nothing but
+  // this pass holds it (record_accumulating may then add into it in place).
+  auto gradients_so_far = [&](const Node& node) {
+    TensorList into(node.next_edges.size());
+    for (size_t i = 0; i < into.size(); ++i) {
+      const Edge& e = node.next_edges[i];
+      if (!e.node) continue;
+      auto it = buffers.find(e.node.get());
+      if (it == buffers.end() || it->second.grads.size() <= size_t(e.input_nr)) continue;
+      const Tensor& slot = it->second.grads[size_t(e.input_nr)];
+      const OutputMeta& m = e.node->outputs[size_t(e.input_nr)];
+      const bool alone = slot.defined() && slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1;
+      if (alone && slot.is_contiguous() && slot.shape() == m.shape && slot.dtype() == m.dtype && slot.device() == m.device)
+        into[i] = slot;
+    }
+    return into;
   };
 
   std::vector<Node*> stack;
@@ -169,7 +198,8 @@ void run_backward(const TensorList& roots, const TensorList& grads, Nesting nest
       accumulate(*node, grads_in[0]);
       continue;
     }
-    TensorList grads_out = node->backward(grads_in);
+    TensorList grads_out =
+        node->backward_into ? node->backward_into(grads_in, gradients_so_far(*node)) : node->backward(grads_in);
     LOOM_ASSERT(grads_out.size() == node->next_edges.size(), node->name, " returned ", grads_out.size(),
                 " gradients for ", node->next_edges.size(), " inputs");
     for (size_t i = 0; i < grads_out.size(); ++i) {

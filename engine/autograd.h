@@ -25,6 +25,9 @@
 namespace loom {
 
 using BackwardFn = std::function<TensorList(const TensorList& grad_outputs)>;
+// A backward that may add input i's gradient into into[i] in place (see record_accumulating)
+// and then returns an undefined gradient for that input.
+using AccumulatingBackwardFn = std::function<TensorList(const TensorList& grad_outputs, const TensorList& into)>;
 
 struct Edge {
   std::shared_ptr<Node> node;  // null: this input needs no gradient
@@ -46,6 +49,8 @@ struct Node {
   std::vector<OutputMeta> outputs;
   // Returns one gradient per input (an undefined Tensor where an input gets none).
   BackwardFn backward;
+  // Set instead of backward by record_accumulating.
+  AccumulatingBackwardFn backward_into;
   // Set on AccumulateGrad nodes: the leaf whose .grad they accumulate into.
   std::shared_ptr<TensorImpl> leaf;
 };
@@ -75,6 +80,15 @@ bool any_requires_grad(const TensorList& inputs);
 // (engine/recompute.h) also records when no input requires a gradient, as the function it
 // reruns may use parameters.
 void record(const char* name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward);
+
+// record for ops whose gradient for an input is an addition into a large buffer (an
+// embedding's: a few rows added into a table of zeros). When other ops have already sent
+// input i a gradient of its shape, dtype and device that the pass alone holds, `backward`
+// gets it as into[i] and may add into it in place, returning an undefined gradient for
+// input i: a GPT's tied token embedding then adds its rows into the output layer's
+// gradient, with no table of zeros and no sum of the two. into[i] is undefined otherwise.
+void record_accumulating(const char* name, const TensorList& inputs, const TensorList& outputs,
+                         AccumulatingBackwardFn backward);
 
 // How a backward pass started while another runs on this thread (from a hook, or from a
 // node's backward) relates to it. Either way the inner pass is complete on its own: its

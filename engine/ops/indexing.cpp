@@ -142,18 +142,23 @@ Tensor token_position_embedding(const Tensor& wte0, const Tensor& wpe0, const Te
     const bool need_wte = wte.requires_grad(), need_wpe = wpe.requires_grad();
     const Shape wte_shape = wte.shape(), wpe_shape = wpe.shape();
     const DType dtype = wte.dtype();
-    record(op, {wte, wpe}, {out}, [ids, B, T, C, V, need_wte, need_wpe, wte_shape, wpe_shape, dtype](const TensorList& g) {
+    // The token rows are added into wte's gradient so far when the pass allows it (a tied
+    // output layer's, record_accumulating), else into zeros; the position rows are written
+    // (zeros past T).
+    auto backward = [ids, B, T, C, V, need_wte, need_wpe, wte_shape, wpe_shape, dtype](const TensorList& g,
+                                                                                     const TensorList& into) {
       Tensor go = g[0].to(dtype).contiguous();
       const Device d = go.device();
-      // The token rows are added into zeros; the position rows are written (zeros past T).
-      Tensor d_wte = need_wte ? zeros(wte_shape, go.dtype(), d) : Tensor();
+      const bool add_into = need_wte && into[0].defined() && into[0].dtype() == go.dtype();
+      Tensor d_wte = add_into ? into[0] : need_wte ? zeros(wte_shape, go.dtype(), d) : Tensor();
       Tensor d_wpe = need_wpe ? (wpe_shape[0] == T ? Tensor::empty(wpe_shape, go.dtype(), d)
                                                    : zeros(wpe_shape, go.dtype(), d))
                               : Tensor();
       kernels(d).embedding_sum_backward(ops::ptr_or_null(d_wte), ops::ptr_or_null(d_wpe), go.data_ptr(),
                                         ids.data<int64_t>(), B, T, C, V, go.dtype(), ops::stream(go));
-      return TensorList{d_wte, d_wpe};
-    });
+      return TensorList{add_into ? Tensor() : d_wte, d_wpe};
+    };
+    record_accumulating(op, {wte, wpe}, {out}, backward);
   }
   return out;
 }

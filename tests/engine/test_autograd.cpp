@@ -400,3 +400,64 @@ TEST(AutogradParams, SetRequiresGradOnlyOnFloatingLeaves) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// y = 3 * x through a record_accumulating node that notes what it was offered and adds its
+// gradient into it when it can.
+Tensor triple_accumulating(const Tensor& x, std::vector<bool>* offered) {
+  Tensor y = mul(x.detach(), 3.0);
+  record_accumulating("Triple", {x}, {y}, [offered](const TensorList& g, const TensorList& into) {
+    offered->push_back(into[0].defined());
+    if (!into[0].defined()) return TensorList{mul(g[0], 3.0)};
+    add_(into[0], g[0], 3.0);
+    return TensorList{Tensor()};
+  });
+  return y;
+}
+
+TEST(AutogradAccumulating, AddsIntoTheGradientOtherOpsSentWhenThePassAloneHoldsIt) {
+  Tensor x = param({1, 2, 3});
+  std::vector<bool> offered;
+  // The product runs first in backward (recorded last): its gradient for x (2 x) is there.
+  Tensor tripled = triple_accumulating(x, &offered);
+  Tensor squared = mul(x, x);
+  sum(add(tripled, squared)).backward();
+  EXPECT_EQ(offered, std::vector<bool>{true});
+  EXPECT_EQ(values(x.grad()), (std::vector<double>{3 + 2, 3 + 4, 3 + 6}));
+}
+
+TEST(AutogradAccumulating, OffersNothingWhenItRunsFirstOrTheGradientIsShared) {
+  {
+    SCOPED_TRACE("first to reach x");
+    Tensor x = param({1, 2});
+    std::vector<bool> offered;
+    Tensor z = mul(x, 2.0);  // recorded before the accumulating node: its backward runs after
+    Tensor tripled = triple_accumulating(x, &offered);
+    sum(add(z, tripled)).backward();
+    EXPECT_EQ(offered, std::vector<bool>{false});
+    EXPECT_EQ(values(x.grad()), (std::vector<double>{5, 5}));
+  }
+  {
+    SCOPED_TRACE("a gradient someone else holds");
+    Tensor x = param({1, 2});
+    std::vector<bool> offered;
+    Tensor kept;
+    Tensor tripled = triple_accumulating(x, &offered);
+    Tensor y = mul(x.detach(), 1.0);
+    // Runs first in backward, sends x the upstream gradient and keeps a handle on it: not
+    // the pass's to write into.
+    record("Keep", {x}, {y}, [&kept](const TensorList& g) {
+      kept = g[0].clone();
+      return TensorList{kept};
+    });
+    sum(add(tripled, y)).backward();
+    EXPECT_EQ(offered, std::vector<bool>{false});
+    EXPECT_EQ(values(x.grad()), (std::vector<double>{4, 4}));
+    EXPECT_EQ(values(kept), (std::vector<double>{1, 1})) << "the kept gradient was written";
+  }
+}
+
+}  // namespace
+}  // namespace loom
