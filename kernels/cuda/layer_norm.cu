@@ -367,7 +367,11 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // dweight and dbias (either may be null) from n partial rows (2, dim): a column tile of 32
-// per block, the warps taking every kWarps-th partial, then adding up in warp order.
+// per block, the warps taking every kWarps-th partial into kReduceChains sums (so that a
+// thread has that many loads in flight: the grid is only dim / 32 blocks), then adding up
+// in warp order.
+constexpr int kReduceChains = 4;
+
 template <class A>
 __global__ void __launch_bounds__(kThreads) param_reduce_kernel(void* dweight, void* dbias, DType dtype,
                                                                 const A* __restrict__ partials, int n, int64_t dim) {
@@ -376,10 +380,21 @@ __global__ void __launch_bounds__(kThreads) param_reduce_kernel(void* dweight, v
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;
   Pair<A> acc{A(0), A(0)};
   if (c < dim) {
-    for (int k = ty; k < n; k += kWarps) {
-      acc.a += partials[int64_t(k) * 2 * dim + c];
-      acc.b += partials[(int64_t(k) * 2 + 1) * dim + c];
+    Pair<A> chain[kReduceChains] = {};
+    int k = ty;
+    for (; k + (kReduceChains - 1) * kWarps < n; k += kReduceChains * kWarps) {
+#pragma unroll
+      for (int u = 0; u < kReduceChains; ++u) {
+        chain[u].a += partials[int64_t(k + u * kWarps) * 2 * dim + c];
+        chain[u].b += partials[(int64_t(k + u * kWarps) * 2 + 1) * dim + c];
+      }
     }
+    for (; k < n; k += kWarps) {
+      chain[0].a += partials[int64_t(k) * 2 * dim + c];
+      chain[0].b += partials[(int64_t(k) * 2 + 1) * dim + c];
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceChains; ++u) acc = Add{}(acc, chain[u]);
   }
   s[ty][tx] = acc;
   __syncthreads();
