@@ -33,10 +33,11 @@
 //    between ranks, so bucket i is launched only after buckets 0..i-1: a bucket that is
 //    complete early waits for its predecessors. The first hook of a pass also queues a
 //    callback for the end of backward (queue_callback). There every Work is waited for and
-//    the averaged values are copied back into each parameter's grad (a launch per bucket), so when loss.backward()
-//    returns the gradients are averaged. With gradient_as_bucket_view, grad is instead left
-//    as a view into the bucket buffer (no copy back; the next backward accumulates into the
-//    buffer directly); such a grad is overwritten by the next synchronised backward.
+//    the averaged values are copied back into each parameter's grad (one launch for all the
+//    buckets of a dtype), so when loss.backward() returns the gradients are averaged. With
+//    gradient_as_bucket_view, grad is instead left as a view into the bucket buffer (no copy
+//    back; the next backward accumulates into the buffer directly); such a grad is
+//    overwritten by the next synchronised backward.
 //
 // 4. Unused parameters. A parameter that gets no gradient keeps its bucket, and every bucket
 //    after it, from ever being launched. The end-of-backward callback notices and throws,
