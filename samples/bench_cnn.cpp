@@ -120,13 +120,27 @@ int main(int argc, char** argv) {
                               : std::chrono::duration<double, std::milli>(m.host[i + phase + 1] - m.host[i + phase]).count());
         return samples::median(ms);
       };
-      for (bool on_gpu : {false, true})
-        std::fprintf(stderr,
-                     "bench_cnn --ddp: %s time per phase (median ms, plain / ddp): forward %.3f / %.3f, "
-                     "backward %.3f / %.3f, optimizer %.3f / %.3f\n",
-                     on_gpu ? "GPU" : "host", phase_ms(plain_marks, 0, on_gpu), phase_ms(ddp_marks, 0, on_gpu),
-                     phase_ms(plain_marks, 1, on_gpu), phase_ms(ddp_marks, 1, on_gpu), phase_ms(plain_marks, 2, on_gpu),
-                     phase_ms(ddp_marks, 2, on_gpu));
+      // One line: each phase as plain -> ddp with DDP's extra, host first, then GPU, e.g.
+      //   ... host fwd 3.10->3.12 (+0.02) bwd ... | GPU fwd ...
+      const char* const phase_names[] = {"fwd", "bwd", "opt"};
+      std::string line = "bench_cnn --ddp: median ms per phase, plain->ddp (+ddp's extra):";
+      for (bool on_gpu : {false, true}) {
+        line += on_gpu ? " | GPU" : " host";
+        double plain_sum = 0, ddp_sum = 0;
+        for (int phase = 0; phase < 3; ++phase) {
+          const double a = phase_ms(plain_marks, phase, on_gpu), b = phase_ms(ddp_marks, phase, on_gpu);
+          plain_sum += a;
+          ddp_sum += b;
+          char text[64];
+          std::snprintf(text, sizeof text, " %s %.3f->%.3f (%+.3f)", phase_names[phase], a, b, b - a);
+          line += text;
+        }
+        char text[64];
+        std::snprintf(text, sizeof text, ", sum %.3f->%.3f (%+.1f%%)", plain_sum, ddp_sum,
+                      100.0 * (ddp_sum / plain_sum - 1));
+        line += text;
+      }
+      std::fprintf(stderr, "%s\n", line.c_str());
     } else {
       plain_ms = samples::timed_steps(plain, steps, dev);
     }
