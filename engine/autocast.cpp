@@ -37,6 +37,7 @@ void set_autocast_weight_copies(bool enabled) { copies_on() = enabled; }
 bool autocast_weight_copies() { return copies_on(); }
 
 Tensor weight_copy(const Tensor& p, DType dtype) {
+  if (dtype == p.dtype()) return p;  // an f32 bias beside an f32 residual, say: no copy to keep
   TensorImpl* impl = p.impl();
   const bool keep = autocast_weight_copies() && p.is_leaf() && p.requires_grad();
   if (keep && impl->cast_copy && impl->cast_copy->dtype == dtype && impl->cast_version == p.storage()->version())
@@ -55,6 +56,8 @@ std::optional<DType> weight_copy_dtype(const Tensor& p) {
 
 void set_weight_copy(const Tensor& p, const Tensor& copy) {
   LOOM_ASSERT(copy.shape() == p.shape() && copy.is_contiguous(), "a weight copy has its parameter's shape");
+  LOOM_ASSERT((copy.dtype() == DType::bf16 || copy.dtype() == DType::f16) && copy.storage() != p.storage(),
+              "a weight copy is a 16-bit tensor of its own, not ", dtype_name(copy.dtype()));
   p.impl()->cast_copy = copy.impl_ptr();
   p.impl()->cast_version = p.storage()->version();
 }

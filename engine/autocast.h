@@ -48,8 +48,9 @@ DType autocast_compute_dtype(DType t);
 void set_autocast_weight_copies(bool enabled);
 bool autocast_weight_copies();
 
-// p in `dtype`, with no autograd node: p's kept copy while it is valid, else a new cast,
-// kept on p when p is a parameter (a leaf that requires a gradient) and copies are on.
+// p in `dtype`, with no autograd node: p itself when it has that dtype; else p's kept copy
+// while it is valid, else a new cast, kept on p when p is a parameter (a leaf that
+// requires a gradient) and copies are on.
 Tensor weight_copy(const Tensor& p, DType dtype);
 
 // For optimizers, which refresh copies as they update: the dtype of the copy p keeps

@@ -148,8 +148,8 @@ void run_backward(const TensorList& roots, const TensorList& grads, Nesting nest
       const Tensor& slot = it->second.grads[size_t(e.input_nr)];
       const OutputMeta& m = e.node->outputs[size_t(e.input_nr)];
       const bool alone = slot.defined() && slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1;
-      if (alone && slot.is_contiguous() && slot.shape() == m.shape && slot.dtype() == m.dtype && slot.device() == m.device)
-        into[i] = slot;
+      const bool fits = slot.is_contiguous() && slot.shape() == m.shape && slot.dtype() == m.dtype;
+      if (alone && fits && slot.device() == m.device) into[i] = slot;
     }
     return into;
   };

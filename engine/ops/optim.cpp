@@ -78,7 +78,7 @@ struct Copies {
     if (params[0].dtype() != DType::f32) return;
     for (size_t i = 0; i < params.size(); ++i) {
       const std::optional<DType> d = weight_copy_dtype(params[i]);
-      if (!d || (any && *d != dtype)) continue;
+      if (!d || (*d != DType::bf16 && *d != DType::f16) || (any && *d != dtype)) continue;
       dtype = *d;
       any = true;
       tensors[i] = Tensor::empty(params[i].shape(), dtype, params[i].device());
@@ -90,12 +90,12 @@ struct Copies {
     a.copies = ptrs.data();
     a.copy_dtype = dtype;
   }
-  // After the update: every parameter changed; the fresh copies match it.
+  // After the update: every parameter changed; the fresh copies match it. All versions
+  // change first, so parameters sharing a storage keep each other's fresh copies valid.
   void record(const TensorList& params) const {
-    for (size_t i = 0; i < params.size(); ++i) {
-      params[i].bump_version();
+    for (const Tensor& p : params) p.bump_version();
+    for (size_t i = 0; i < params.size(); ++i)
       if (tensors[i].defined()) set_weight_copy(params[i], tensors[i]);
-    }
   }
 };
 

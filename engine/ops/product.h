@@ -25,9 +25,10 @@ Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(Gem
                   bool c_f32 = false);
 
 // f32 parameters under 16-bit products (autocast's master weights): the products read
-// 16-bit copies made without a node (autocast's kept weight copies, engine/autocast.h), and the parameters' gradients come out of their
-// products in f32 (GemmArgs::c_f32), bias sums too, with no 16-bit rounding and no cast
-// pass. Else the casts are the differentiable to() and gradients come back through them.
+// 16-bit copies made without a node (the kept weight copies of engine/autocast.h), and
+// the parameters' gradients come out of their products in f32 (GemmArgs::c_f32), bias
+// sums too, with no 16-bit rounding and no cast pass. Else the casts are the
+// differentiable to() and gradients come back through them.
 bool f32_params(DType t, std::initializer_list<Tensor> params);
 
 // The tensor an op computes with, and the one its node takes as input: p cast to `dtype`

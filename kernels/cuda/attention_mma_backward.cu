@@ -33,7 +33,8 @@ constexpr int kPrepRows = 4;
 
 template <int D> constexpr int prep_lanes() { return D / 8 <= 4 ? 4 : D / 8 <= 8 ? 8 : 16; }
 
-template <class T, int D> __global__ void __launch_bounds__(256) prep_kernel(const Params p, const T* out, const float* lse) {
+template <class T, int D>
+__global__ void __launch_bounds__(256) prep_kernel(const Params p, const T* out, const float* lse) {
   constexpr int L = prep_lanes<D>(), R = 32 / L;
   static_assert(D / 8 <= L, "a row's 16-byte chunks must fit in its lanes");
   constexpr float kLog2e = 1.4426950408889634f;

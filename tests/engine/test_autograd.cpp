@@ -398,12 +398,6 @@ TEST(AutogradParams, SetRequiresGradOnlyOnFloatingLeaves) {
   EXPECT_FALSE(f.requires_grad());
 }
 
-}  // namespace
-}  // namespace loom
-
-namespace loom {
-namespace {
-
 // y = 3 * x through a record_accumulating node that notes what it was offered and adds its
 // gradient into it when it can.
 Tensor triple_accumulating(const Tensor& x, std::vector<bool>* offered) {
@@ -451,6 +445,22 @@ TEST(AutogradAccumulating, OffersNothingWhenItRunsFirstOrTheGradientIsShared) {
     record("Keep", {x}, {y}, [&kept](const TensorList& g) {
       kept = g[0].clone();
       return TensorList{kept};
+    });
+    sum(add(tripled, y)).backward();
+    EXPECT_EQ(offered, std::vector<bool>{false});
+    EXPECT_EQ(values(x.grad()), (std::vector<double>{4, 4}));
+    EXPECT_EQ(values(kept), (std::vector<double>{1, 1})) << "the kept gradient was written";
+  }
+  {
+    SCOPED_TRACE("a gradient sharing its storage with one someone else holds");
+    Tensor x = param({1, 2});
+    std::vector<bool> offered;
+    Tensor kept;
+    Tensor tripled = triple_accumulating(x, &offered);
+    Tensor y = mul(x.detach(), 1.0);
+    record("KeepStorage", {x}, {y}, [&kept](const TensorList& g) {
+      kept = g[0].clone();
+      return TensorList{kept.detach()};  // another handle on kept's storage
     });
     sum(add(tripled, y)).backward();
     EXPECT_EQ(offered, std::vector<bool>{false});

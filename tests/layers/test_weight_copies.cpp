@@ -13,7 +13,10 @@ TEST(WeightCopies, EveryInPlaceWriteRetiresTheCopy) { expect_in_place_writes_ret
 
 TEST(WeightCopies, TrainingIsTheSameWithAndWithoutCopies) { expect_training_unchanged_by_copies(kCpu); }
 
+TEST(WeightCopies, SlicesOfOneStorageAndAnF32BiasAreHandled) { expect_shared_storage_and_f32_bias_handled(kCpu); }
+
 TEST(WeightCopies, OnlyParametersKeepCopiesAndOnlyWhenSwitchedOn) {
+  CopiesGuard on(true);
   Tensor plain = randn({4, 3});
   weight_copy(plain, DType::bf16);
   EXPECT_EQ(plain.impl()->cast_copy, nullptr) << "a tensor that needs no gradient kept a copy";
@@ -23,15 +26,17 @@ TEST(WeightCopies, OnlyParametersKeepCopiesAndOnlyWhenSwitchedOn) {
   weight_copy(activation, DType::bf16);
   EXPECT_EQ(activation.impl()->cast_copy, nullptr) << "a non-leaf kept a copy";
 
-  set_autocast_weight_copies(false);
-  weight_copy(p, DType::bf16);
-  EXPECT_EQ(p.impl()->cast_copy, nullptr) << "a copy was kept with copies off";
-  set_autocast_weight_copies(true);
+  {
+    CopiesGuard off(false);
+    weight_copy(p, DType::bf16);
+    EXPECT_EQ(p.impl()->cast_copy, nullptr) << "a copy was kept with copies off";
+  }
   Tensor kept = weight_copy(p, DType::bf16);
   EXPECT_TRUE(valid_copy(p).same(kept));
 }
 
 TEST(WeightCopies, AnotherDtypeOrNewDataReplacesTheCopy) {
+  CopiesGuard on(true);
   Tensor p = randn({6}).set_requires_grad();
   Tensor b = weight_copy(p, DType::bf16);
   Tensor h = weight_copy(p, DType::f16);
@@ -47,6 +52,7 @@ TEST(WeightCopies, AnotherDtypeOrNewDataReplacesTheCopy) {
 }
 
 TEST(WeightCopies, LinearUnderAutocastReadsTheKeptCopy) {
+  CopiesGuard on(true);
   manual_seed(6);
   Tensor x = randn({3, 8}), w = randn({5, 8}).set_requires_grad(), bias = randn({5}).set_requires_grad();
   AutocastGuard guard(DType::bf16);

@@ -19,6 +19,11 @@ TEST(WeightCopiesCuda, EveryInPlaceWriteRetiresTheCopy) {
   expect_in_place_writes_retire_copies(kGpu);
 }
 
+TEST(WeightCopiesCuda, SlicesOfOneStorageAndAnF32BiasAreHandled) {
+  LOOM_REQUIRE_CUDA();
+  expect_shared_storage_and_f32_bias_handled(kGpu);
+}
+
 TEST(WeightCopiesCuda, TrainingIsTheSameWithAndWithoutCopies) {
   LOOM_REQUIRE_CUDA();
   expect_training_unchanged_by_copies(kGpu);

@@ -20,6 +20,18 @@
 
 namespace loom::test {
 
+// Sets whether weight copies are kept for its scope (process-wide), then restores it.
+class CopiesGuard {
+ public:
+  explicit CopiesGuard(bool on) : previous_(autocast_weight_copies()) { set_autocast_weight_copies(on); }
+  ~CopiesGuard() { set_autocast_weight_copies(previous_); }
+  CopiesGuard(const CopiesGuard&) = delete;
+  CopiesGuard& operator=(const CopiesGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // The copy p keeps, when it is valid (else undefined), without making one.
 inline Tensor valid_copy(const Tensor& p) {
   const TensorImpl* impl = p.impl();
@@ -53,7 +65,9 @@ using MakeOptimizer = std::function<std::unique_ptr<optim::Optimizer>(const Tens
 inline std::vector<std::pair<std::string, MakeOptimizer>> copy_test_optimizers() {
   return {
       {"SGD with momentum",
-       [](const TensorList& p) { return std::make_unique<optim::SGD>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9}); }},
+       [](const TensorList& p) {
+         return std::make_unique<optim::SGD>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+       }},
       {"AdamW", [](const TensorList& p) { return std::make_unique<optim::AdamW>(p, optim::AdamWOptions{.lr = 0.01}); }},
   };
 }
@@ -62,6 +76,7 @@ inline std::vector<std::pair<std::string, MakeOptimizer>> copy_test_optimizers()
 // steps twice: after each step the kept copy is valid and equals the updated parameter
 // cast now, element for element.
 inline void expect_optimizers_write_the_cast(Device device) {
+  CopiesGuard on(true);
   for (DType dtype : {DType::bf16, DType::f16})
     for (const auto& [name, make] : copy_test_optimizers()) {
       SCOPED_TRACE(name + ", " + std::string(dtype_name(dtype)));
@@ -80,8 +95,37 @@ inline void expect_optimizers_write_the_cast(Device device) {
     }
 }
 
+// Parameters that are slices of one storage each keep the copy the update wrote; a bias
+// added beside an f32 residual is read in f32 and keeps no copy, and the optimizer steps
+// over it as over any parameter.
+inline void expect_shared_storage_and_f32_bias_handled(Device device) {
+  CopiesGuard on(true);
+  manual_seed(5);
+  Tensor flat = randn({2 * 24}).to(device);
+  Tensor w1 = flat.slice(0, 0, 24).view({4, 6}).set_requires_grad();
+  Tensor w2 = flat.slice(0, 24, 48).view({4, 6}).set_requires_grad();
+  Tensor bias = randn({4}).to(device).set_requires_grad();
+  Tensor x = randn({3, 6}).to(device), residual = randn({3, 4}).to(device);
+  {
+    AutocastGuard guard(DType::bf16);
+    Tensor y = add(linear(x, w1, bias, residual), linear(x, w2));
+    sum(y).backward();
+  }
+  EXPECT_EQ(bias.impl()->cast_copy, nullptr) << "the f32 bias kept a copy of itself";
+  ASSERT_TRUE(valid_copy(w1).defined() && valid_copy(w2).defined());
+  for (auto& [name, make] : copy_test_optimizers()) {
+    SCOPED_TRACE(name);
+    std::unique_ptr<optim::Optimizer> opt = make({bias, w1, w2});
+    opt->step();
+    expect_same_values(valid_copy(w1), w1.to(DType::bf16), "w1");
+    expect_same_values(valid_copy(w2), w2.to(DType::bf16), "w2");
+    EXPECT_EQ(bias.impl()->cast_copy, nullptr);
+  }
+}
+
 // A copy is reused while the parameter is unchanged and retired by every in-place write.
 inline void expect_in_place_writes_retire_copies(Device device) {
+  CopiesGuard on(true);
   const std::vector<std::pair<std::string, std::function<void(const Tensor&)>>> writes = {
       {"fill_", [](const Tensor& p) { fill_(p, 0.25); }},
       {"zero_", [](const Tensor& p) { zero_(p); }},
@@ -117,7 +161,7 @@ inline void expect_training_unchanged_by_copies(Device device) {
     std::vector<float> losses, params;
   };
   auto train = [device](bool copies) {
-    set_autocast_weight_copies(copies);
+    CopiesGuard guard(copies);
     manual_seed(0);
     nn::GPT model(nn::GPTConfig::named("tiny"));
     model.to(device);
@@ -138,7 +182,6 @@ inline void expect_training_unchanged_by_copies(Device device) {
       const std::vector<float> v = p.to(Device::cpu()).to(DType::f32).to_vector<float>();
       run.params.insert(run.params.end(), v.begin(), v.end());
     }
-    set_autocast_weight_copies(true);
     return run;
   };
   const Run with = train(true), without = train(false);
