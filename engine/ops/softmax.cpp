@@ -149,7 +149,9 @@ Tensor linear_cross_entropy(const Tensor& x0, const Tensor& weight0, const Tenso
   const ops::Param w = ops::param(weight0, t, f32);
   Tensor x = x0.to(t);
   Tensor target = target0.to(DType::i64).contiguous();
-  const bool need_x = x.requires_grad(), need_w = w.input.requires_grad();
+  // Gradients only when recording (grad mode on): else the logits stay logits.
+  const bool record_grad = any_requires_grad({x, w.input});
+  const bool need_x = record_grad && x.requires_grad(), need_w = record_grad && w.input.requires_grad();
   Tensor logits = ops::product_2d(x, w.used.t());  // (N, classes), only ever seen here
   // Training: the loss kernel overwrites the logits with their gradient as it goes.
   MeanLoss m = mean_loss(logits, target, ignore_index, label_smoothing, need_x || need_w ? logits.data_ptr() : nullptr);

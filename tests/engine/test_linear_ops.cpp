@@ -142,6 +142,22 @@ TEST(LinearOps, LinearCrossEntropyUnderAutocastGivesF32Gradients) {
   }
 }
 
+// Under NoGradGuard (evaluation) nothing is recorded and the loss is the one training gets.
+TEST(LinearOps, LinearCrossEntropyRecordsNothingWithoutGradMode) {
+  manual_seed(11);
+  Tensor x = randn({6, 5}).set_requires_grad(), w = randn({7, 5}).set_requires_grad();
+  Tensor target = from_vector(std::vector<int64_t>{0, 6, 3, -100, 2, 1}, {6});
+  Tensor trained = linear_cross_entropy(x, w, target);
+  Tensor evaluated;
+  {
+    NoGradGuard no_grad;
+    evaluated = linear_cross_entropy(x, w, target);
+  }
+  EXPECT_FALSE(evaluated.requires_grad());
+  EXPECT_EQ(evaluated.grad_fn(), nullptr);
+  EXPECT_EQ(evaluated.item(), trained.item());
+}
+
 TEST(LinearOps, LinearCrossEntropyNamesBadArguments) {
   Tensor x = randn({4, 3}), w = randn({5, 3}), t = from_vector(std::vector<int64_t>{0, 1, 2, 3}, {4});
   expect_error([&] { linear_cross_entropy(x, randn({5, 2}), t); }, "weight of shape (5, 2) does not match x");
