@@ -38,15 +38,20 @@ bool autocast_weight_copies() { return copies_on(); }
 
 Tensor weight_copy(const Tensor& p, DType dtype) {
   if (dtype == p.dtype()) return p;  // an f32 bias beside an f32 residual, say: no copy to keep
-  TensorImpl* impl = p.impl();
   const bool keep = autocast_weight_copies() && p.is_leaf() && p.requires_grad();
-  if (keep && impl->cast_copy && impl->cast_copy->dtype == dtype && impl->cast_version == p.storage()->version())
-    return Tensor(impl->cast_copy);
+  if (keep)
+    if (Tensor kept = kept_weight_copy(p); kept.defined() && kept.dtype() == dtype) return kept;
   NoGradGuard no_grad;
   Tensor copy = p.to(dtype);
   if (keep) set_weight_copy(p, copy);
-  else impl->cast_copy.reset();
+  else p.impl()->cast_copy.reset();
   return copy;
+}
+
+Tensor kept_weight_copy(const Tensor& p) {
+  const TensorImpl* impl = p.impl();
+  if (!impl->cast_copy || impl->cast_version != p.storage()->version()) return Tensor();
+  return Tensor(impl->cast_copy);
 }
 
 std::optional<DType> weight_copy_dtype(const Tensor& p) {

@@ -53,6 +53,9 @@ bool autocast_weight_copies();
 // requires a gradient) and copies are on.
 Tensor weight_copy(const Tensor& p, DType dtype);
 
+// p's kept copy while it is valid (p's storage unchanged since), else undefined; makes none.
+Tensor kept_weight_copy(const Tensor& p);
+
 // For optimizers, which refresh copies as they update: the dtype of the copy p keeps
 // (valid or not), if any; and `copy` recorded as p's copy of p's values as of now.
 std::optional<DType> weight_copy_dtype(const Tensor& p);

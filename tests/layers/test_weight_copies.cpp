@@ -32,7 +32,7 @@ TEST(WeightCopies, OnlyParametersKeepCopiesAndOnlyWhenSwitchedOn) {
     EXPECT_EQ(p.impl()->cast_copy, nullptr) << "a copy was kept with copies off";
   }
   Tensor kept = weight_copy(p, DType::bf16);
-  EXPECT_TRUE(valid_copy(p).same(kept));
+  EXPECT_TRUE(kept_weight_copy(p).same(kept));
 }
 
 TEST(WeightCopies, AnotherDtypeOrNewDataReplacesTheCopy) {
@@ -41,13 +41,13 @@ TEST(WeightCopies, AnotherDtypeOrNewDataReplacesTheCopy) {
   Tensor b = weight_copy(p, DType::bf16);
   Tensor h = weight_copy(p, DType::f16);
   EXPECT_EQ(h.dtype(), DType::f16);
-  EXPECT_TRUE(valid_copy(p).same(h)) << "the f16 copy did not replace the bf16 one";
+  EXPECT_TRUE(kept_weight_copy(p).same(h)) << "the f16 copy did not replace the bf16 one";
   EXPECT_FALSE(weight_copy(p, DType::bf16).same(b));
 
   // set_data gives the parameter other values in other storage: the copy goes with the old.
   Tensor other = randn({6});
   p.set_data(other);
-  EXPECT_FALSE(valid_copy(p).defined());
+  EXPECT_FALSE(kept_weight_copy(p).defined());
   expect_same_values(weight_copy(p, DType::bf16), other.to(DType::bf16), "after set_data");
 }
 
@@ -57,7 +57,7 @@ TEST(WeightCopies, LinearUnderAutocastReadsTheKeptCopy) {
   Tensor x = randn({3, 8}), w = randn({5, 8}).set_requires_grad(), bias = randn({5}).set_requires_grad();
   AutocastGuard guard(DType::bf16);
   Tensor y = linear(x, w, bias);
-  Tensor kept = valid_copy(w);
+  Tensor kept = kept_weight_copy(w);
   ASSERT_TRUE(kept.defined()) << "linear under autocast kept no copy of its f32 weight";
   // A kept copy of other values would change the product: the op must read the copy.
   {

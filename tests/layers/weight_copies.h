@@ -32,13 +32,6 @@ class CopiesGuard {
   bool previous_;
 };
 
-// The copy p keeps, when it is valid (else undefined), without making one.
-inline Tensor valid_copy(const Tensor& p) {
-  const TensorImpl* impl = p.impl();
-  if (!impl->cast_copy || impl->cast_version != p.storage()->version()) return Tensor();
-  return Tensor(impl->cast_copy);
-}
-
 inline void expect_same_values(const Tensor& got, const Tensor& want, const std::string& what) {
   ASSERT_TRUE(got.defined()) << what << ": no valid copy";
   ASSERT_EQ(got.dtype(), want.dtype()) << what;
@@ -89,7 +82,7 @@ inline void expect_optimizers_write_the_cast(Device device) {
         opt->step();
         for (size_t i = 0; i < params.size(); ++i) {
           const std::string what = "step " + std::to_string(step) + ", parameter " + std::to_string(i);
-          expect_same_values(valid_copy(params[i]), params[i].to(dtype), what);
+          expect_same_values(kept_weight_copy(params[i]), params[i].to(dtype), what);
         }
       }
     }
@@ -112,13 +105,13 @@ inline void expect_shared_storage_and_f32_bias_handled(Device device) {
     sum(y).backward();
   }
   EXPECT_EQ(bias.impl()->cast_copy, nullptr) << "the f32 bias kept a copy of itself";
-  ASSERT_TRUE(valid_copy(w1).defined() && valid_copy(w2).defined());
+  ASSERT_TRUE(kept_weight_copy(w1).defined() && kept_weight_copy(w2).defined());
   for (auto& [name, make] : copy_test_optimizers()) {
     SCOPED_TRACE(name);
     std::unique_ptr<optim::Optimizer> opt = make({bias, w1, w2});
     opt->step();
-    expect_same_values(valid_copy(w1), w1.to(DType::bf16), "w1");
-    expect_same_values(valid_copy(w2), w2.to(DType::bf16), "w2");
+    expect_same_values(kept_weight_copy(w1), w1.to(DType::bf16), "w1");
+    expect_same_values(kept_weight_copy(w2), w2.to(DType::bf16), "w2");
     EXPECT_EQ(bias.impl()->cast_copy, nullptr);
   }
 }
@@ -147,7 +140,7 @@ inline void expect_in_place_writes_retire_copies(Device device) {
       NoGradGuard no_grad;
       write(p);
     }
-    EXPECT_FALSE(valid_copy(p).defined()) << "the copy outlived the write";
+    EXPECT_FALSE(kept_weight_copy(p).defined()) << "the copy outlived the write";
     Tensor again = weight_copy(p, DType::bf16);
     EXPECT_FALSE(again.same(first));
     expect_same_values(again, p.to(DType::bf16), "after the write");
