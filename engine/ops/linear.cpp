@@ -79,7 +79,6 @@ void set_output(GemmArgs& g, const Output& o, const Tensor& bias) {
 // output keeps its bias in f32).
 Tensor cast_bias_grad(const Tensor& db, DType bias_dtype) { return db.defined() ? db.to(bias_dtype) : db; }
 
-
 }  // namespace
 
 Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor& residual0) {

@@ -433,34 +433,18 @@ TEST(AutogradAccumulating, OffersNothingWhenItRunsFirstOrTheGradientIsShared) {
     EXPECT_EQ(offered, std::vector<bool>{false});
     EXPECT_EQ(values(x.grad()), (std::vector<double>{5, 5}));
   }
-  {
-    SCOPED_TRACE("a gradient someone else holds");
+  // A node that runs first in backward sends x the upstream gradient and keeps a handle on
+  // it (the same tensor, or another on its storage): not the pass's to write into.
+  for (bool same_tensor : {true, false}) {
+    SCOPED_TRACE(same_tensor ? "a gradient someone else holds" : "a gradient sharing its storage with one held");
     Tensor x = param({1, 2});
     std::vector<bool> offered;
     Tensor kept;
     Tensor tripled = triple_accumulating(x, &offered);
     Tensor y = mul(x.detach(), 1.0);
-    // Runs first in backward, sends x the upstream gradient and keeps a handle on it: not
-    // the pass's to write into.
-    record("Keep", {x}, {y}, [&kept](const TensorList& g) {
+    record("Keep", {x}, {y}, [&kept, same_tensor](const TensorList& g) {
       kept = g[0].clone();
-      return TensorList{kept};
-    });
-    sum(add(tripled, y)).backward();
-    EXPECT_EQ(offered, std::vector<bool>{false});
-    EXPECT_EQ(values(x.grad()), (std::vector<double>{4, 4}));
-    EXPECT_EQ(values(kept), (std::vector<double>{1, 1})) << "the kept gradient was written";
-  }
-  {
-    SCOPED_TRACE("a gradient sharing its storage with one someone else holds");
-    Tensor x = param({1, 2});
-    std::vector<bool> offered;
-    Tensor kept;
-    Tensor tripled = triple_accumulating(x, &offered);
-    Tensor y = mul(x.detach(), 1.0);
-    record("KeepStorage", {x}, {y}, [&kept](const TensorList& g) {
-      kept = g[0].clone();
-      return TensorList{kept.detach()};  // another handle on kept's storage
+      return TensorList{same_tensor ? kept : kept.detach()};
     });
     sum(add(tripled, y)).backward();
     EXPECT_EQ(offered, std::vector<bool>{false});
