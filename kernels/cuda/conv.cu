@@ -28,10 +28,19 @@
 // One cuDNN handle per device, created on first use and kept for the process (like the
 // cuBLAS handle); it is shared by host threads, so setting its stream, choosing an
 // algorithm and issuing the call happen under a per-device lock.
+//
+// The graph API first. The convolution API above builds a cuDNN execution plan inside
+// every call, which costs more host time than a small network's kernels take to run. So
+// each pass of each plan also gets a graph API plan (conv_graph.h), built once, and a call
+// whose pointers are 16-byte aligned runs that; the convolution API serves the rest, a
+// shape the graph API builds no plan for, and any pass whose graph plan fails to run (it
+// is then dropped). LOOM_CUDNN_GRAPH=0 uses the convolution API alone.
 #include <cudnn.h>
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -41,6 +50,7 @@
 
 #include "kernels/core/precision.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/conv_graph.h"
 #include "kernels/cuda/kernels.h"
 
 namespace loom::cuda {
@@ -106,6 +116,8 @@ struct Plan {
   std::array<cudnnConvolutionDescriptor_t, 3> conv{};  // one per pass
   std::array<std::vector<Candidate>, 3> candidates;    // empty until the pass is first planned
   std::array<size_t, 3> current{};                      // index of the candidate in use
+  std::array<conv_graph::PlanPtr, 3> graph;             // the graph API's plan, if any
+  std::array<bool, 3> graph_tried{};
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -238,6 +250,35 @@ void plan_pass(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
              " within a ", kMaxWorkspace >> 20, " MiB workspace");
 }
 
+bool graph_api_on() {
+  static const bool on = [] {
+    const char* env = std::getenv("LOOM_CUDNN_GRAPH");
+    return !(env && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
+// Plans one pass with the graph API (once). Called under the device lock.
+const conv_graph::Plan* graph_plan(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
+  const size_t i = size_t(pass);
+  if (!p.graph_tried[i]) {
+    p.graph_tried[i] = true;
+    if (graph_api_on()) p.graph[i] = conv_graph::build(a, pass, h, kMaxWorkspace);
+  }
+  return p.graph[i].get();
+}
+
+// The workspace a pass may use: its graph plan's or its convolution API candidate's,
+// whichever is larger, since a call may end up on either. Called under the device lock.
+size_t pass_workspace(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
+  plan_pass(p, a, pass, h);
+  const size_t legacy = p.candidates[size_t(pass)][p.current[size_t(pass)]].workspace;
+  const conv_graph::Plan* g = graph_plan(p, a, pass, h);
+  return std::max(legacy, g ? conv_graph::workspace_size(*g) : size_t(0));
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
 // Checks the sizes cuDNN's int-based descriptors can hold.
 void check_sizes(const Conv2dArgs& a) {
   constexpr int64_t kMax = std::numeric_limits<int>::max();
@@ -254,11 +295,13 @@ int current_device() {
   return device;
 }
 
-// Runs `call(plan, handle, conv, algo, workspace, bytes)` for one pass: the candidate in
-// use first, then any later one that fits the workspace given, remembering the first that
-// succeeds.
+// Runs one pass: its graph plan when the pointers x, w, y (the tensors of the pass's
+// roles, conv_graph::execute) allow it, else `call(plan, handle, conv, algo, workspace,
+// bytes)` with the convolution API, the candidate in use first, then any later one that
+// fits the workspace given, remembering the first that succeeds.
 template <class Call>
-void run_pass(const Conv2dArgs& a, ConvPass pass, StreamHandle stream, Call call) {
+void run_pass(const Conv2dArgs& a, ConvPass pass, StreamHandle stream, const void* x, const void* w, const void* y,
+              Call call) {
   check_sizes(a);
   const int device = current_device();
   Plan& p = plan_for(a, device);
@@ -266,6 +309,14 @@ void run_pass(const Conv2dArgs& a, ConvPass pass, StreamHandle stream, Call call
   std::lock_guard lock(dnn.mu);
   plan_pass(p, a, pass, dnn.handle);
   LOOM_CUDNN(cudnnSetStream(dnn.handle, as_cuda(stream)));
+  if (const conv_graph::Plan* g = graph_plan(p, a, pass, dnn.handle)) {
+    const size_t need = conv_graph::workspace_size(*g);
+    if (aligned16(x) && aligned16(w) && aligned16(y) && (need == 0 || aligned16(a.workspace)) &&
+        a.workspace_bytes >= need) {
+      if (conv_graph::execute(*g, dnn.handle, x, w, y, need ? a.workspace : nullptr) == CUDNN_STATUS_SUCCESS) return;
+      p.graph[size_t(pass)].reset();  // refused at run time: the convolution API from now on
+    }
+  }
   const auto& list = p.candidates[size_t(pass)];
   size_t& current = p.current[size_t(pass)];
   LOOM_ASSERT(a.workspace_bytes >= list[current].workspace, "conv2d ", pass_name(pass), ": workspace of ",
@@ -304,14 +355,13 @@ size_t conv2d_workspace_size(const Conv2dArgs& a, ConvPass pass) {
   Plan& p = plan_for(a, device);
   Dnn& dnn = dnn_for_device(device);
   std::lock_guard lock(dnn.mu);
-  plan_pass(p, a, pass, dnn.handle);
-  return p.candidates[size_t(pass)][p.current[size_t(pass)]].workspace;
+  return pass_workspace(p, a, pass, dnn.handle);
 }
 
 void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, StreamHandle stream) {
   if (a.n == 0) return;
   const Scale s;
-  run_pass(a, ConvPass::forward, stream,
+  run_pass(a, ConvPass::forward, stream, x, w, y,
            [&](const Plan& p, cudnnHandle_t h, cudnnConvolutionDescriptor_t conv, int algo, void* ws, size_t bytes) {
              return cudnnConvolutionForward(h, s.one(a.dtype), p.x, x, p.w, w, conv, cudnnConvolutionFwdAlgo_t(algo),
                                             ws, bytes, s.zero(a.dtype), p.y, y);
@@ -321,7 +371,7 @@ void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, 
 void conv2d_backward_data(const Conv2dArgs& a, void* dx, const void* dy, const void* w, StreamHandle stream) {
   if (a.n == 0) return;
   const Scale s;
-  run_pass(a, ConvPass::backward_data, stream,
+  run_pass(a, ConvPass::backward_data, stream, dx, w, dy,
            [&](const Plan& p, cudnnHandle_t h, cudnnConvolutionDescriptor_t conv, int algo, void* ws, size_t bytes) {
              return cudnnConvolutionBackwardData(h, s.one(a.dtype), p.w, w, p.y, dy, conv,
                                                  cudnnConvolutionBwdDataAlgo_t(algo), ws, bytes, s.zero(a.dtype), p.x,
@@ -336,7 +386,7 @@ void conv2d_backward_filter(const Conv2dArgs& a, void* dw, const void* x, const 
     return;
   }
   const Scale s;
-  run_pass(a, ConvPass::backward_filter, stream,
+  run_pass(a, ConvPass::backward_filter, stream, x, dw, dy,
            [&](const Plan& p, cudnnHandle_t h, cudnnConvolutionDescriptor_t conv, int algo, void* ws, size_t bytes) {
              return cudnnConvolutionBackwardFilter(h, s.one(a.dtype), p.x, x, p.y, dy, conv,
                                                    cudnnConvolutionBwdFilterAlgo_t(algo), ws, bytes, s.zero(a.dtype),

@@ -15,6 +15,9 @@
 #include "kernels/config.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cuda/kernels.h"
+#if LOOM_WITH_CUDNN
+#include "kernels/cuda/conv_graph.h"
+#endif
 #include "tests/common/device_buffer.h"
 #include "tests/common/gpu.h"
 #include "tests/kernels/conv_reference.h"
@@ -110,22 +113,34 @@ void check_conv(const ConvCase& c, double tol) {
   cpu::conv2d_backward_data(sa, sdx.data(), ady.data(), aw.data(), nullptr);
   cpu::conv2d_backward_filter(sa, sdw.data(), ax.data(), ady.data(), nullptr);
 
-  DeviceBuffer<T> gx(x), gw(w), gdy(dy), gy(y.size()), gdx(dx.size()), gdw(dw.size());
-  for (int rep = 0; rep < 2; ++rep) {  // the second round runs on the cached plans
-    {
-      auto ws = workspace(a, ConvPass::forward);
-      cuda::conv2d_forward(a, gy.get(), gx.get(), gw.get(), nullptr);
-      expect_near_scaled(gy.to_host(), y, sy, tol, "y");
-    }
-    {
-      auto ws = workspace(a, ConvPass::backward_data);
-      cuda::conv2d_backward_data(a, gdx.get(), gdy.get(), gw.get(), nullptr);
-      expect_near_scaled(gdx.to_host(), dx, sdx, tol, "dx");
-    }
-    {
-      auto ws = workspace(a, ConvPass::backward_filter);
-      cuda::conv2d_backward_filter(a, gdw.get(), gx.get(), gdy.get(), nullptr);
-      expect_near_scaled(gdw.to_host(), dw, sdw, tol, "dw");
+  // Tensors at the start of their allocations run on cuDNN's graph API plans; one element
+  // further on they are not 16-byte aligned, which sends the call to the convolution API.
+  for (size_t shift : {size_t(0), size_t(1)}) {
+    SCOPED_TRACE(shift ? "one element past 16-byte alignment" : "16-byte aligned");
+    auto padded = [shift](const std::vector<T>& v) {
+      std::vector<T> out(shift);
+      out.insert(out.end(), v.begin(), v.end());
+      return out;
+    };
+    auto unpadded = [shift](const std::vector<T>& v) { return std::vector<T>(v.begin() + long(shift), v.end()); };
+    DeviceBuffer<T> gx(padded(x)), gw(padded(w)), gdy(padded(dy));
+    DeviceBuffer<T> gy(y.size() + shift), gdx(dx.size() + shift), gdw(dw.size() + shift);
+    for (int rep = 0; rep < 2; ++rep) {  // the second round runs on the cached plans
+      {
+        auto ws = workspace(a, ConvPass::forward);
+        cuda::conv2d_forward(a, gy.get() + shift, gx.get() + shift, gw.get() + shift, nullptr);
+        expect_near_scaled(unpadded(gy.to_host()), y, sy, tol, "y");
+      }
+      {
+        auto ws = workspace(a, ConvPass::backward_data);
+        cuda::conv2d_backward_data(a, gdx.get() + shift, gdy.get() + shift, gw.get() + shift, nullptr);
+        expect_near_scaled(unpadded(gdx.to_host()), dx, sdx, tol, "dx");
+      }
+      {
+        auto ws = workspace(a, ConvPass::backward_filter);
+        cuda::conv2d_backward_filter(a, gdw.get() + shift, gx.get() + shift, gdy.get() + shift, nullptr);
+        expect_near_scaled(unpadded(gdw.to_host()), dw, sdw, tol, "dw");
+      }
     }
   }
 }
@@ -147,6 +162,23 @@ TEST(ConvCuda, CudnnMatchesCpuF16) {
 TEST(ConvCuda, CudnnMatchesCpuF64) {
   LOOM_REQUIRE_CUDA();
   for (const auto& c : conv_cases()) check_conv<double>(c, 1e-10);
+}
+
+// The graph API makes a plan for every pass of every case in the training dtypes, so the
+// aligned calls above ran on it (a shape it refuses would silently take the convolution
+// API instead).
+TEST(ConvCuda, GraphApiPlansEveryPassOfEveryCase) {
+  LOOM_REQUIRE_CUDA();
+  cudnnHandle_t handle = nullptr;
+  ASSERT_EQ(cudnnCreate(&handle), CUDNN_STATUS_SUCCESS);
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16})
+    for (const auto& c : conv_cases())
+      for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter}) {
+        const Conv2dArgs a = test::conv_args(c, dtype);
+        EXPECT_NE(cuda::conv_graph::build(a, pass, handle, size_t(1) << 30), nullptr)
+            << c.name << ", " << dtype_name(dtype) << ", pass " << int(pass);
+      }
+  cudnnDestroy(handle);
 }
 
 #else

@@ -1,0 +1,229 @@
+// cuDNN graph API plans for convolutions (conv_graph.h says what and why). The descriptors
+// follow cuDNN's backend reference: three tensors (x, w, y, or their gradients) with unique
+// ids 1, 2, 3, a convolution descriptor, one convolution operation, its operation graph,
+// the heuristics' engine configurations, and an execution plan per configuration tried.
+#include "kernels/cuda/conv_graph.h"
+
+#include <array>
+#include <vector>
+
+#include "kernels/core/error.h"
+#include "kernels/core/precision.h"
+
+namespace loom::cuda::conv_graph {
+namespace {
+
+constexpr int64_t kX = 1, kW = 2, kY = 3;  // unique ids: input, filter, output
+constexpr int64_t kAlignment = 16;
+
+// One backend descriptor, destroyed with its owner; `ok` turns false at the first call
+// that does not succeed, and every later call is skipped.
+struct Desc {
+  cudnnBackendDescriptor_t d = nullptr;
+  bool ok = true;
+
+  explicit Desc(cudnnBackendDescriptorType_t type) { ok = cudnnBackendCreateDescriptor(type, &d) == CUDNN_STATUS_SUCCESS; }
+  ~Desc() {
+    if (d) cudnnBackendDestroyDescriptor(d);
+  }
+  Desc(const Desc&) = delete;
+  Desc& operator=(const Desc&) = delete;
+  Desc(Desc&& o) noexcept : d(o.d), ok(o.ok) { o.d = nullptr; }
+
+  template <class V>
+  Desc& set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, int64_t count, const V* value) {
+    if (ok) ok = cudnnBackendSetAttribute(d, name, type, count, value) == CUDNN_STATUS_SUCCESS;
+    return *this;
+  }
+  Desc& set_desc(cudnnBackendAttributeName_t name, const Desc& other) {
+    ok = ok && other.ok;
+    return set(name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &other.d);
+  }
+  bool finalize() {
+    if (ok) ok = cudnnBackendFinalize(d) == CUDNN_STATUS_SUCCESS;
+    return ok;
+  }
+};
+
+cudnnDataType_t data_type(DType t) {
+  switch (t) {
+    case DType::f32: return CUDNN_DATA_FLOAT;
+    case DType::f64: return CUDNN_DATA_DOUBLE;
+    case DType::bf16: return CUDNN_DATA_BFLOAT16;
+    case DType::f16: return CUDNN_DATA_HALF;
+    default: LOOM_FAIL("conv2d needs a floating-point dtype, got ", dtype_name(t));
+  }
+}
+
+Desc tensor(int64_t uid, DType dtype, std::array<int64_t, 4> dims) {
+  const std::array<int64_t, 4> strides{dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1};  // NCHW
+  const cudnnDataType_t type = data_type(dtype);
+  Desc t(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+  t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type)
+      .set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data())
+      .set(CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides.data())
+      .set(CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid)
+      .set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &kAlignment)
+      .finalize();
+  return t;
+}
+
+// Whether an engine's numerical notes suit the dtype (conv_graph.h).
+bool notes_allowed(const Desc& cfg, DType dtype) {
+  Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+  int64_t got = 0;
+  if (!engine.ok || cudnnBackendGetAttribute(cfg.d, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &got,
+                                             &engine.d) != CUDNN_STATUS_SUCCESS)
+    return false;
+  std::array<cudnnBackendNumericalNote_t, CUDNN_NUMERICAL_NOTE_TYPE_COUNT> notes{};
+  int64_t count = 0;
+  if (cudnnBackendGetAttribute(engine.d, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                               int64_t(notes.size()), &count, notes.data()) != CUDNN_STATUS_SUCCESS)
+    return false;
+  for (int64_t i = 0; i < count; ++i) {
+    const cudnnBackendNumericalNote_t n = notes[size_t(i)];
+    if (n == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS || n == CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION)
+      return false;
+    if (n == CUDNN_NUMERICAL_NOTE_TENSOR_CORE && dtype == DType::f32 && !tf32_allowed()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// The finalized plan, and every descriptor it was made from, kept for as long as it is.
+class Plan {
+ public:
+  Plan(Desc plan, size_t workspace, std::vector<Desc> sources)
+      : plan_(std::move(plan)), workspace_(workspace), sources_(std::move(sources)) {}
+  const Desc& desc() const { return plan_; }
+  size_t workspace() const { return workspace_; }
+
+ private:
+  Desc plan_;
+  size_t workspace_;
+  std::vector<Desc> sources_;
+};
+
+void PlanDeleter::operator()(Plan* p) const { delete p; }
+
+PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace) {
+  Desc x = tensor(kX, a.dtype, {a.n, a.c_in, a.h, a.w});
+  Desc w = tensor(kW, a.dtype, {a.c_out, a.c_in / a.groups, a.kh, a.kw});
+  Desc y = tensor(kY, a.dtype, {a.n, a.c_out, a.out_h, a.out_w});
+
+  const cudnnDataType_t compute = a.dtype == DType::f64 ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
+  const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+  const int64_t spatial = 2;
+  const std::array<int64_t, 2> dilation{a.dilation_h, a.dilation_w}, stride{a.stride_h, a.stride_w},
+      padding{a.pad_h, a.pad_w};
+  Desc conv(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
+  conv.set(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &spatial)
+      .set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute)
+      .set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode)
+      .set(CUDNN_ATTR_CONVOLUTION_DILATIONS, CUDNN_TYPE_INT64, 2, dilation.data())
+      .set(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, CUDNN_TYPE_INT64, 2, stride.data())
+      .set(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, CUDNN_TYPE_INT64, 2, padding.data())
+      .set(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, 2, padding.data())
+      .finalize();
+
+  // alpha 1, beta 0, in the compute type.
+  const float f1 = 1.f, f0 = 0.f;
+  const double d1 = 1.0, d0 = 0.0;
+  const bool dbl = compute == CUDNN_DATA_DOUBLE;
+  const cudnnBackendAttributeType_t scale_type = dbl ? CUDNN_TYPE_DOUBLE : CUDNN_TYPE_FLOAT;
+  const void* one = dbl ? static_cast<const void*>(&d1) : &f1;
+  const void* zero = dbl ? static_cast<const void*>(&d0) : &f0;
+
+  Desc op(pass == ConvPass::forward         ? CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR
+          : pass == ConvPass::backward_data ? CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR
+                                            : CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR);
+  switch (pass) {
+    case ConvPass::forward:
+      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, y)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, conv)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, scale_type, 1, one)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, scale_type, 1, zero);
+      break;
+    case ConvPass::backward_data:
+      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, x)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, w)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, y)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, conv)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, scale_type, 1, one)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, scale_type, 1, zero);
+      break;
+    case ConvPass::backward_filter:
+      op.set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, x)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, w)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, y)
+          .set_desc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, conv)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, scale_type, 1, one)
+          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, scale_type, 1, zero);
+      break;
+  }
+  op.finalize();
+
+  Desc graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+  graph.set_desc(CUDNN_ATTR_OPERATIONGRAPH_OPS, op).set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+  if (!graph.finalize()) return nullptr;
+
+  const cudnnBackendHeurMode_t heur_mode = CUDNN_HEUR_MODE_A;
+  Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+  heur.set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph)
+      .set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &heur_mode);
+  if (!heur.finalize()) return nullptr;
+  int64_t count = 0;
+  if (cudnnBackendGetAttribute(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
+                               nullptr) != CUDNN_STATUS_SUCCESS ||
+      count <= 0)
+    return nullptr;
+  std::vector<Desc> configs;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int64_t i = 0; i < count; ++i) {
+    configs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
+    if (!configs.back().ok) return nullptr;
+    raw.push_back(configs.back().d);
+  }
+  int64_t returned = 0;
+  if (cudnnBackendGetAttribute(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &returned,
+                               raw.data()) != CUDNN_STATUS_SUCCESS)
+    return nullptr;
+
+  for (int64_t i = 0; i < returned; ++i) {
+    const Desc& cfg = configs[size_t(i)];
+    if (!notes_allowed(cfg, a.dtype)) continue;
+    Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+    plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle)
+        .set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg);
+    if (!plan.finalize()) continue;
+    int64_t bytes = 0, got = 0;
+    if (cudnnBackendGetAttribute(plan.d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &bytes) !=
+            CUDNN_STATUS_SUCCESS ||
+        bytes < 0 || size_t(bytes) > max_workspace)
+      continue;
+    std::vector<Desc> sources;
+    for (Desc* d : {&x, &w, &y, &conv, &op, &graph, &heur}) sources.push_back(std::move(*d));
+    for (Desc& c : configs) sources.push_back(std::move(c));
+    return PlanPtr(new Plan(std::move(plan), size_t(bytes), std::move(sources)));
+  }
+  return nullptr;
+}
+
+size_t workspace_size(const Plan& plan) { return plan.workspace(); }
+
+cudnnStatus_t execute(const Plan& plan, cudnnHandle_t handle, const void* x, const void* w, const void* y,
+                      void* workspace) {
+  const std::array<int64_t, 3> uids{kX, kW, kY};
+  const std::array<void*, 3> ptrs{const_cast<void*>(x), const_cast<void*>(w), const_cast<void*>(y)};
+  Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
+  pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 3, uids.data())
+      .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, ptrs.data())
+      .set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
+  if (!pack.finalize()) return CUDNN_STATUS_BAD_PARAM;
+  return cudnnBackendExecute(handle, plan.desc().d, pack.d);
+}
+
+}  // namespace loom::cuda::conv_graph

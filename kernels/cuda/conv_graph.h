@@ -1,0 +1,43 @@
+// cuDNN's graph (backend) API for one pass of one convolution shape: an execution plan
+// built once and kept, so that a call costs a variant pack and cudnnBackendExecute. The
+// convolution API of conv.cu rebuilds a plan inside cuDNN at every call; on a ResNet-18
+// step that is about half of the host's time. Internal to kernels/cuda (conv.cu uses it).
+//
+// A plan is looked for among the heuristics' engine configurations (mode A, in their
+// order), keeping the first that finalizes, needs at most kMaxWorkspace bytes and whose
+// numerical notes fit the dtype: no down-conversion of inputs and no reduced-precision
+// reduction ever, and no tensor cores for f32 when TF32 is not allowed. Tensors are
+// described as 16-byte aligned: conv.cu takes this path only for pointers that are.
+// When no configuration qualifies, or cuDNN refuses the graph, there is no plan and
+// conv.cu uses the convolution API.
+#pragma once
+
+#include <cudnn.h>
+
+#include <cstddef>
+#include <memory>
+
+#include "kernels/table.h"
+
+namespace loom::cuda::conv_graph {
+
+class Plan;
+
+struct PlanDeleter {
+  void operator()(Plan* p) const;
+};
+using PlanPtr = std::unique_ptr<Plan, PlanDeleter>;
+
+// The pass's plan for these shapes, or null. `handle` is the device's cuDNN handle.
+PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace);
+
+size_t workspace_size(const Plan& plan);
+
+// Runs the pass on the handle's stream. The pointers are the convolution's three tensors
+// (N, C_in, H, W), (C_out, C_in / groups, KH, KW), (N, C_out, OH, OW), or their gradients
+// where the pass writes them: forward writes y, backward data dx (in x's place), backward
+// filter dw (in w's place), and the backward passes read dy in y's place.
+cudnnStatus_t execute(const Plan& plan, cudnnHandle_t handle, const void* x, const void* w, const void* y,
+                      void* workspace);
+
+}  // namespace loom::cuda::conv_graph
