@@ -7,10 +7,13 @@
 //   FLOPs per token = 6 N + 12 L d T   (N parameters, L layers, d width, T sequence)
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
 //   bench_gpt [--config gpt2-124m] [--batch 16] [--seq 1024] [--precision bf16|f32]
-//             [--warmup N] [--steps N] [--ddp] [--json FILE]
+//             [--warmup N] [--steps N] [--ddp] [--json FILE] [--profile-step]
 // --ddp measures what data parallelism costs on one GPU: the same model is stepped plainly and
 // through DistributedDataParallel (NCCL, world size 1) in alternating rounds within one run,
 // so both see the same clocks and memory state, and the two medians are compared.
+// --profile-step runs one more step between cudaProfilerStart and cudaProfilerStop, so that
+// `ncu --profile-from-start off` (or nsys's cudaProfilerApi capture range) sees exactly one
+// steady-state step.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -19,6 +22,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include <cuda_profiler_api.h>
 
 #include "engine/allocator.h"
 #include "engine/autocast.h"
@@ -37,7 +42,7 @@ using samples::median;
 int main(int argc, char** argv) {
   std::string config_name = "gpt2-124m", precision = "bf16", json;
   int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
-  bool ddp = false, components = false;
+  bool ddp = false, components = false, profile_step = false;
   samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
   flags.add("config", &config_name, "model size", {"gpt2-124m", "guide", "tiny"});
   flags.add("batch", &batch, "sequences per step", 1);
@@ -46,6 +51,7 @@ int main(int argc, char** argv) {
   flags.add("warmup", &warmup, "untimed steps first", 0);
   flags.add("steps", &steps, "timed steps (with --ddp: per mode)", 2);
   flags.add_switch("ddp", &ddp, "also step through DistributedDataParallel (NCCL, one rank) and compare");
+  flags.add_switch("profile-step", &profile_step, "after the timed steps, one step inside cudaProfilerStart/Stop");
   flags.add_switch("components", &components, "also time each part of the model (forward, forward + backward)");
   flags.add("json", &json, "append the results here as JSON lines", {}, "FILE");
   flags.parse(argc, argv);
@@ -127,6 +133,13 @@ int main(int argc, char** argv) {
       return step_ms;
     };
     const double plain_step = report(plain_ms, "plain");
+    if (profile_step) {
+      synchronize(dev);
+      cudaProfilerStart();
+      plain();
+      synchronize(dev);
+      cudaProfilerStop();
+    }
     if (components) {
       // Each part of the model alone at the step's shapes: median ms of its forward, and of its
       // forward plus a backward from a random output gradient.

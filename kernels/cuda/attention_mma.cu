@@ -3,13 +3,14 @@
 //
 // The FlashAttention-2 scheme with warp-level mma.sync.m16n8k16 (wgmma would need sm_90a
 // and hand-built shared-memory descriptors; mma.sync is what runs on every target), in the
-// blocks of attention_mma_tiles.cuh. A block takes 64 MT query rows, loads its Q tile once
-// (fragments then live in registers) and streams 64-key K/V tiles through double-buffered
-// shared memory with cp.async. S = Q K^T comes out in mma accumulators; an online softmax
-// (running max m and sum l per row, in exp2 form) rescales O; P is repacked from the S
-// accumulators straight into A fragments of O += P V, never touching shared memory. Causal
-// blocks stop at the diagonal tile, a warp skips the tiles its rows cannot see, and the grid
-// runs the longest (last) query tiles first. The backward is attention_mma_backward.cu.
+// blocks of attention_mma_tiles.cuh. A block takes 64 query rows (16 a warp), loads its Q
+// tile once (fragments then live in registers) and streams 64-key K/V tiles through
+// double-buffered shared memory with cp.async. S = Q K^T comes out in mma accumulators; an
+// online softmax (running max m and sum l per row, in exp2 form) rescales O; P is repacked
+// from the S accumulators straight into A fragments of O += P V, never touching shared
+// memory. The loop is software-pipelined: the products of the next tile's scores go beside
+// this tile's softmax. Causal blocks stop at the diagonal tile, and the grid runs the longest
+// (last) query tiles first. The backward is attention_mma_backward.cu.
 #include "kernels/cuda/attention_mma_tiles.cuh"
 
 namespace loom::cuda::attention {
@@ -21,12 +22,77 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- forward ---------------------------------------------------------------------------
 
-template <class T, int D, int MT> constexpr size_t forward_smem() {
-  return size_t(block_rows(MT) + 4 * kBlockN) * (D + 8) * sizeof(T);
+// A forward block's query rows: one row tile of 16 a warp, as many rows as a key tile has
+// keys. A causal block's last key tile then starts at its first row (a multiple of 64), so
+// every warp sees a key of every tile the block streams and none skips one.
+constexpr int kForwardRows = block_rows(1);
+static_assert(kForwardRows == kBlockN, "causal forward blocks rely on every warp seeing every key tile");
+
+// Blocks an SM should hold: at head_dim <= 64 the registers are capped at 128 a thread so
+// that four fit (an H200 at GPT-2's shape: 0.150 ms against 0.184 ms with three, whose 138
+// registers the compiler takes uncapped); larger head sizes would spill under that cap.
+constexpr int forward_min_blocks(int D) { return D <= 64 ? 4 : 1; }
+
+template <class T, int D> constexpr size_t forward_smem() {
+  return size_t(kForwardRows + 4 * kBlockN) * (D + 8) * sizeof(T);
 }
 
-template <class T, int D, int MT> __global__ void __launch_bounds__(kThreads) forward_kernel(const Params p) {
-  constexpr int S = D + 8, NB = kBlockN / 8, BM = block_rows(MT), WR = 16 * MT;
+// S (16 rows x kBlockN keys, zeroed by the caller) += this warp's Q rows times key tile kt.
+template <int D, class T>
+__device__ __forceinline__ void scores_from_q(float (&s)[kBlockN / 8][4], const uint32_t (&qf)[D / 16][4], const T* kt) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+    for (int np = 0; np < kBlockN / 16; ++np) {
+      uint32_t b[4];
+      load_b_nk<D + 8>(b, kt, np * 16, ks * 16);
+      mma<T>(s[2 * np], qf[ks], b[0], b[1]);
+      mma<T>(s[2 * np + 1], qf[ks], b[2], b[3]);
+    }
+}
+
+// One key tile's step of the online softmax for a warp's 16 rows (the 4 threads of a quad
+// share a row): scales and masks the scores s, raises the running max m, rescales the sum l
+// and the output o by the change, and leaves P = exp2(s - m) in s.
+template <int D>
+__device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float (&o)[D / 8][4], float (&m)[2],
+                                               float (&l)[2], float scale_log2, bool edge, int i_lo, int j0,
+                                               const Params& p) {
+  constexpr int NB = kBlockN / 8;
+  scale_and_mask(s, scale_log2, edge, i_lo, j0, p.kv_len, p.causal);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[r], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen no key yet stays at 0
+    const float alpha = fast_exp2(m[r] - base);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      s[nb][2 * r] = fast_exp2(s[nb][2 * r] - base);
+      s[nb][2 * r + 1] = fast_exp2(s[nb][2 * r + 1] - base);
+      sum += s[nb][2 * r] + s[nb][2 * r + 1];
+    }
+    l[r] = l[r] * alpha + sum;
+#pragma unroll
+    for (int db = 0; db < D / 8; ++db) {
+      o[db][2 * r] *= alpha;
+      o[db][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+// Software-pipelined over key tiles: step n computes the scores of tile n + 1 while it
+// takes the softmax of tile n's and adds P V(n), so a warp's tensor-core products and its
+// exponentials are independent work the scheduler can interleave. K is loaded one tile
+// ahead of V to match: step n reads K(n + 1) and V(n) while K(n + 2) and V(n + 1) land.
+template <class T, int D, int MinBlocks> __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Params p) {
+  constexpr int S = D + 8, NB = kBlockN / 8, BM = kForwardRows;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);  // (BM, S); O on the way out
   T* sK = sQ + BM * S;                 // 2 x (kBlockN, S)
@@ -40,108 +106,68 @@ template <class T, int D, int MT> __global__ void __launch_bounds__(kThreads) fo
   const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
   const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
   const float scale_log2 = float(p.scale_log2);
-  const int w0 = q0 + warp * WR;  // this warp's first row; tile mt's thread rows: w0 + 16 mt + g (+ 8)
+  const int r0 = q0 + warp * 16;  // this warp's first row; a thread's rows: r0 + g and r0 + g + 8
+  auto load_k = [&](int n) { load_rows<D, kBlockN>(sK + (n & 1) * kBlockN * S, k, int(st.k.seq), n * kBlockN, p.kv_len); };
+  auto load_v = [&](int n) { load_rows<D, kBlockN>(sV + (n & 1) * kBlockN * S, v, int(st.v.seq), n * kBlockN, p.kv_len); };
+  // Tile j0's scores need masking where keys run past kv_len or past a causal row.
+  auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 
+  // Groups: {Q, K(0)}, then {V(0), K(1)}, then one {V(n + 1), K(n + 2)} a step.
   load_rows<D, BM>(sQ, q, int(st.q.seq), q0, p.q_len);
-  if (n_tiles > 0) {
-    load_rows<D, kBlockN>(sK, k, int(st.k.seq), 0, p.kv_len);
-    load_rows<D, kBlockN>(sV, v, int(st.v.seq), 0, p.kv_len);
-  }
+  if (n_tiles > 0) load_k(0);
+  cp_async_commit();
+  if (n_tiles > 0) load_v(0);
+  if (n_tiles > 1) load_k(1);
   cp_async_commit();
 
-  uint32_t qf[MT][D / 16][4];
-  float o[MT][D / 8][4] = {};
-  float m[MT][2], l[MT][2];
+  uint32_t qf[D / 16][4];
+  float o[1][D / 8][4] = {}, s[1][NB][4] = {};  // mma_acc_rows's shapes: one row tile
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  cp_async_wait<1>();
+  __syncthreads();
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
+  for (int ks = 0; ks < D / 16; ++ks) load_a<S>(qf[ks], sQ, warp * 16, ks * 16);
+  if (n_tiles > 0) scores_from_q<D>(s[0], qf, sK);
+  __syncthreads();  // every warp has read K(0) before step 0 refills its buffer with K(2)
 
   for (int n = 0; n < n_tiles; ++n) {
-    const int buf = n & 1;
-    next_key_tile<D>(sK, sV, k, int(st.k.seq), v, int(st.v.seq), n, n_tiles, p.kv_len);
-    if (n == 0) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) load_a<S>(qf[mt][ks], sQ, warp * WR + mt * 16, ks * 16);
-    }
-    const T* kt = sK + buf * kBlockN * S;
-    const T* vt = sV + buf * kBlockN * S;
+    if (n + 1 < n_tiles) load_v(n + 1);
+    if (n + 2 < n_tiles) load_k(n + 2);
+    cp_async_commit();
+    cp_async_wait<1>();  // V(n) and K(n + 1) have landed, for this thread
+    __syncthreads();     // and for the block
+    const T* vt = sV + (n & 1) * kBlockN * S;
     const int j0 = n * kBlockN;
-    // Causal: a warp whose rows all come before the tile's first key skips it (the tile
-    // adds nothing to them). j0 is a multiple of 64 and w0 of the warp's 16 MT rows, so a
-    // warp that goes on has every row see key j0.
-    if (!p.causal || j0 < w0 + WR) {
-      float s[MT][NB][4] = {};
+    if (n + 1 < n_tiles) {
+      float next[NB][4] = {};
+      scores_from_q<D>(next, qf, sK + ((n + 1) & 1) * kBlockN * S);
+      online_softmax<D>(s[0], o[0], m, l, scale_log2, edge(j0), r0 + g, j0, p);
+      mma_acc_rows<D>(o, s, vt);
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks)
+      for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int np = 0; np < NB / 2; ++np) {
-          uint32_t b[4];
-          load_b_nk<S>(b, kt, np * 16, ks * 16);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma<T>(s[mt][2 * np], qf[mt][ks], b[0], b[1]);
-            mma<T>(s[mt][2 * np + 1], qf[mt][ks], b[2], b[3]);
-          }
-        }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int r0 = w0 + 16 * mt;
-        const bool edge = j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0);
-        scale_and_mask(s[mt], scale_log2, edge, r0 + g, j0, p.kv_len, p.causal);
-
-        // Online softmax, per row r (the 4 threads of a quad share a row).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(m[mt][r], mx);
-          const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen no key yet stays at 0
-          const float alpha = fast_exp2(m[mt][r] - base);
-          m[mt][r] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int nb = 0; nb < NB; ++nb) {
-            s[mt][nb][2 * r] = fast_exp2(s[mt][nb][2 * r] - base);
-            s[mt][nb][2 * r + 1] = fast_exp2(s[mt][nb][2 * r + 1] - base);
-            sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
-          }
-          l[mt][r] = l[mt][r] * alpha + sum;
-#pragma unroll
-          for (int db = 0; db < D / 8; ++db) {
-            o[mt][db][2 * r] *= alpha;
-            o[mt][db][2 * r + 1] *= alpha;
-          }
-        }
-      }
-
-      // O += P V, P straight from the S accumulators; each V fragment feeds every row tile.
+        for (int e = 0; e < 4; ++e) s[0][nb][e] = next[nb][e];
+    } else {
+      online_softmax<D>(s[0], o[0], m, l, scale_log2, edge(j0), r0 + g, j0, p);
       mma_acc_rows<D>(o, s, vt);
     }
-    __syncthreads();  // every warp is done with buffer `buf` before it is refilled
+    __syncthreads();  // every warp is done with V(n) and K(n + 1) before step n + 1 refills them
   }
   cp_async_wait<0>();
   __syncthreads();
 
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  stage_rows<D>(sQ, o[0], warp * 16, l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f);
+  if (t == 0) {
+    float* lse = static_cast<float*>(p.lse) + bh * p.q_len;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
-      l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
-    }
-    stage_rows<D>(sQ, o[mt], warp * WR + 16 * mt, l[mt][0] > 0.f ? 1.f / l[mt][0] : 0.f,
-                  l[mt][1] > 0.f ? 1.f / l[mt][1] : 0.f);
-    if (t == 0) {
-      float* lse = static_cast<float*>(p.lse) + bh * p.q_len;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int i = w0 + 16 * mt + g + 8 * r;
-        if (i < p.q_len) lse[i] = l[mt][r] > 0.f ? (m[mt][r] + log2f(l[mt][r])) * kLn2 : -INFINITY;
-      }
+      const int i = r0 + g + 8 * r;
+      if (i < p.q_len) lse[i] = l[r] > 0.f ? (m[r] + log2f(l[r])) * kLn2 : -INFINITY;
     }
   }
   __syncthreads();
@@ -158,9 +184,9 @@ bool mma_supported(DType dtype, int64_t head_dim) {
 void mma_forward(const Params& p, DType dtype, cudaStream_t stream) {
   dispatch(dtype, p.head_dim, [&](auto tag, auto dim) {
     using T = decltype(tag);
-    constexpr int D = decltype(dim)::value, MT = 1;
-    launch(forward_kernel<T, D, MT>, p.heads * tiles(p.q_len, block_rows(MT)), forward_smem<T, D, MT>(), "forward", p,
-           stream);
+    constexpr int D = decltype(dim)::value;
+    launch(forward_kernel<T, D, forward_min_blocks(D)>, p.heads * tiles(p.q_len, kForwardRows), forward_smem<T, D>(),
+           "forward", p, stream);
   });
 }
 
