@@ -39,7 +39,8 @@ template <class T, int D> constexpr size_t forward_smem() {
 
 // S (16 rows x kBlockN keys, zeroed by the caller) += this warp's Q rows times key tile kt.
 template <int D, class T>
-__device__ __forceinline__ void scores_from_q(float (&s)[kBlockN / 8][4], const uint32_t (&qf)[D / 16][4], const T* kt) {
+__device__ __forceinline__ void scores_from_q(float (&s)[kBlockN / 8][4], const uint32_t (&qf)[D / 16][4],
+                                              const T* kt) {
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
 #pragma unroll
@@ -91,7 +92,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float
 // takes the softmax of tile n's and adds P V(n), so a warp's tensor-core products and its
 // exponentials are independent work the scheduler can interleave. K is loaded one tile
 // ahead of V to match: step n reads K(n + 1) and V(n) while K(n + 2) and V(n + 1) land.
-template <class T, int D, int MinBlocks> __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Params p) {
+template <class T, int D, int MinBlocks>
+__global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Params p) {
   constexpr int S = D + 8, NB = kBlockN / 8, BM = kForwardRows;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);  // (BM, S); O on the way out
@@ -107,8 +109,12 @@ template <class T, int D, int MinBlocks> __global__ void __launch_bounds__(kThre
   const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
   const float scale_log2 = float(p.scale_log2);
   const int r0 = q0 + warp * 16;  // this warp's first row; a thread's rows: r0 + g and r0 + g + 8
-  auto load_k = [&](int n) { load_rows<D, kBlockN>(sK + (n & 1) * kBlockN * S, k, int(st.k.seq), n * kBlockN, p.kv_len); };
-  auto load_v = [&](int n) { load_rows<D, kBlockN>(sV + (n & 1) * kBlockN * S, v, int(st.v.seq), n * kBlockN, p.kv_len); };
+  auto load_k = [&](int n) {
+    load_rows<D, kBlockN>(sK + (n & 1) * kBlockN * S, k, int(st.k.seq), n * kBlockN, p.kv_len);
+  };
+  auto load_v = [&](int n) {
+    load_rows<D, kBlockN>(sV + (n & 1) * kBlockN * S, v, int(st.v.seq), n * kBlockN, p.kv_len);
+  };
   // Tile j0's scores need masking where keys run past kv_len or past a causal row.
   auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 

@@ -22,7 +22,9 @@ struct Desc {
   cudnnBackendDescriptor_t d = nullptr;
   bool ok = true;
 
-  explicit Desc(cudnnBackendDescriptorType_t type) { ok = cudnnBackendCreateDescriptor(type, &d) == CUDNN_STATUS_SUCCESS; }
+  explicit Desc(cudnnBackendDescriptorType_t type) {
+    ok = cudnnBackendCreateDescriptor(type, &d) == CUDNN_STATUS_SUCCESS;
+  }
   ~Desc() {
     if (d) cudnnBackendDestroyDescriptor(d);
   }
@@ -167,7 +169,8 @@ PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t m
   op.finalize();
 
   Desc graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
-  graph.set_desc(CUDNN_ATTR_OPERATIONGRAPH_OPS, op).set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+  graph.set_desc(CUDNN_ATTR_OPERATIONGRAPH_OPS, op)
+      .set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
   if (!graph.finalize()) return nullptr;
 
   const cudnnBackendHeurMode_t heur_mode = CUDNN_HEUR_MODE_A;
