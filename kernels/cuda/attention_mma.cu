@@ -92,6 +92,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float
 // takes the softmax of tile n's and adds P V(n), so a warp's tensor-core products and its
 // exponentials are independent work the scheduler can interleave. K is loaded one tile
 // ahead of V to match: step n reads K(n + 1) and V(n) while K(n + 2) and V(n + 1) land.
+// The last step, which has no next tile, is a branch of its own (repeating its two calls)
+// so that every other step stays one straight run of code for the scheduler to interleave.
 template <class T, int D, int MinBlocks>
 __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Params p) {
   constexpr int S = D + 8, NB = kBlockN / 8, BM = kForwardRows;
