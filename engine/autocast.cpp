@@ -12,11 +12,19 @@ namespace loom {
 namespace {
 thread_local std::optional<DType> current;
 
+// On unless the environment variable `name` is "0".
+bool on_unless_zero(const char* name) {
+  const char* env = std::getenv(name);
+  return !(env && std::string(env) == "0");
+}
+
 std::atomic<bool>& copies_on() {
-  static std::atomic<bool> on{[] {
-    const char* env = std::getenv("LOOM_AUTOCAST_WEIGHT_COPIES");
-    return !(env && std::string(env) == "0");
-  }()};
+  static std::atomic<bool> on{on_unless_zero("LOOM_AUTOCAST_WEIGHT_COPIES")};
+  return on;
+}
+
+std::atomic<bool>& gradient_copies_on() {
+  static std::atomic<bool> on{on_unless_zero("LOOM_AUTOCAST_GRADIENT_COPIES")};
   return on;
 }
 }  // namespace
@@ -35,6 +43,15 @@ DType autocast_compute_dtype(DType t) { return current && t == DType::f32 ? *cur
 
 void set_autocast_weight_copies(bool enabled) { copies_on() = enabled; }
 bool autocast_weight_copies() { return copies_on(); }
+
+void set_autocast_gradient_copies(bool enabled) { gradient_copies_on() = enabled; }
+bool autocast_gradient_copies() { return gradient_copies_on(); }
+
+Tensor cast_or_kept(const Tensor& x, DType dtype) {
+  if (x.dtype() != dtype && !any_requires_grad({x}))
+    if (Tensor kept = kept_weight_copy(x); kept.defined() && kept.dtype() == dtype) return kept;
+  return x.to(dtype);
+}
 
 Tensor weight_copy(const Tensor& p, DType dtype) {
   if (dtype == p.dtype()) return p;  // an f32 bias beside an f32 residual, say: no copy to keep

@@ -34,7 +34,7 @@ std::shared_ptr<Node> accumulator_for(const Tensor& leaf) {
   auto node = std::make_shared<Node>();
   node->name = "AccumulateGrad";
   node->sequence_nr = std::numeric_limits<uint64_t>::max();  // runs as soon as it is ready
-  node->outputs.push_back({leaf.shape(), leaf.dtype(), leaf.device()});
+  node->outputs.push_back({leaf.shape(), leaf.dtype(), leaf.device(), std::nullopt});
   node->leaf = leaf.impl_ptr();
   impl->grad_accumulator = node;
   return node;
@@ -89,7 +89,7 @@ std::shared_ptr<Node> new_node(const char* name, const TensorList& inputs, const
   for (const Tensor& in : inputs) node->next_edges.push_back(gradient_edge(in));
   for (size_t i = 0; i < outputs.size(); ++i) {
     TensorImpl* out = outputs[i].impl();
-    node->outputs.push_back({out->shape, out->dtype, outputs[i].device()});
+    node->outputs.push_back({out->shape, out->dtype, outputs[i].device(), std::nullopt});
     out->requires_grad = true;
     out->grad_fn = node;
     out->output_nr = int(i);
@@ -97,6 +97,16 @@ std::shared_ptr<Node> new_node(const char* name, const TensorList& inputs, const
   return node;
 }
 }  // namespace
+
+void set_gradient_read_dtype(const Tensor& t, DType dtype) {
+  LOOM_ASSERT(t.grad_fn() != nullptr, "set_gradient_read_dtype on a tensor without a node");
+  t.grad_fn()->outputs[size_t(t.impl()->output_nr)].grad_read_as = dtype;
+}
+
+std::optional<DType> gradient_read_dtype(const Tensor& t) {
+  if (!t.grad_fn()) return std::nullopt;
+  return t.grad_fn()->outputs[size_t(t.impl()->output_nr)].grad_read_as;
+}
 
 void record(const char* name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward) {
   new_node(name, inputs, outputs)->backward = std::move(backward);

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,9 @@ struct OutputMeta {
   Shape shape;
   DType dtype;
   Device device;
+  // Set when the node's backward casts this output's gradient to another dtype before
+  // reading it (set_gradient_read_dtype).
+  std::optional<DType> grad_read_as;
 };
 
 struct Node {
@@ -89,6 +93,15 @@ void record(const char* name, const TensorList& inputs, const TensorList& output
 // gradient, with no table of zeros and no sum of the two. into[i] is undefined otherwise.
 void record_accumulating(const char* name, const TensorList& inputs, const TensorList& outputs,
                          AccumulatingBackwardFn backward);
+
+// Declares that the backward of t's node reads t's gradient cast to `dtype`: an autocast
+// product with an f32 output (its residual sum) reads that gradient in 16 bits. An op that
+// computes the gradient may then write it rounded beside the f32 values, in the same pass,
+// and keep the rounding on it (set_weight_copy, engine/autocast.h) for cast_or_kept to find:
+// LayerNorm's backward does, and the cast pass between the two goes away.
+void set_gradient_read_dtype(const Tensor& t, DType dtype);
+// The dtype declared for t's gradient, if t has a node and one was declared.
+std::optional<DType> gradient_read_dtype(const Tensor& t);
 
 // How a backward pass started while another runs on this thread (from a hook, or from a
 // node's backward) relates to it. Either way the inner pass is complete on its own: its

@@ -154,6 +154,11 @@ struct LayerNormArgs {
   // added into dx as it is stored: x feeding both a LayerNorm and a residual connection
   // gets its summed gradient without a pass of its own.
   const void* dx_add = nullptr;
+  // Backward only, optional: dx once more, rounded to out_dtype ((rows, dim), each value as a
+  // cast of the stored dx would round it), for f32 x with a 16-bit out_dtype. An autocast
+  // product whose output feeds the LayerNorm reads its gradient in 16 bits: it takes this
+  // copy instead of a cast pass of its own.
+  void* dx_rounded = nullptr;
 };
 
 // Multi-tensor optimizer updates: one call updates `count` tensors of any sizes (on CUDA in

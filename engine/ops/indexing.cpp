@@ -156,6 +156,7 @@ Tensor token_position_embedding(const Tensor& wte0, const Tensor& wpe0, const Te
                               : Tensor();
       kernels(d).embedding_sum_backward(ops::ptr_or_null(d_wte), ops::ptr_or_null(d_wpe), go.data_ptr(),
                                         ids.data<int64_t>(), B, T, C, V, go.dtype(), ops::stream(go));
+      if (add_into) d_wte.bump_version();  // a copy kept on the gradient so far is stale now
       return TensorList{add_into ? Tensor() : d_wte, d_wpe};
     };
     record_accumulating(op, {wte, wpe}, {out}, backward);

@@ -10,6 +10,11 @@
 // y may be asked for in a dtype other than x's: the kernel writes f32, bf16 or f16 directly
 // from f32, bf16 or f16 x (the 16-bit output an autocast matrix product reads); a pair with
 // f64 on either side runs in x's dtype and converts with the differentiable to().
+//
+// When x's gradient will be read in y's 16-bit dtype (x is an autocast product's f32
+// residual output: set_gradient_read_dtype), the backward writes dx a second time, rounded
+// to that dtype, in the same pass, and keeps it on dx for the product (cast_or_kept).
+#include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
 
 namespace loom {
@@ -75,14 +80,18 @@ TensorList layer_norm_impl(const Tensor& input, const Tensor& weight, const Tens
     const bool need_x = x.requires_grad(), need_w = w.defined() && w.requires_grad(),
                need_b = b.defined() && b.requires_grad();
     Tensor sx = x.detach(), sw = w.defined() ? w.detach() : Tensor();
+    const std::optional<DType> read_as = gradient_read_dtype(x);
+    const bool round_dx = need_x && a.dtype == DType::f32 && a.out_dtype != DType::f32 && read_as == a.out_dtype;
     record(tee ? "layer_norm_tee" : "layer_norm", {x, w, b}, tee ? TensorList{alias, y} : TensorList{y},
-           [a, dev, sx, sw, mean, rstd, need_x, need_w, need_b, tee](const TensorList& g) {
+           [a, dev, sx, sw, mean, rstd, need_x, need_w, need_b, tee, round_dx](const TensorList& g) {
              LayerNormArgs args = a;
              Tensor dL_dalias = tee && need_x ? g[0].to(a.dtype).contiguous() : Tensor();
              args.dx_add = dL_dalias.defined() ? dL_dalias.data_ptr() : nullptr;
              Tensor dL_dy = g[tee ? 1 : 0].to(a.out_dtype).contiguous();
              StreamHandle gst = ops::stream(dL_dy);  // also makes the device current for the scratch size
              Tensor dL_dx = need_x ? Tensor::empty(sx.shape(), a.dtype, dev) : Tensor();
+             Tensor dL_dx_rounded = round_dx ? Tensor::empty(sx.shape(), a.out_dtype, dev) : Tensor();
+             args.dx_rounded = ptr_or_null(dL_dx_rounded);
              Tensor dL_dw = need_w ? Tensor::empty({a.dim}, a.param_dtype, dev) : Tensor();
              Tensor dL_db = need_b ? Tensor::empty({a.dim}, a.param_dtype, dev) : Tensor();
              // Scratch lives until the kernels are queued; the allocator reuses it in stream order.
@@ -91,6 +100,7 @@ TensorList layer_norm_impl(const Tensor& input, const Tensor& weight, const Tens
              kernels(dev).layer_norm_backward(args, ptr_or_null(dL_dx), ptr_or_null(dL_dw), ptr_or_null(dL_db),
                                               dL_dy.data_ptr(), sx.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
                                               ptr_or_null(sw), ptr_or_null(ws), gst);
+             if (round_dx) set_weight_copy(dL_dx, dL_dx_rounded);
              return TensorList{dL_dx, dL_dw, dL_db};
            });
   }

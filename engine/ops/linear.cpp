@@ -79,6 +79,19 @@ void set_output(GemmArgs& g, const Output& o, const Tensor& bias) {
 // output keeps its bias in f32).
 Tensor cast_bias_grad(const Tensor& db, DType bias_dtype) { return db.defined() ? db.to(bias_dtype) : db; }
 
+// The output's gradient as the (rows, n) buffer the products read.
+Tensor rows_of(const Tensor& g) { return g.reshape({-1, g.size(-1)}); }
+
+// The output's gradient in the compute dtype t, as rows: the f32 gradient of a fused f32
+// output is cast, or its rounding taken where the op that computed it kept one.
+Tensor read_gradient(const Tensor& g, DType t) { return rows_of(cast_or_kept(g, t)); }
+
+// A fused f32 output beside a 16-bit product: its gradient is read in the product's dtype,
+// so the op computing it may keep that rounding (set_gradient_read_dtype).
+void declare_gradient_dtype(const Tensor& y, const Output& o, DType t) {
+  if (o.fused && o.dtype != t && autocast_gradient_copies()) set_gradient_read_dtype(y, t);
+}
+
 }  // namespace
 
 Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor& residual0) {
@@ -106,6 +119,7 @@ Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor
   {
     NoGradGuard no_grad;
     y = ops::product_2d(x, w.used.t(), [&](GemmArgs& g) { set_output(g, o, bias); }, o.dtype != t);
+    y = y.reshape(out_shape);
   }
   if (any_requires_grad({x, w.input, b.input, o.residual})) {
     Tensor sx = x.detach(), sw = w.used.detach();
@@ -113,14 +127,15 @@ Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor
     const DType out_dtype = o.dtype;
     record("linear", {x, w.input, b.input, o.residual}, {y},
            [sx, sw, has_bias, need_x, fused, out_dtype, t, out_features, f32](const TensorList& g) {
-             const Tensor dy = g[0].to(t);  // the f32 gradient of a fused f32 output
+             const Tensor dy = read_gradient(g[0], t);
              Tensor db = bias_grad(has_bias, out_features, f32 ? DType::f32 : t, dy.device());
              Tensor dw = ops::product_2d(dy.t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); }, f32);
              Tensor dx = need_x ? ops::product_2d(dy, sw) : Tensor();
-             return TensorList{dx, dw, f32 ? db : cast_bias_grad(db, out_dtype), fused ? g[0] : Tensor()};
+             return TensorList{dx, dw, f32 ? db : cast_bias_grad(db, out_dtype), fused ? rows_of(g[0]) : Tensor()};
            });
+    declare_gradient_dtype(y, o, t);
   }
-  return y.reshape(out_shape);
+  return y;
 }
 
 Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const Tensor& w2_0, const Tensor& b2_0,
@@ -158,6 +173,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
       g.aux = z.data_ptr(), g.ld_aux = hidden;
     });
     y = ops::product_2d(h, w2.used.t(), [&](GemmArgs& g) { set_output(g, o, bias2); }, o.dtype != t);
+    y = y.reshape(out_shape);
   }
   if (any_requires_grad({x, w1.input, b1.input, w2.input, b2.input, o.residual})) {
     Tensor sx = x.detach(), sw1 = w1.used.detach(), sw2 = w2.used.detach();
@@ -166,7 +182,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
     record("gelu_mlp", {x, w1.input, b1.input, w2.input, b2.input, o.residual}, {y},
            [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden, out_features,
             f32](const TensorList& g) {
-             const Tensor dy = g[0].to(t);  // the f32 gradient of a fused f32 output
+             const Tensor dy = read_gradient(g[0], t);
              Tensor db2 = bias_grad(has_b2, out_features, f32 ? DType::f32 : t, dy.device());
              Tensor dw2 =
                  ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); }, f32);
@@ -181,10 +197,11 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
              Tensor dw1 = ops::product_2d(dz.t(), sx, {}, f32);
              Tensor dx = need_x ? ops::product_2d(dz, sw1) : Tensor();
              return TensorList{dx, dw1, f32 ? cast_bias_grad(db1, DType::f32) : db1, dw2,
-                               f32 ? db2 : cast_bias_grad(db2, out_dtype), fused ? g[0] : Tensor()};
+                               f32 ? db2 : cast_bias_grad(db2, out_dtype), fused ? rows_of(g[0]) : Tensor()};
            });
+    declare_gradient_dtype(y, o, t);
   }
-  return y.reshape(out_shape);
+  return y;
 }
 
 }  // namespace loom

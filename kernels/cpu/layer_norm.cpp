@@ -89,6 +89,9 @@ size_t layer_norm_workspace_size(const LayerNormArgs&) { return 0; }
 void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* dbias, const void* dy, const void* x,
                          const void* mean, const void* rstd, const void* weight, void*, StreamHandle) {
   if (a.dim == 0) return;
+  const bool sixteen = a.out_dtype == DType::bf16 || a.out_dtype == DType::f16;
+  LOOM_ASSERT(!a.dx_rounded || (dx && a.dtype == DType::f32 && sixteen), "layer_norm backward: dx_rounded needs dx, ",
+              "f32 x and a 16-bit out_dtype, got ", dtype_name(a.dtype), " x and ", dtype_name(a.out_dtype), " out");
   const std::vector<double> w = param_vector(weight, a.param_dtype, a.dim, 1.0);
   dispatch_io(a, "layer_norm backward", [&](auto t, auto o) {
     using T = decltype(t);
@@ -106,12 +109,15 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
           const O* gy = gys + r * a.dim;
           T* gx = static_cast<T*>(dx) + r * a.dim;
           const T* add = a.dx_add ? static_cast<const T*>(a.dx_add) + r * a.dim : nullptr;
+          O* rounded = a.dx_rounded ? static_cast<O*>(a.dx_rounded) + r * a.dim : nullptr;
           auto g = [&](int64_t j) { return as_double(gy[j]) * w[size_t(j)]; };
           const double mean_g = pairwise_sum(0, a.dim, g) / double(a.dim);
           const double mean_gx = pairwise_sum(0, a.dim, [&](int64_t j) { return g(j) * xhat(r, j); }) / double(a.dim);
           const double rs = double(static_cast<const A*>(rstd)[r]);
-          for (int64_t j = 0; j < a.dim; ++j)
+          for (int64_t j = 0; j < a.dim; ++j) {
             gx[j] = T(rs * (g(j) - mean_g - xhat(r, j) * mean_gx) + (add ? as_double(add[j]) : 0.0));
+            if (rounded) rounded[j] = O(gx[j]);  // the stored value, rounded as a cast would
+          }
         }
       });
     }

@@ -10,7 +10,8 @@
 // the row loop neither converts nor tests them.
 //
 // The backward's warp kernel likewise holds a row of x and dy in registers, takes the two
-// row sums of the formula, writes dx, and adds dy * xhat and dy into per-lane column
+// row sums of the formula, writes dx (and, when asked, dx rounded to 16 bits for the
+// autocast product that reads it), and adds dy * xhat and dy into per-lane column
 // accumulators: a lane owns the same columns in every row it visits. At the end the block
 // adds its warps' accumulators in warp order in shared memory and writes one partial row
 // per block into the caller's scratch; a second kernel sums each column's partials in a
@@ -149,6 +150,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Stores dx's vector and, when `rounded` is not null, the same values rounded to O there
+// (LayerNormArgs::dx_rounded: f32 dx beside a 16-bit dy).
+template <class T, class O, int V>
+__device__ __forceinline__ void store_dx(T* dx, O* rounded, int64_t at, const Pack<T, V>& out) {
+  store<T, V>(dx + at, out);
+  if (!rounded) return;
+  Pack<O, V> low;
+#pragma unroll
+  for (int j = 0; j < V; ++j) low.v[j] = from_acc<O>(to_acc(out.v[j]));
+  store<O, V>(rounded + at, low);
+}
+
 // Per row: dx (when not null) from the two row sums; the block's sums of dy * xhat and dy per
 // column go to partials[blockIdx.x] (2, dim) when partials is not null. Shared memory: the
 // staged weight (dim), then the block's column sums (2, dim), in the accumulation type.
@@ -156,7 +169,8 @@ __global__ void __launch_bounds__(kThreads)
 // spill): that instantiation runs one block an SM, its grid in two waves.
 template <class T, class O, int V, int kPer>
 __global__ void __launch_bounds__(kThreads, kPer < kMaxPerLane ? kBackwardBlocksPerSm : 1)
-    backward_warp_kernel(T* __restrict__ dx, const T* __restrict__ dx_add, acc_t<T>* __restrict__ partials,
+    backward_warp_kernel(T* __restrict__ dx, const T* __restrict__ dx_add, O* __restrict__ dx_rounded,
+                         acc_t<T>* __restrict__ partials,
                          const O* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ mean,
                          const acc_t<T>* __restrict__ rstd, ParamRefs p, int64_t rows, int dim) {
   using A = acc_t<T>;
@@ -214,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, kPer < kMaxPerLane ? kBackwardBlocks
         const A extra = dx_add ? to_acc(add.v[j]) : A(0);
         out.v[j] = from_acc<T>(rs * (g - mean_g - xhat * mean_gx) + extra);
       }
-      store<T, V>(dx + r * dim + vec * V, out);
+      store_dx<T, O, V>(dx, dx_rounded, r * dim + vec * V, out);
     }
   }
   if (!partials) return;  // the same for the whole block
@@ -292,10 +306,9 @@ __global__ void __launch_bounds__(kThreads)
 // dx only; the parameter sums come from column_partials_kernel.
 template <class T, class O, int V>
 __global__ void __launch_bounds__(kThreads)
-    backward_block_kernel(T* __restrict__ dx, const T* __restrict__ dx_add, const O* __restrict__ dy,
-                          const T* __restrict__ x,
-                          const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, ParamRefs p,
-                          int64_t rows, int64_t dim) {
+    backward_block_kernel(T* __restrict__ dx, const T* __restrict__ dx_add, O* __restrict__ dx_rounded,
+                          const O* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ mean,
+                          const acc_t<T>* __restrict__ rstd, ParamRefs p, int64_t rows, int64_t dim) {
   using A = acc_t<T>;
   const int64_t nv = dim / V;
   const A inv_dim = A(1) / A(dim);
@@ -332,7 +345,7 @@ __global__ void __launch_bounds__(kThreads)
         terms(xv, gv, vec, j, g, xhat);
         out.v[j] = from_acc<T>(rs * (g - mean_g - xhat * mean_gx) + (dx_add ? to_acc(add.v[j]) : A(0)));
       }
-      store<T, V>(dx + r * dim + vec * V, out);
+      store_dx<T, O, V>(dx, dx_rounded, r * dim + vec * V, out);
     }
   }
 }
@@ -531,7 +544,10 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
   LOOM_ASSERT(!params || workspace, "layer_norm backward: dweight and dbias need the scratch of "
                                     "layer_norm_workspace_size (", layer_norm_workspace_size(a), " bytes)");
   const ParamRefs p{weight, nullptr, a.param_dtype};
-  const Layout l = layout_for(a, {dx, dy, x, a.dx_add});
+  const bool sixteen = a.out_dtype == DType::bf16 || a.out_dtype == DType::f16;
+  LOOM_ASSERT(!a.dx_rounded || (dx && a.dtype == DType::f32 && sixteen), "layer_norm backward: dx_rounded needs dx, ",
+              "f32 x and a 16-bit out_dtype, got ", dtype_name(a.dtype), " x and ", dtype_name(a.out_dtype), " out");
+  const Layout l = layout_for(a, {dx, dy, x, a.dx_add, a.dx_rounded});
   const int64_t n = partial_count(a);
   dispatch_io(a, "layer_norm backward", [&](auto t, auto o) {
     using T = decltype(t);
@@ -539,6 +555,7 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
     using A = acc_t<T>;
     auto* dxs = static_cast<T*>(dx);
     const auto* adds = static_cast<const T*>(a.dx_add);
+    auto* rounded = static_cast<O*>(a.dx_rounded);
     auto* partials = static_cast<A*>(workspace);
     const auto* dys = static_cast<const O*>(dy);
     const auto* xs = static_cast<const T*>(x);
@@ -550,7 +567,7 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
         constexpr int V = decltype(v)::value, kPer = decltype(per)::value;
         const size_t smem = (params ? 3 : 1) * size_t(a.dim) * sizeof(A);
         backward_warp_kernel<T, O, V, kPer><<<unsigned(n), kThreads, smem, s>>>(
-            dxs, adds, params ? partials : nullptr, dys, xs, ms, rs, p, a.rows, int(a.dim));
+            dxs, adds, rounded, params ? partials : nullptr, dys, xs, ms, rs, p, a.rows, int(a.dim));
         LOOM_CUDA_LAUNCH();
       });
     } else {
@@ -558,7 +575,8 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
         with_width<T>(l.vec, [&](auto v) {
           constexpr int V = decltype(v)::value;
           const unsigned grid = unsigned(std::min(a.rows, int64_t(sm_count()) * kForwardBlocksPerSm));
-          backward_block_kernel<T, O, V><<<grid, kThreads, 0, s>>>(dxs, adds, dys, xs, ms, rs, p, a.rows, a.dim);
+          backward_block_kernel<T, O, V><<<grid, kThreads, 0, s>>>(dxs, adds, rounded, dys, xs, ms, rs, p, a.rows,
+                                                            a.dim);
           LOOM_CUDA_LAUNCH();
         });
       }

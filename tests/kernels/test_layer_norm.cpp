@@ -231,6 +231,35 @@ TEST(LayerNormCpu, BackwardMatchesFiniteDifferencesOfForward) {
   }
 }
 
+// dx_rounded is the stored f32 dx rounded to the 16-bit out_dtype, element for element, with
+// or without a gradient to add in (dx_add), and dx itself is as without it.
+TEST(LayerNormCpu, RoundedDxIsTheStoredDxRounded) {
+  for (const DType out : {DType::bf16, DType::f16})
+    for (const bool add : {false, true})
+      for (const Case& k : cases()) {
+        SCOPED_TRACE(std::string(k.name) + ", " + std::string(dtype_name(out)) + (add ? ", dx_add" : ""));
+        std::mt19937 rng(41);
+        const size_t n = size_t(k.rows * k.dim);
+        LayerNormArgs a;
+        a.dtype = a.param_dtype = DType::f32, a.out_dtype = out, a.rows = k.rows, a.dim = k.dim;
+        Buffer x(values(k.rows, k.dim, 2.0, 0.7, DType::f32, rng), DType::f32);
+        Buffer dy(values(k.rows, k.dim, 1.0, 0.1, out, rng), out);
+        Buffer w(values(1, k.dim, 0.5, 1, DType::f32, rng), DType::f32);
+        Buffer extra(values(k.rows, k.dim, 3.0, 0, DType::f32, rng), DType::f32);
+        Buffer y(n, out), mean(size_t(k.rows), DType::f32), rstd(size_t(k.rows), DType::f32);
+        Buffer dx(n, DType::f32), dx_alone(n, DType::f32), rounded(n, out);
+        cpu::layer_norm_forward(a, y.data(), mean.data(), rstd.data(), x.data(), w.data(), nullptr, nullptr);
+        a.dx_add = add ? extra.data() : nullptr;
+        cpu::layer_norm_backward(a, dx_alone.data(), nullptr, nullptr, dy.data(), x.data(), mean.data(), rstd.data(),
+                                 w.data(), nullptr, nullptr);
+        a.dx_rounded = rounded.data();
+        cpu::layer_norm_backward(a, dx.data(), nullptr, nullptr, dy.data(), x.data(), mean.data(), rstd.data(),
+                                 w.data(), nullptr, nullptr);
+        EXPECT_EQ(dx.bytes, dx_alone.bytes);
+        EXPECT_EQ(rounded.bytes, encode(dx.values(), out));
+      }
+}
+
 TEST(LayerNormCpu, NoRowsGiveZeroParameterGradients) {
   LayerNormArgs a;
   a.rows = 0, a.dim = 3;

@@ -130,6 +130,7 @@ struct Options {
   WantDx want_dx = WantDx::yes;
   double offset = -0.3;
   double tol_scale = 1;  // on the tolerances of y and dx
+  bool rounded_dx = false;  // also dx rounded to out (f32 x, 16-bit out): bitwise dx's rounding
 };
 
 // Runs forward and backward on both devices and compares everything; the GPU backward reads
@@ -137,7 +138,7 @@ struct Options {
 void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
   SCOPED_TRACE(std::string(k.name) + ", " + name_of(d) + (o.misalign ? ", misaligned" : "") +
                (o.params == Params::none ? ", no affine" : o.params == Params::weight_only ? ", weight only" : "") +
-               (o.want_dx == WantDx::no ? ", no dx" : ""));
+               (o.want_dx == WantDx::no ? ", no dx" : "") + (o.rounded_dx ? ", rounded dx" : ""));
   std::mt19937 rng(19);
   const int64_t rows = k.rows, dim = k.dim;
   const size_t n = size_t(rows * dim), m = o.misalign;
@@ -149,12 +150,14 @@ void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
   Both x(values(rows, dim, 2.0, 0.4, o.offset, d.x, rng), d.x, m);
   Both dy(values(rows, dim, 1.0, 0.05, -0.1, d.out, rng), d.out, m);
   Both w(values(1, dim, 0.5, 0, 1.0, d.param, rng), d.param), b(values(1, dim, 1.0, 0, 0, d.param, rng), d.param);
+  Both rounded(n, d.out, m);
   Both y(n, d.out, m), mean(size_t(rows), acc), rstd(size_t(rows), acc), dx(n, d.x, m), dw(size_t(dim), d.param),
       db(size_t(dim), d.param);
   DeviceBuffer<uint8_t> gmean(size_t(rows) * dtype_size(acc)), grstd(size_t(rows) * dtype_size(acc));
 
   cpu::layer_norm_forward(a, y.cpu(), mean.cpu(), rstd.cpu(), x.cpu(), has_w ? w.cpu() : nullptr,
                           has_b ? b.cpu() : nullptr, nullptr);
+  a.dx_rounded = o.rounded_dx ? rounded.cpu() : nullptr;
   cpu::layer_norm_backward(a, dx.cpu(), has_w ? dw.cpu() : nullptr, has_b ? db.cpu() : nullptr, dy.cpu(), x.cpu(),
                            mean.cpu(), rstd.cpu(), has_w ? w.cpu() : nullptr, nullptr, nullptr);
 
@@ -163,6 +166,7 @@ void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
   // The backward from the CPU's statistics, with scratch as the engine sizes it.
   Both saved_mean(mean.cpu_values(), acc), saved_rstd(rstd.cpu_values(), acc);
   DeviceBuffer<uint8_t> ws(std::max<size_t>(cuda::layer_norm_workspace_size(a), 1));
+  a.dx_rounded = o.rounded_dx ? rounded.gpu() : nullptr;
   cuda::layer_norm_backward(a, want_dx ? dx.gpu() : nullptr, has_w ? dw.gpu() : nullptr, has_b ? db.gpu() : nullptr,
                             dy.gpu(), x.gpu(), saved_mean.gpu(), saved_rstd.gpu(), has_w ? w.gpu() : nullptr, ws.get(),
                             nullptr);
@@ -190,6 +194,10 @@ void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
       dx_scale[at(j)] = cr[size_t(r)] * (std::abs(g(j)) + amg + std::abs(xhat(j)) * amgx) + 1e-30;
   }
   if (want_dx) expect_close(dx.gpu_values(), dx.cpu_values(), dx_scale, o.tol_scale * output_tol(d.x), "dx");
+  if (o.rounded_dx) {  // each device's copy is its own dx rounded
+    EXPECT_EQ(encode(rounded.cpu_values(), d.out), encode(dx.cpu_values(), d.out)) << "CPU rounded dx";
+    EXPECT_EQ(encode(rounded.gpu_values(), d.out), encode(dx.gpu_values(), d.out)) << "CUDA rounded dx";
+  }
   const double pt = std::max(sum_tol(d.x), output_tol(d.param));
   if (has_w) expect_close(dw.gpu_values(), dw.cpu_values(), one_plus_abs(dw_scale), pt, "dweight");
   if (has_b) expect_close(db.gpu_values(), db.cpu_values(), one_plus_abs(db_scale), pt, "dbias");
@@ -218,6 +226,16 @@ TEST(LayerNormCuda, MatchesCpuWithoutAffineWithWeightOnlyAndWithoutDx) {
       check_case(k, d, {.params = Params::weight_only});
       check_case(k, d, {.want_dx = WantDx::no});
     }
+}
+
+// dx rounded beside dx (LayerNormArgs::dx_rounded) on every launch path, aligned and not.
+TEST(LayerNormCuda, RoundedDxIsDxRoundedOnEveryPath) {
+  LOOM_REQUIRE_CUDA();
+  for (const DType out : {DType::bf16, DType::f16})
+    for (const Case& k : cases())
+      for (const size_t misalign : {0, 1})
+        check_case(k, {DType::f32, out, DType::f32}, {.misalign = misalign, .rounded_dx = true});
+  check_case({"gpt2", 16384, 768}, {DType::f32, DType::bf16, DType::f32}, {.rounded_dx = true});
 }
 
 TEST(LayerNormCuda, UnalignedBuffersTakeTheSingleValuePaths) {

@@ -70,5 +70,64 @@ TEST(WeightCopies, LinearUnderAutocastReadsTheKeptCopy) {
   for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], b[i % 5]) << i;
 }
 
+// A product with an f32 residual output under autocast declares that it reads that output's
+// gradient in bf16, and reads the rounding kept on the gradient: here a consumer's gradient
+// of ones keeps a "rounding" of zeros, so the weight's gradient (dy^T x) comes out zero while
+// the residual, which takes the f32 gradient itself, gets the ones.
+TEST(WeightCopies, ProductsReadTheRoundedGradientKeptForThem) {
+  CopiesGuard on(true);
+  manual_seed(9);
+  Tensor x = randn({3, 8}), w = randn({5, 8}).set_requires_grad(), residual = randn({3, 5}).set_requires_grad();
+  Tensor y, plain;
+  {
+    AutocastGuard guard(DType::bf16);
+    y = linear(x, w, Tensor(), residual);
+    plain = linear(x, w, Tensor());
+  }
+  ASSERT_EQ(y.dtype(), DType::f32);
+  EXPECT_EQ(gradient_read_dtype(y), DType::bf16);
+  EXPECT_EQ(gradient_read_dtype(plain), std::nullopt) << "a bf16 output's gradient is read as it comes";
+  Tensor out = zeros({3, 5});
+  record("probe", {y}, {out}, [](const TensorList&) {
+    Tensor dy = ones({3, 5});
+    set_weight_copy(dy, zeros({3, 5}, DType::bf16));
+    return TensorList{dy};
+  });
+  run_backward({out}, {ones({3, 5})});
+  expect_same_values(w.grad(), zeros({5, 8}), "weight gradient from the kept rounding");
+  expect_same_values(residual.grad(), ones({3, 5}), "residual gradient, f32");
+}
+
+// LayerNorm's backward keeps dx rounded to y's 16-bit dtype on dx when, and only when, x's
+// gradient is declared to be read in that dtype (a probe node stands for the product).
+TEST(WeightCopies, LayerNormKeepsTheRoundingOfAGradientReadIn16Bits) {
+  CopiesGuard on(true);
+  for (const bool declared : {true, false})
+    for (const bool tee : {true, false}) {
+      SCOPED_TRACE(std::string(declared ? "declared" : "not declared") + (tee ? ", tee" : ""));
+      manual_seed(10);
+      Tensor a = randn({4, 24}).set_requires_grad(), x = randn({4, 24});
+      Tensor w = randn({24}).set_requires_grad(), b = randn({24}).set_requires_grad();
+      Tensor seen, kept;
+      record("probe", {a}, {x}, [&seen, &kept](const TensorList& g) {
+        seen = g[0];
+        kept = kept_weight_copy(g[0]);
+        return TensorList{g[0]};
+      });
+      if (declared) set_gradient_read_dtype(x, DType::bf16);
+      Tensor loss;
+      if (tee) {
+        TensorList t = layer_norm_tee(x, w, b, 1e-5, DType::bf16);
+        loss = sum(add(mul(t[0], 3.0), t[1].to(DType::f32)));
+      } else {
+        loss = sum(mul(layer_norm(x, w, b, 1e-5, DType::bf16).to(DType::f32), randn({4, 24})));
+      }
+      loss.backward();
+      ASSERT_TRUE(seen.defined());
+      if (declared) expect_same_values(kept, seen.to(DType::bf16), "kept rounding");
+      else EXPECT_FALSE(kept.defined());
+    }
+}
+
 }  // namespace
 }  // namespace loom::test

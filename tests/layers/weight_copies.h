@@ -1,6 +1,7 @@
 // Autocast's kept weight copies (engine/autocast.h), on any device: the optimizers write the
-// copy a cast would make, every in-place op retires a copy, and training with copies is
-// training without them, bit for bit. test_weight_copies.cpp runs these on the CPU,
+// copy a cast would make, every in-place op retires a copy, and training with copies (of
+// weights and of the gradients LayerNorm rounds for products) is training without them, bit
+// for bit. test_weight_copies.cpp runs these on the CPU,
 // test_weight_copies_cuda.cpp on cuda:0.
 #pragma once
 
@@ -20,16 +21,23 @@
 
 namespace loom::test {
 
-// Sets whether weight copies are kept for its scope (process-wide), then restores it.
+// Sets whether weight and gradient copies are kept for its scope (process-wide), then
+// restores both.
 class CopiesGuard {
  public:
-  explicit CopiesGuard(bool on) : previous_(autocast_weight_copies()) { set_autocast_weight_copies(on); }
-  ~CopiesGuard() { set_autocast_weight_copies(previous_); }
+  explicit CopiesGuard(bool on) : weights_(autocast_weight_copies()), gradients_(autocast_gradient_copies()) {
+    set_autocast_weight_copies(on);
+    set_autocast_gradient_copies(on);
+  }
+  ~CopiesGuard() {
+    set_autocast_weight_copies(weights_);
+    set_autocast_gradient_copies(gradients_);
+  }
   CopiesGuard(const CopiesGuard&) = delete;
   CopiesGuard& operator=(const CopiesGuard&) = delete;
 
  private:
-  bool previous_;
+  bool weights_, gradients_;
 };
 
 inline void expect_same_values(const Tensor& got, const Tensor& want, const std::string& what) {
