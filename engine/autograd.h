@@ -91,6 +91,8 @@ void record(const char* name, const TensorList& inputs, const TensorList& output
 // gets it as into[i] and may add into it in place, returning an undefined gradient for
 // input i: a GPT's tied token embedding then adds its rows into the output layer's
 // gradient, with no table of zeros and no sum of the two. into[i] is undefined otherwise.
+// A backward that writes into into[i] other than through Loom's in-place ops calls
+// into[i].bump_version(), so that no copy kept on that gradient (cast_or_kept) is reused.
 void record_accumulating(const char* name, const TensorList& inputs, const TensorList& outputs,
                          AccumulatingBackwardFn backward);
 

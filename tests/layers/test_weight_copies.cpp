@@ -129,5 +129,42 @@ TEST(WeightCopies, LayerNormKeepsTheRoundingOfAGradientReadIn16Bits) {
     }
 }
 
+// A read dtype other than the LayerNorm's output dtype gets no rounding: the kernel rounds to
+// y's dtype only.
+TEST(WeightCopies, LayerNormRoundsOnlyToTheDtypeDeclared) {
+  CopiesGuard on(true);
+  manual_seed(11);
+  Tensor a = randn({3, 16}).set_requires_grad(), x = randn({3, 16});
+  Tensor kept;
+  record("probe", {a}, {x}, [&kept](const TensorList& g) {
+    kept = kept_weight_copy(g[0]);
+    return TensorList{g[0]};
+  });
+  set_gradient_read_dtype(x, DType::f16);
+  sum(layer_norm(x, Tensor(), Tensor(), 1e-5, DType::bf16).to(DType::f32)).backward();
+  EXPECT_FALSE(kept.defined()) << "a bf16 rounding was kept for an f16 read";
+}
+
+// cast_or_kept: the kept copy while the storage is unchanged; after an in-place write (or a
+// bump_version for a write of one's own), a fresh cast of the new values.
+TEST(WeightCopies, CastOrKeptCastsAgainOnceTheValuesChange) {
+  manual_seed(12);
+  Tensor g = randn({5, 4});
+  Tensor stand_in = zeros({5, 4}, DType::bf16);
+  set_weight_copy(g, stand_in);
+  EXPECT_TRUE(cast_or_kept(g, DType::bf16).same(stand_in));
+  EXPECT_FALSE(cast_or_kept(g, DType::f16).same(stand_in)) << "a bf16 copy served an f16 read";
+  g.bump_version();
+  Tensor fresh = cast_or_kept(g, DType::bf16);
+  EXPECT_FALSE(fresh.same(stand_in));
+  expect_same_values(fresh, g.to(DType::bf16), "after bump_version");
+  set_weight_copy(g, stand_in);
+  {
+    NoGradGuard no_grad;
+    add_(g, ones({5, 4}));
+  }
+  expect_same_values(cast_or_kept(g, DType::bf16), g.to(DType::bf16), "after add_");
+}
+
 }  // namespace
 }  // namespace loom::test
