@@ -1,30 +1,23 @@
 #include "engine/autocast.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 #include "engine/autograd.h"
 #include "engine/tensor.h"
+#include "kernels/core/env.h"
 #include "kernels/core/error.h"
 
 namespace loom {
 namespace {
 thread_local std::optional<DType> current;
 
-// On unless the environment variable `name` is "0".
-bool on_unless_zero(const char* name) {
-  const char* env = std::getenv(name);
-  return !(env && std::string(env) == "0");
-}
-
 std::atomic<bool>& copies_on() {
-  static std::atomic<bool> on{on_unless_zero("LOOM_AUTOCAST_WEIGHT_COPIES")};
+  static std::atomic<bool> on{!env_is("LOOM_AUTOCAST_WEIGHT_COPIES", "0")};
   return on;
 }
 
 std::atomic<bool>& gradient_copies_on() {
-  static std::atomic<bool> on{on_unless_zero("LOOM_AUTOCAST_GRADIENT_COPIES")};
+  static std::atomic<bool> on{!env_is("LOOM_AUTOCAST_GRADIENT_COPIES", "0")};
   return on;
 }
 }  // namespace

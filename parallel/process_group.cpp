@@ -14,9 +14,9 @@
 // see them, so they take no sequence number and are not in the ledger.
 #include "parallel/process_group.h"
 
-#include <cstdlib>
 #include <string_view>
 
+#include "kernels/core/env.h"
 #include "kernels/core/error.h"
 
 namespace loom::dist {
@@ -66,8 +66,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
              size_, " (expected 0 <= rank < ", size_, ")");
   LOOM_CHECK(options_.timeout > Duration::zero(), "ProcessGroup: the timeout must be positive, got ",
              options_.timeout.count(), " ms");
-  if (const char* debug = std::getenv("LOOM_DIST_DEBUG"); debug && std::string_view(debug) == "1")
-    options_.debug = true;
+  if (env_is("LOOM_DIST_DEBUG", "1")) options_.debug = true;
 }
 
 // ---- argument checks ---------------------------------------------------------------------

@@ -11,9 +11,8 @@
 //   and dP per key tile and accumulates dQ += dS K in registers: 7 products per tile pair,
 //   no workspace, and deterministic.
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 
+#include "kernels/core/env.h"
 #include "kernels/cuda/attention_mma_tiles.cuh"
 
 namespace loom::cuda::attention {
@@ -357,10 +356,7 @@ template <class T, int D> __global__ void __launch_bounds__(256) dq_convert_kern
 }  // namespace
 
 bool dq_by_atomics(DType dtype, int64_t head_dim) {
-  static const bool separate = [] {
-    const char* env = std::getenv("LOOM_ATTENTION_DQ");
-    return env && std::string(env) == "separate";
-  }();
+  static const bool separate = env_is("LOOM_ATTENTION_DQ", "separate");
   return !separate && mma_supported(dtype, head_dim);
 }
 

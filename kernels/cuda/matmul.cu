@@ -43,13 +43,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
-#include <string>
 #include <tuple>
 
+#include "kernels/core/env.h"
 #include "kernels/core/gemm_check.h"
 #include "kernels/core/precision.h"
 #include "kernels/cuda/common.cuh"
@@ -73,18 +72,12 @@ uint32_t alignment_of(const void* p) {
 // for cuBLASLt's BGRAD epilogues: those narrow the algorithms a product may use, and on an
 // H200 they made GPT-2 124M's step 6% slower (38.7 vs 36.4 ms) than the separate passes.
 bool bgrad_epilogues() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("LOOM_GEMM_BGRAD");
-    return env && std::string(env) == "1";
-  }();
+  static const bool enabled = env_is("LOOM_GEMM_BGRAD", "1");
   return enabled;
 }
 
 bool tuning_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("LOOM_GEMM_TUNE");
-    return !(env && std::string(env) == "0");
-  }();
+  static const bool enabled = !env_is("LOOM_GEMM_TUNE", "0");
   return enabled;
 }
 
