@@ -39,8 +39,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -48,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/core/env.h"
 #include "kernels/core/precision.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/conv_graph.h"
@@ -71,21 +70,6 @@ Dnn& dnn_for_device(int device) {
   static Dnn dnn[kMaxDevices];
   std::call_once(created[device], [&] { LOOM_CUDNN(cudnnCreate(&dnn[device].handle)); });
   return dnn[device];
-}
-
-struct Types {
-  cudnnDataType_t data, compute;
-  cudnnMathType_t math;
-};
-
-Types types_for(DType dtype) {
-  switch (dtype) {
-    case DType::f32: return {CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, tf32_allowed() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH};
-    case DType::f64: return {CUDNN_DATA_DOUBLE, CUDNN_DATA_DOUBLE, CUDNN_DEFAULT_MATH};
-    case DType::bf16: return {CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
-    case DType::f16: return {CUDNN_DATA_HALF, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
-    default: LOOM_FAIL("conv2d needs a floating-point dtype, got ", dtype_name(dtype));
-  }
 }
 
 const char* pass_name(ConvPass pass) {
@@ -135,7 +119,7 @@ struct Plan {
 int to_int(int64_t v) { return int(v); }
 
 std::unique_ptr<Plan> make_plan(const Conv2dArgs& a) {
-  const Types t = types_for(a.dtype);
+  const CudnnTypes t = cudnn_types(a.dtype);
   auto p = std::make_unique<Plan>();
   LOOM_CUDNN(cudnnCreateTensorDescriptor(&p->x));
   LOOM_CUDNN(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, t.data, to_int(a.n), to_int(a.c_in), to_int(a.h),
@@ -251,10 +235,7 @@ void plan_pass(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
 }
 
 bool graph_api_on() {
-  static const bool on = [] {
-    const char* env = std::getenv("LOOM_CUDNN_GRAPH");
-    return !(env && std::strcmp(env, "0") == 0);
-  }();
+  static const bool on = !env_is("LOOM_CUDNN_GRAPH", "0");
   return on;
 }
 

@@ -10,6 +10,20 @@
 #include "kernels/core/error.h"
 #include "kernels/core/precision.h"
 
+namespace loom::cuda {
+
+CudnnTypes cudnn_types(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return {CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, tf32_allowed() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH};
+    case DType::f64: return {CUDNN_DATA_DOUBLE, CUDNN_DATA_DOUBLE, CUDNN_DEFAULT_MATH};
+    case DType::bf16: return {CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
+    case DType::f16: return {CUDNN_DATA_HALF, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
+    default: LOOM_FAIL("conv2d needs a floating-point dtype, got ", dtype_name(dtype));
+  }
+}
+
+}  // namespace loom::cuda
+
 namespace loom::cuda::conv_graph {
 namespace {
 
@@ -47,19 +61,8 @@ struct Desc {
   }
 };
 
-cudnnDataType_t data_type(DType t) {
-  switch (t) {
-    case DType::f32: return CUDNN_DATA_FLOAT;
-    case DType::f64: return CUDNN_DATA_DOUBLE;
-    case DType::bf16: return CUDNN_DATA_BFLOAT16;
-    case DType::f16: return CUDNN_DATA_HALF;
-    default: LOOM_FAIL("conv2d needs a floating-point dtype, got ", dtype_name(t));
-  }
-}
-
-Desc tensor(int64_t uid, DType dtype, std::array<int64_t, 4> dims) {
+Desc tensor(int64_t uid, cudnnDataType_t type, std::array<int64_t, 4> dims) {
   const std::array<int64_t, 4> strides{dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1};  // NCHW
-  const cudnnDataType_t type = data_type(dtype);
   Desc t(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
   t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type)
       .set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data())
@@ -136,11 +139,12 @@ class Plan {
 void PlanDeleter::operator()(Plan* p) const { delete p; }
 
 PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace) {
-  Desc x = tensor(kX, a.dtype, {a.n, a.c_in, a.h, a.w});
-  Desc w = tensor(kW, a.dtype, {a.c_out, a.c_in / a.groups, a.kh, a.kw});
-  Desc y = tensor(kY, a.dtype, {a.n, a.c_out, a.out_h, a.out_w});
+  const CudnnTypes types = cudnn_types(a.dtype);
+  Desc x = tensor(kX, types.data, {a.n, a.c_in, a.h, a.w});
+  Desc w = tensor(kW, types.data, {a.c_out, a.c_in / a.groups, a.kh, a.kw});
+  Desc y = tensor(kY, types.data, {a.n, a.c_out, a.out_h, a.out_w});
 
-  const cudnnDataType_t compute = a.dtype == DType::f64 ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
+  const cudnnDataType_t compute = types.compute;
   const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
   const int64_t spatial = 2;
   const std::array<int64_t, 2> dilation{a.dilation_h, a.dilation_w}, stride{a.stride_h, a.stride_w},

@@ -9,7 +9,7 @@
 // reduction ever, and no tensor cores for f32 when TF32 is not allowed. Tensors are
 // described as 16-byte aligned: conv.cu takes this path only for pointers that are.
 // When no configuration qualifies, or cuDNN refuses the graph, there is no plan and
-// conv.cu uses the convolution API.
+// conv.cu uses the convolution API. Both APIs take their cuDNN types from cudnn_types.
 #pragma once
 
 #include <cudnn.h>
@@ -18,6 +18,18 @@
 #include <memory>
 
 #include "kernels/table.h"
+
+namespace loom::cuda {
+
+// cuDNN's types for convolutions in `dtype`, through either API: the tensors' data type, the
+// compute type, and the convolution API's math type (TF32 for f32 only when allowed).
+struct CudnnTypes {
+  cudnnDataType_t data, compute;
+  cudnnMathType_t math;
+};
+CudnnTypes cudnn_types(DType dtype);
+
+}  // namespace loom::cuda
 
 namespace loom::cuda::conv_graph {
 
