@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/core/layer_norm_check.h"
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pairwise.h"
@@ -89,9 +90,7 @@ size_t layer_norm_workspace_size(const LayerNormArgs&) { return 0; }
 void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* dbias, const void* dy, const void* x,
                          const void* mean, const void* rstd, const void* weight, void*, StreamHandle) {
   if (a.dim == 0) return;
-  const bool sixteen = a.out_dtype == DType::bf16 || a.out_dtype == DType::f16;
-  LOOM_ASSERT(!a.dx_rounded || (dx && a.dtype == DType::f32 && sixteen), "layer_norm backward: dx_rounded needs dx, ",
-              "f32 x and a 16-bit out_dtype, got ", dtype_name(a.dtype), " x and ", dtype_name(a.out_dtype), " out");
+  check_layer_norm_backward(a, dx);
   const std::vector<double> w = param_vector(weight, a.param_dtype, a.dim, 1.0);
   dispatch_io(a, "layer_norm backward", [&](auto t, auto o) {
     using T = decltype(t);

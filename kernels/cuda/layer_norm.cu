@@ -28,6 +28,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "kernels/core/layer_norm_check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 #include "kernels/cuda/reduce_common.cuh"
@@ -544,9 +545,7 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
   LOOM_ASSERT(!params || workspace, "layer_norm backward: dweight and dbias need the scratch of "
                                     "layer_norm_workspace_size (", layer_norm_workspace_size(a), " bytes)");
   const ParamRefs p{weight, nullptr, a.param_dtype};
-  const bool sixteen = a.out_dtype == DType::bf16 || a.out_dtype == DType::f16;
-  LOOM_ASSERT(!a.dx_rounded || (dx && a.dtype == DType::f32 && sixteen), "layer_norm backward: dx_rounded needs dx, ",
-              "f32 x and a 16-bit out_dtype, got ", dtype_name(a.dtype), " x and ", dtype_name(a.out_dtype), " out");
+  check_layer_norm_backward(a, dx);
   const Layout l = layout_for(a, {dx, dy, x, a.dx_add, a.dx_rounded});
   const int64_t n = partial_count(a);
   dispatch_io(a, "layer_norm backward", [&](auto t, auto o) {
