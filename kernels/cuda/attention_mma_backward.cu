@@ -169,6 +169,18 @@ template <class T, int D, int MT> __global__ void __launch_bounds__(kThreads) ba
 // With kDq the kernel also computes dQ: each tile's dS^T goes through shared memory (BK x
 // (BQ + 8)) into dQ's tile = dS K, which is added to p.dq_acc with f32 atomics (FlashAttention-2's
 // way: 5 products per tile pair instead of 7, in an order that varies from run to run).
+// Adds two neighbouring floats (8-byte aligned) into global memory: one vector atomic on
+// sm_90 and later, two scalar ones before (float2 atomics start at sm_90). Each element's sum is
+// the same either way; only the order between blocks varies.
+__device__ __forceinline__ void add_pair(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
 template <class T, int D, int MT, bool kDq> constexpr size_t dkdv_smem() {
   constexpr int BQ = dkdv_tile<D, MT>(), BK = block_rows(MT);
   return size_t(2 * BK + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * sizeof(float) +
@@ -315,8 +327,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkdv_kernel(const Params p)
           if (i >= p.q_len) continue;
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            atomicAdd(reinterpret_cast<float2*>(dq_acc + int64_t(i) * D + ni * 16 + h * 8 + 2 * t),
-                      make_float2(acc[u][h][2 * r], acc[u][h][2 * r + 1]));
+            add_pair(dq_acc + int64_t(i) * D + ni * 16 + h * 8 + 2 * t, acc[u][h][2 * r], acc[u][h][2 * r + 1]);
         }
       }
     }
