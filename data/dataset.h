@@ -12,10 +12,10 @@
 
 #include <cstdint>
 
-#include "data/image_set.h"
-#include "data/token_shard.h"
-#include "data/transforms.h"
-#include "engine/tensor.h"
+#include "image_set.h"
+#include "token_shard.h"
+#include "transforms.h"
+#include "../engine/tensor.h"
 
 namespace loom::data {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "data/image_set.h"
+#include "image_set.h"
 
 namespace loom::data {
 

@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "data/image_set.h"
+#include "image_set.h"
 
 namespace loom::data {
 

@@ -31,9 +31,9 @@
 #include <memory>
 #include <optional>
 
-#include "data/dataset.h"
-#include "data/sampler.h"
-#include "engine/pinned.h"
+#include "dataset.h"
+#include "sampler.h"
+#include "../engine/pinned.h"
 
 namespace loom::data {
 

@@ -10,8 +10,8 @@
 
 #include <cstdint>
 
-#include "kernels/core/error.h"
-#include "kernels/core/philox.h"
+#include "../kernels/core/error.h"
+#include "../kernels/core/philox.h"
 
 namespace loom::data {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "data/token_shard.h"
+#include "token_shard.h"
 
 namespace loom::data {
 

@@ -16,7 +16,7 @@
 #include <functional>
 #include <vector>
 
-#include "data/random.h"
+#include "random.h"
 
 namespace loom::data {
 

@@ -14,7 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "engine/device.h"
+#include "device.h"
 
 namespace loom {
 

@@ -28,7 +28,7 @@
 
 #include <optional>
 
-#include "kernels/core/dtype.h"
+#include "../kernels/core/dtype.h"
 
 namespace loom {
 

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/tensor.h"
+#include "tensor.h"
 
 namespace loom {
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <string_view>
 
-#include "kernels/core/strided.h"
+#include "../kernels/core/strided.h"
 
 namespace loom {
 

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/tensor.h"
+#include "tensor.h"
 
 namespace loom {
 

@@ -18,8 +18,8 @@
 #include <cstddef>
 #include <memory>
 
-#include "engine/device.h"
-#include "engine/tensor.h"
+#include "device.h"
+#include "tensor.h"
 
 namespace loom {
 

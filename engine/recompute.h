@@ -35,7 +35,7 @@
 
 #include <functional>
 
-#include "engine/tensor.h"
+#include "tensor.h"
 
 namespace loom {
 

@@ -7,7 +7,7 @@
 #include <functional>
 #include <memory>
 
-#include "engine/device.h"
+#include "device.h"
 
 namespace loom {
 

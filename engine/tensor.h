@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/device.h"
-#include "engine/storage.h"
-#include "kernels/core/dtype.h"
-#include "kernels/core/error.h"
+#include "device.h"
+#include "storage.h"
+#include "../kernels/core/dtype.h"
+#include "../kernels/core/error.h"
 
 namespace loom {
 

@@ -19,8 +19,8 @@
 
 #include <cstdint>
 
-#include "kernels/core/dtype.h"
-#include "kernels/core/strided.h"
+#include "core/dtype.h"
+#include "core/strided.h"
 
 namespace loom {
 

@@ -2,7 +2,7 @@
 // holds no state.
 #pragma once
 
-#include "layers/module.h"
+#include "module.h"
 
 namespace loom::nn {
 

@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "layers/linear.h"
+#include "linear.h"
 
 namespace loom::nn {
 

@@ -16,8 +16,8 @@
 
 #include <vector>
 
-#include "layers/layer_norm.h"  // Affine
-#include "layers/module.h"
+#include "layer_norm.h"  // Affine
+#include "module.h"
 
 namespace loom::nn {
 

@@ -17,9 +17,9 @@
 #include <map>
 #include <string>
 
-#include "layers/module.h"
-#include "layers/optim/optimizer.h"
-#include "layers/optim/schedule.h"
+#include "module.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
 
 namespace loom::nn {
 

@@ -6,8 +6,8 @@
 
 #include <array>
 
-#include "layers/linear.h"  // Bias
-#include "layers/module.h"
+#include "linear.h"  // Bias
+#include "module.h"
 
 namespace loom::nn {
 

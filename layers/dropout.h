@@ -4,7 +4,7 @@
 // seeded run drops the same elements on the CPU and on any GPU.
 #pragma once
 
-#include "layers/module.h"
+#include "module.h"
 
 namespace loom::nn {
 

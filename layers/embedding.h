@@ -2,7 +2,7 @@
 // id, PyTorch's nn.Embedding with its N(0, 1) initialisation.
 #pragma once
 
-#include "layers/module.h"
+#include "module.h"
 
 namespace loom::nn {
 

@@ -2,7 +2,7 @@
 // defaults to start_dim = 1, keeping the batch dimension): (N, C, H, W) -> (N, C*H*W).
 #pragma once
 
-#include "layers/module.h"
+#include "module.h"
 
 namespace loom::nn {
 

@@ -12,7 +12,7 @@
 // first; outside autocast the two are the same.
 #pragma once
 
-#include "layers/module.h"
+#include "module.h"
 
 namespace loom::nn {
 

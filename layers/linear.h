@@ -3,7 +3,7 @@
 // weight, and the same bound for the bias), so models start where PyTorch's would.
 #pragma once
 
-#include "layers/module.h"
+#include "module.h"
 
 namespace loom::nn {
 

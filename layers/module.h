@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/tensor.h"
+#include "../engine/tensor.h"
 
 namespace loom::nn {
 

@@ -6,7 +6,7 @@
 #include <array>
 #include <optional>
 
-#include "layers/module.h"
+#include "module.h"
 
 namespace loom::nn {
 

@@ -72,8 +72,8 @@
 #include <string>
 #include <vector>
 
-#include "layers/module.h"
-#include "parallel/process_group.h"
+#include "../layers/module.h"
+#include "process_group.h"
 
 namespace loom::dist {
 

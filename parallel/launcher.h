@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel/rendezvous.h"
+#include "rendezvous.h"
 
 namespace loom::dist {
 

@@ -35,8 +35,8 @@
 #include <memory>
 #include <string>
 
-#include "engine/tensor.h"
-#include "parallel/store.h"
+#include "../engine/tensor.h"
+#include "store.h"
 
 namespace loom::dist {
 

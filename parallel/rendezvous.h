@@ -19,7 +19,7 @@
 #include <string>
 #include <string_view>
 
-#include "parallel/store.h"
+#include "store.h"
 
 namespace loom::dist {
 

@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-#include "kernels/core/error.h"
+#include "../kernels/core/error.h"
 
 namespace loom::dist {
 

@@ -26,8 +26,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "parallel/socket.h"
-#include "parallel/store.h"
+#include "socket.h"
+#include "store.h"
 
 namespace loom::dist::wire {
 

@@ -5,9 +5,9 @@
 
 #include <string>
 
-#include "engine/autograd.h"
-#include "engine/ops.h"
-#include "kernels/table.h"
+#include "../autograd.h"
+#include "../ops.h"
+#include "../../kernels/table.h"
 
 namespace loom::ops {
 

@@ -5,7 +5,7 @@
 #include <functional>
 #include <initializer_list>
 
-#include "engine/ops/dispatch.h"
+#include "dispatch.h"
 
 namespace loom::ops {
 

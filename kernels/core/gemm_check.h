@@ -2,8 +2,8 @@
 // kernels/table.h): the CPU and CUDA gemm both call check_gemm_extras before any work.
 #pragma once
 
-#include "kernels/core/error.h"
-#include "kernels/table.h"
+#include "error.h"
+#include "../table.h"
 
 namespace loom {
 

@@ -2,8 +2,8 @@
 // (LayerNormArgs in kernels/table.h): the CPU and CUDA kernels both call them first.
 #pragma once
 
-#include "kernels/core/error.h"
-#include "kernels/table.h"
+#include "error.h"
+#include "../table.h"
 
 namespace loom {
 

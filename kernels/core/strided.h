@@ -7,8 +7,8 @@
 #include <array>
 #include <cstdint>
 
-#include "kernels/core/dtype.h"
-#include "kernels/core/error.h"
+#include "dtype.h"
+#include "error.h"
 
 namespace loom {
 

@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-#include "kernels/core/dtype.h"
-#include "kernels/core/error.h"
-#include "kernels/core/strided.h"
+#include "../core/dtype.h"
+#include "../core/error.h"
+#include "../core/strided.h"
 
 namespace loom::cpu {
 

@@ -10,8 +10,8 @@
 #include <limits>
 #include <type_traits>
 
-#include "kernels/cpu/common.h"
-#include "kernels/table.h"
+#include "common.h"
+#include "../table.h"
 
 namespace loom::cpu::elementwise {
 

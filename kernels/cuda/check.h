@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/core/error.h"
+#include "../core/error.h"
 
 namespace loom::detail {
 [[noreturn]] void throw_status(const char* library, const char* call, const char* file, int line, long code,

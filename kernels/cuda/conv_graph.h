@@ -17,7 +17,7 @@
 #include <cstddef>
 #include <memory>
 
-#include "kernels/table.h"
+#include "../table.h"
 
 namespace loom::cuda {
 

@@ -3,7 +3,7 @@
 // kernels/table.h.
 #pragma once
 
-#include "kernels/table.h"
+#include "../table.h"
 
 namespace loom::cuda {
 

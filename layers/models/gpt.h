@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "layers/attention.h"
-#include "layers/embedding.h"
-#include "layers/layer_norm.h"
+#include "../attention.h"
+#include "../embedding.h"
+#include "../layer_norm.h"
 
 namespace loom::nn {
 

@@ -9,10 +9,10 @@
 
 #include <memory>
 
-#include "layers/batch_norm.h"
-#include "layers/conv.h"
-#include "layers/linear.h"
-#include "layers/sequential.h"
+#include "../batch_norm.h"
+#include "../conv.h"
+#include "../linear.h"
+#include "../sequential.h"
 
 namespace loom::nn {
 

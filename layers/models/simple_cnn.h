@@ -8,7 +8,7 @@
 
 #include <memory>
 
-#include "layers/sequential.h"
+#include "../sequential.h"
 
 namespace loom::nn {
 

@@ -8,7 +8,7 @@
 // eps is added outside the square root, after the bias correction, as torch does.
 #pragma once
 
-#include "layers/optim/optimizer.h"
+#include "optimizer.h"
 
 namespace loom::optim {
 

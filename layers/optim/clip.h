@@ -3,7 +3,7 @@
 // max_norm / (norm + 1e-6). Parameters without a gradient are skipped.
 #pragma once
 
-#include "engine/tensor.h"
+#include "../../engine/tensor.h"
 
 namespace loom::optim {
 

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "layers/module.h"
+#include "../module.h"
 
 namespace loom::optim {
 

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "layers/optim/optimizer.h"
+#include "optimizer.h"
 
 namespace loom::optim {
 

@@ -7,7 +7,7 @@
 //   p = p - lr * g
 #pragma once
 
-#include "layers/optim/optimizer.h"
+#include "optimizer.h"
 
 namespace loom::optim {
 
