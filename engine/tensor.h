@@ -3,7 +3,8 @@
 // Copying a Tensor copies the handle: both name the same TensorImpl. Views (reshape,
 // permute, slice, expand, ...) make a new TensorImpl over the same Storage. A Module's
 // parameters are Tensors, so replacing a parameter's storage through set_data() is seen
-// by every holder of the handle — FSDP swaps full and sharded storage this way.
+// by every holder of the handle (a sharded-parameter scheme can swap full and sharded
+// storage this way; tests/engine/test_autograd.cpp shows the swap around forward and backward).
 //
 // Ops are free functions in engine/ops.h; the members here are the tensor's own state.
 #pragma once

@@ -25,7 +25,6 @@
 #include "data/idx.h"
 #include "data/image_folder.h"
 #include "data/loader.h"
-#include "engine/allocator.h"
 #include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
@@ -34,7 +33,6 @@
 #include "parallel/rendezvous.h"
 #include "samples/common/distributed.h"
 #include "samples/common/flags.h"
-#include "samples/common/gpu_monitor.h"
 #include "samples/common/metrics.h"
 #include "samples/common/progress.h"
 #include "samples/common/scaling.h"
@@ -180,20 +178,6 @@ EvalResult evaluate(nn::Module& model, const data::DataLoader& loader, std::opti
   model.train();
   if (seen == 0) return {};
   return {loss_sum.item() / double(seen), correct.item() / double(seen)};
-}
-
-// What the progress line adds: the time this epoch waited for data (a starved GPU shows here),
-// Loom's peak memory on the device, and every GPU's utilization and memory as NVML sees it.
-std::string monitor_note(Device device, double stall_seconds) {
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "data wait %.0f ms", stall_seconds * 1000);
-  std::string note = buf;
-  if (device.is_cuda()) {
-    std::snprintf(buf, sizeof buf, "  peak %.0f MiB", double(memory::stats(device).peak_allocated) / (1 << 20));
-    note += buf;
-    if (std::string gpus = samples::gpu_monitor_line(); !gpus.empty()) note += "  " + gpus;
-  }
-  return note;
 }
 
 }  // namespace
@@ -416,7 +400,7 @@ int main(int argc, char** argv) {
         loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
         // Reading the loss waits for the GPU; the progress line does so only when it redraws.
         if (main_rank && !o.quiet && (batch % 20 == 0 || batch == steps_per_epoch))
-          progress.update(batch, batch * o.batch_size, l.item(), monitor_note(device, batches.stall_seconds()));
+          progress.update(batch, batch * o.batch_size, l.item(), samples::device_note(device, batches.stall_seconds()));
         if (o.save_every > 0 && step % o.save_every == 0) save(epoch, batch);
         if (step >= total_steps) break;
       }

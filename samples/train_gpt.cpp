@@ -33,9 +33,9 @@ using namespace loom;
 namespace {
 
 struct Options {
-  std::string config = "tiny", data = data::kFortunesDir, shards, precision = "f32", device = "auto";
+  std::string config = "auto", data = data::kFortunesDir, shards, precision = "auto", device = "auto";
   std::string save, resume, metrics = "train_gpt.jsonl", plot = "train_gpt.svg", prompt = "Q: ";
-  int64_t epochs = 1, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
+  int64_t epochs = 0, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
   int64_t generate = 300, top_k = 40, timeout_s = 600, scaling = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
   bool recompute = false;
@@ -77,17 +77,20 @@ int main(int argc, char** argv) {
   samples::Flags flags("train_gpt",
                        "Trains a GPT on text (bytes as tokens; default Debian's fortunes) or token shards, then\n"
                        "generates text from it.");
-  flags.add("config", &o.config, "model size (gpt2-124m: 12 x 768; guide: the guide's 6 blocks of 256)",
-            {"tiny", "guide", "gpt2-124m"});
+  flags.add("config", &o.config,
+            "model size (tiny: 2 x 64; guide: the guide's 6 blocks of 256; gpt2-124m: 12 x 768; auto: guide on "
+            "a GPU, tiny on the CPU)",
+            {"auto", "tiny", "guide", "gpt2-124m"});
   flags.add("data", &o.data, "a text file or a folder of them, read as bytes", {}, "PATH");
   flags.add("shards", &o.shards, "uint16 token shards instead (a glob, e.g. 'fineweb_train_*.bin')", {}, "GLOB");
-  flags.add("epochs", &o.epochs, "passes over the training windows", 1);
+  flags.add("epochs", &o.epochs, "passes over the training windows (0: 3 on a GPU, 1 on the CPU)", 0);
   flags.add("batch-size", &o.batch_size, "sequences per step (per rank)", 1);
   flags.add("context", &o.context, "tokens per sequence (at most the config's context)", 2);
   flags.add("lr", &o.lr, "peak learning rate (AdamW, cosine decay)", 0);
   flags.add("weight-decay", &o.weight_decay, "AdamW weight decay", 0);
   flags.add("clip", &o.clip, "clip the gradients' global norm (0: no clipping)", 0);
-  flags.add("precision", &o.precision, "f32, or bf16 autocast (f32 master weights)", {"f32", "bf16"});
+  flags.add("precision", &o.precision, "f32, or bf16 autocast (f32 master weights); auto: bf16 on a GPU",
+            {"auto", "f32", "bf16"});
   flags.add_switch("recompute", &o.recompute,
                    "recompute each block's activations in backward: less memory, about a third more compute");
   flags.add("device", &o.device, "cpu, cuda or cuda:N (auto: the first GPU, else the CPU)", {}, "DEVICE");
@@ -131,6 +134,17 @@ int main(int argc, char** argv) {
     samples::DistContext ctx = samples::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
     const Device device = ctx.device;
     const bool main_rank = ctx.is_main();
+    // With no flags: on a GPU the guide's model in bf16 for 3 epochs (about 20 s on an H200,
+    // enough to write text with words in it); on the CPU the tiny one for an epoch.
+    const bool on_gpu = device.is_cuda();
+    if (o.config == "auto") o.config = on_gpu ? "guide" : "tiny";
+    if (o.precision == "auto") o.precision = on_gpu ? "bf16" : "f32";
+    if (o.epochs == 0) {
+      o.epochs = on_gpu ? 3 : 1;
+      if (!on_gpu && main_rank)
+        std::printf("no GPU: training the %s config for %lld epoch on the CPU (--config guide --epochs N for more)\n",
+                    o.config.c_str(), (long long)o.epochs);
+    }
     nn::GPTConfig config = nn::GPTConfig::named(o.config);
     config.recompute = o.recompute;
     if (o.context > config.context) flags.fail("--context " + std::to_string(o.context) + " is longer than the " +
@@ -230,7 +244,8 @@ int main(int argc, char** argv) {
         Tensor l = loss.detach();
         loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
         if (main_rank && (batch % 10 == 0 || batch == steps_per_epoch))
-          progress.update(batch, batch * o.batch_size * o.context, l.item());
+          progress.update(batch, batch * o.batch_size * o.context, l.item(),
+                          samples::device_note(device, batches.stall_seconds()));
         if (step >= total_steps) break;
       }
       if (main_rank) progress.finish();

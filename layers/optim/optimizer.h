@@ -4,7 +4,7 @@
 // for a training checkpoint.
 //
 // State is keyed by the parameter's identity (its TensorImpl), not its data, so it
-// survives Module::to() and FSDP's storage swaps; buffers follow the parameter's device
+// survives Module::to() and set_data() swapping its storage; buffers follow the parameter's device
 // and dtype at each step. Each optimizer's arithmetic lives in one free function per
 // group (sgd_update, adam_update) over lists of tensors, which hands them to the fused
 // multi-tensor ops (engine/ops/optim.cpp: one CUDA launch for a whole group).

@@ -4,7 +4,22 @@
 
 #include <cstdio>
 
+#include "engine/allocator.h"
+#include "samples/common/gpu_monitor.h"
+
 namespace loom::samples {
+
+std::string device_note(Device device, double data_wait_seconds) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "data wait %.0f ms", data_wait_seconds * 1000);
+  std::string note = buf;
+  if (device.is_cuda()) {
+    std::snprintf(buf, sizeof buf, "  peak %.0f MiB", double(memory::stats(device).peak_allocated) / (1 << 20));
+    note += buf;
+    if (std::string gpus = gpu_monitor_line(); !gpus.empty()) note += "  " + gpus;
+  }
+  return note;
+}
 
 std::string format_duration(double seconds) {
   if (!(seconds >= 0) || seconds > 1e8) return "?";

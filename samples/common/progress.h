@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "engine/device.h"
+
 namespace loom::samples {
 
 class Progress {
@@ -29,6 +31,11 @@ class Progress {
   std::chrono::steady_clock::time_point start_, last_draw_;
   double last_rate_ = 0;
 };
+
+// What a training program's progress line adds: the time this epoch waited for data (a
+// starved GPU shows here) and, on a GPU, Loom's peak memory on the device and every GPU's
+// utilization and memory as NVML sees it: "data wait 3 ms  peak 812 MiB  gpu0 97% 3.1/139.8G".
+std::string device_note(Device device, double data_wait_seconds);
 
 // "1:02:03" or "2:03".
 std::string format_duration(double seconds);

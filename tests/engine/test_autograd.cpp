@@ -2,7 +2,7 @@
 // upstream gradients (pipeline stages), no-grad and detach, diamond graphs, the
 // post-accumulate hooks DDP launches its all-reduces from (once per leaf, when final,
 // last layer first) and the end-of-pass callbacks it finishes in, parameters whose
-// storage FSDP swaps in place, the refusal of in-place updates that would corrupt a
+// storage is swapped in place (as a sharded-parameter scheme would swap it), the refusal of in-place updates that would corrupt a
 // graph, and dtype handling across the graph.
 #include <gtest/gtest.h>
 
