@@ -4,7 +4,8 @@
 // as flash attention's papers count them. CUDA events, warm-up first, median of the timed
 // repetitions. The PyTorch side is samples/bench_attention_torch.py: give its output file
 // with --torch FILE and the table gains PyTorch's times and the speed-up (PyTorch ms /
-// Loom ms). Prints a table and writes JSON (--json FILE).
+// Loom ms). Prints a table and writes JSON (--json FILE). --deterministic times the
+// backward that computes dQ without atomics (Options::deterministic, engine/options.h).
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -17,8 +18,11 @@
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "engine/options.h"
+#include "parallel/diagnostics/json.h"
 
 using namespace loom;
+using dist::diagnostics::Json;
 
 namespace {
 
@@ -112,16 +116,21 @@ std::map<std::string, std::pair<double, double>> read_torch(const std::string& p
 
 int main(int argc, char** argv) {
   std::string json_path, torch_path;
+  Options run_options = options();
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (arg == "--torch" && i + 1 < argc) torch_path = argv[++i];
+    else if (arg == "--deterministic") run_options.deterministic = true;
     else {
-      std::fprintf(stderr, "bench_attention: unknown argument '%s'\nusage: bench_attention [--json FILE] [--torch FILE]\n",
+      std::fprintf(stderr,
+                   "bench_attention: unknown argument '%s'\nusage: bench_attention [--json FILE] [--torch FILE] "
+                   "[--deterministic]\n",
                    arg.c_str());
       return 2;
     }
   }
+  set_options(run_options);
   if (!cuda_available()) {
     std::fprintf(stderr, "bench_attention: no CUDA GPU visible; this benchmark needs one\n");
     return 1;
@@ -146,19 +155,19 @@ int main(int argc, char** argv) {
     }
     if (!torch.empty()) std::printf("(x): PyTorch ms / Loom ms, above 1 when Loom is faster\n");
     if (!json_path.empty()) {
-      std::ofstream js(json_path);
-      js << "{\n  \"benchmarks\": [\n";
-      for (size_t i = 0; i < rows.size(); ++i) {
-        const Row& r = rows[i];
-        const auto it = torch.find(r.shape.name());
-        js << "    {\"name\": \"" << r.shape.name() << "\", \"fwd_ms\": " << r.fwd_ms
-           << ", \"fwd_tflops\": " << r.shape.forward_flop() / (r.fwd_ms * 1e9) << ", \"train_ms\": " << r.train_ms
-           << ", \"train_tflops\": " << 3.5 * r.shape.forward_flop() / (r.train_ms * 1e9);
-        if (it != torch.end())
-          js << ", \"torch_fwd_ms\": " << it->second.first << ", \"torch_train_ms\": " << it->second.second;
-        js << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+      Json benchmarks = Json::array();
+      for (const Row& r : rows) {
+        Json row = Json::object()
+                       .set("name", r.shape.name())
+                       .set("fwd_ms", r.fwd_ms)
+                       .set("fwd_tflops", r.shape.forward_flop() / (r.fwd_ms * 1e9))
+                       .set("train_ms", r.train_ms)
+                       .set("train_tflops", 3.5 * r.shape.forward_flop() / (r.train_ms * 1e9));
+        if (const auto it = torch.find(r.shape.name()); it != torch.end())
+          row.set("torch_fwd_ms", it->second.first).set("torch_train_ms", it->second.second);
+        benchmarks.push(std::move(row));
       }
-      js << "  ]\n}\n";
+      std::ofstream(json_path) << Json::object().set("benchmarks", std::move(benchmarks)).dump(2) << "\n";
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_attention: %s\n", e.what());

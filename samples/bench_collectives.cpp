@@ -10,7 +10,7 @@
 // waited, timed with CUDA events on the compute stream around the loop on a GPU (the host
 // never waits inside it) and with steady_clock on the CPU (Gloo's calls block); the time is
 // averaged over ranks. Then one more call on fresh inputs is checked element by element
-// against the formulas of samples/common/collective_bench.h, and the wrong elements are
+// against the formulas of parallel/diagnostics/collective_bench.h, and the wrong elements are
 // summed over ranks (the #wrong column). Sizes, counts and bandwidths follow nccl-tests:
 // see collective_bench.h. all_reduce and broadcast run in place (ProcessGroup offers no
 // other form); the others write a separate output. The exit status is 1 when any element
@@ -32,13 +32,14 @@
 #include "engine/device.h"
 #include "engine/ops.h"
 #include "parallel/store.h"
-#include "samples/common/collective_bench.h"
-#include "samples/common/distributed.h"
+#include "parallel/diagnostics/collective_bench.h"
+#include "parallel/init.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 
 using namespace loom;
-using samples::Collective;
+namespace bench = dist::diagnostics;  // the formulas, parallel/diagnostics/collective_bench.h
+using bench::Collective;
 
 namespace {
 
@@ -50,7 +51,7 @@ struct Options {
 
 // What every row of a run shares.
 struct Run {
-  samples::DistContext ctx;
+  dist::DistContext ctx;
   DType dtype = DType::f32;
   dist::ReduceOp op = dist::ReduceOp::sum;
   int root = 0;
@@ -59,10 +60,10 @@ struct Run {
 };
 
 struct Row {
-  samples::CollectiveShape shape;
+  bench::CollectiveShape shape;
   double seconds = 0;  // per call, averaged over ranks
   int64_t wrong = 0;   // summed over ranks
-  samples::Bandwidth bw;
+  bench::Bandwidth bw;
 };
 
 Tensor upload(const std::vector<double>& values, DType dtype, Device device) {
@@ -73,11 +74,12 @@ Tensor upload(const std::vector<double>& values, DType dtype, Device device) {
 
 // This rank's input: input_value() everywhere, except that broadcast's non-root ranks
 // start unwritten so that a broadcast that did not arrive shows.
-Tensor make_input(const Run& run, Collective c, const samples::CollectiveShape& shape) {
+Tensor make_input(const Run& run, Collective c, const bench::CollectiveShape& shape) {
   const int rank = run.ctx.rank;
   const bool unwritten = c == Collective::broadcast && rank != run.root;
   std::vector<double> values(size_t(shape.in_count));
-  for (int64_t i = 0; i < shape.in_count; ++i) values[size_t(i)] = unwritten ? samples::kUnwritten : samples::input_value(rank, i);
+  for (int64_t i = 0; i < shape.in_count; ++i)
+    values[size_t(i)] = unwritten ? bench::kUnwritten : bench::input_value(rank, i);
   return upload(values, run.dtype, run.ctx.device);
 }
 
@@ -125,26 +127,26 @@ double time_calls(const Run& run, Collective c, const Tensor& in, const Tensor& 
 }
 
 // One call on fresh inputs into an unwritten output; returns this rank's wrong elements.
-int64_t check_call(const Run& run, Collective c, const samples::CollectiveShape& shape) {
+int64_t check_call(const Run& run, Collective c, const bench::CollectiveShape& shape) {
   const Tensor in = make_input(run, c, shape);
-  const Tensor out = samples::in_place(c) ? in : full({shape.out_count}, samples::kUnwritten, run.dtype, run.ctx.device);
+  const Tensor out = bench::in_place(c) ? in : full({shape.out_count}, bench::kUnwritten, run.dtype, run.ctx.device);
   call(run, c, in, out);
   const std::vector<double> got = out.to_vector<double>();
   const int n = run.ctx.size;
-  const double tol = samples::tolerance(c, run.op, run.dtype, n);
+  const double tol = bench::tolerance(c, run.op, run.dtype, n);
   int64_t wrong = 0;
   for (int64_t i = 0; i < shape.out_count; ++i) {
-    const double want = samples::expected_value(c, run.op, run.dtype, n, run.ctx.rank, run.root, shape, i);
+    const double want = bench::expected_value(c, run.op, run.dtype, n, run.ctx.rank, run.root, shape, i);
     if (!(std::abs(got[size_t(i)] - want) <= tol)) ++wrong;
   }
   return wrong;
 }
 
-Row measure(const Run& run, Collective c, const samples::CollectiveShape& shape) {
+Row measure(const Run& run, Collective c, const bench::CollectiveShape& shape) {
   Row row;
   row.shape = shape;
   const Tensor in = make_input(run, c, shape);
-  const Tensor out = samples::in_place(c) ? in : Tensor::empty({shape.out_count}, run.dtype, run.ctx.device);
+  const Tensor out = bench::in_place(c) ? in : Tensor::empty({shape.out_count}, run.dtype, run.ctx.device);
   for (int64_t i = 0; i < run.warmup; ++i) call(run, c, in, out);
   const double seconds = time_calls(run, c, in, out);
   const int64_t wrong = run.check ? check_call(run, c, shape) : 0;
@@ -154,7 +156,7 @@ Row measure(const Run& run, Collective c, const samples::CollectiveShape& shape)
   const std::vector<double> sums = totals.to_vector<double>();
   row.seconds = sums[0] / run.ctx.size;
   row.wrong = int64_t(sums[1]);
-  row.bw = samples::bandwidth(c, shape.bytes, row.seconds, run.ctx.size);
+  row.bw = bench::bandwidth(c, shape.bytes, row.seconds, run.ctx.size);
   return row;
 }
 
@@ -166,10 +168,10 @@ std::string time_text(double us) {
 }
 
 void print_header(const Run& run, Collective c) {
-  const char* redop = samples::reduces(c) ? dist::reduce_op_name(run.op) : "none";
+  const char* redop = bench::reduces(c) ? dist::reduce_op_name(run.op) : "none";
   std::printf("#\n# %s: %s, redop %s, %s, iters %lld after warmup iters %lld, %d rank%s (%s) on %s\n",
-              samples::collective_name(c), samples::in_place(c) ? "in place" : "out of place", redop,
-              samples::datatype_name(run.dtype), (long long)run.iters, (long long)run.warmup, run.ctx.size,
+              bench::collective_name(c), bench::in_place(c) ? "in place" : "out of place", redop,
+              bench::datatype_name(run.dtype), (long long)run.iters, (long long)run.warmup, run.ctx.size,
               run.ctx.size == 1 ? "" : "s", run.ctx.group->backend().c_str(), run.ctx.device.str().c_str());
   if (c == Collective::sendrecv && run.ctx.group->backend() == "nccl")
     std::printf("# sendrecv: send and recv are separate NCCL launches, so each rank's pair runs one after the other\n");
@@ -180,23 +182,23 @@ void print_header(const Run& run, Collective c) {
 }
 
 void print_row(const Run& run, Collective c, const Row& row) {
-  const char* redop = samples::reduces(c) ? dist::reduce_op_name(run.op) : "none";
+  const char* redop = bench::reduces(c) ? dist::reduce_op_name(run.op) : "none";
   const int root = c == Collective::broadcast ? run.root : -1;
   const std::string wrong = run.check ? std::to_string(row.wrong) : "N/A";
   std::printf("%12lld  %12lld  %8s  %6s  %6d  %7s  %7.2f  %7.2f  %6s\n", (long long)row.shape.bytes,
-              (long long)row.shape.count, samples::datatype_name(run.dtype), redop, root,
+              (long long)row.shape.count, bench::datatype_name(run.dtype), redop, root,
               time_text(row.seconds * 1e6).c_str(), row.bw.algbw, row.bw.busbw, wrong.c_str());
 }
 
 samples::MetricRecord json_record(const Run& run, Collective c, const Row& row) {
   return {{"bench", std::string("collectives")},
-          {"op", std::string(samples::collective_name(c))},
+          {"op", std::string(bench::collective_name(c))},
           {"size_bytes", row.shape.bytes},
           {"count", row.shape.count},
-          {"type", std::string(samples::datatype_name(run.dtype))},
-          {"redop", std::string(samples::reduces(c) ? dist::reduce_op_name(run.op) : "none")},
+          {"type", std::string(bench::datatype_name(run.dtype))},
+          {"redop", std::string(bench::reduces(c) ? dist::reduce_op_name(run.op) : "none")},
           {"root", int64_t(c == Collective::broadcast ? run.root : -1)},
-          {"in_place", int64_t(samples::in_place(c))},
+          {"in_place", int64_t(bench::in_place(c))},
           {"time_us", row.seconds * 1e6},
           {"algbw_gbps", row.bw.algbw},
           {"busbw_gbps", row.bw.busbw},
@@ -210,7 +212,7 @@ samples::MetricRecord json_record(const Run& run, Collective c, const Row& row) 
 
 int64_t parse_size_flag(const samples::Flags& flags, const char* spelling, const std::string& text) {
   try {
-    return samples::parse_size(text);
+    return bench::parse_size(text);
   } catch (const Error& e) {
     flags.fail(std::string(spelling) + ": " + e.what());
   }
@@ -255,14 +257,14 @@ int main(int argc, char** argv) {
   std::vector<Collective> collectives;
   std::vector<int64_t> sizes;
   try {
-    collectives = samples::parse_collectives(o.collectives);
+    collectives = bench::parse_collectives(o.collectives);
   } catch (const Error& e) {
     flags.fail(std::string("--collective: ") + e.what());
   }
   const int64_t min_bytes = parse_size_flag(flags, "-b/--minbytes", o.min_bytes);
   const int64_t max_bytes = parse_size_flag(flags, "-e/--maxbytes", o.max_bytes);
   try {
-    sizes = samples::size_sweep(min_bytes, max_bytes, o.step_factor);
+    sizes = bench::size_sweep(min_bytes, max_bytes, o.step_factor);
     if (o.device != "auto") Device::parse(o.device);
   } catch (const Error& e) {
     flags.fail(e.what());
@@ -270,7 +272,7 @@ int main(int argc, char** argv) {
 
   try {
     Run run;
-    run.ctx = samples::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
+    run.ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
     const Device device = run.ctx.device;
     if (device.is_cuda() && device.index >= cuda_device_count())
       flags.fail("--device " + o.device + ": " + std::to_string(cuda_device_count()) +
@@ -285,7 +287,7 @@ int main(int argc, char** argv) {
     }
     const int n = run.ctx.size;
     if (o.root >= n) flags.fail("-r/--root " + std::to_string(o.root) + ": the group has ranks 0 to " + std::to_string(n - 1));
-    run.dtype = samples::parse_datatype(o.datatype);
+    run.dtype = bench::parse_datatype(o.datatype);
     run.op = o.redop == "avg" ? dist::ReduceOp::avg
            : o.redop == "max" ? dist::ReduceOp::max
            : o.redop == "min" ? dist::ReduceOp::min
@@ -312,7 +314,7 @@ int main(int argc, char** argv) {
       int rows = 0;
       int64_t wrong = 0;
       for (int64_t nominal : sizes) {
-        const samples::CollectiveShape shape = samples::collective_shape(c, nominal, dtype_size(run.dtype), n);
+        const bench::CollectiveShape shape = bench::collective_shape(c, nominal, dtype_size(run.dtype), n);
         if (shape.in_count == 0 || shape.out_count == 0) continue;  // less than one element per rank
         const Row row = measure(run, c, shape);
         busbw_sum += row.bw.busbw, ++rows, wrong += row.wrong;

@@ -21,8 +21,10 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "kernels/cuda/check.h"
+#include "parallel/diagnostics/json.h"
 
 using namespace loom;
+using dist::diagnostics::Json;
 
 namespace {
 
@@ -158,15 +160,21 @@ int main(int argc, char** argv) {
     std::printf("%-28s %11.3f ms %11.3f ms %7.3f  %s\n", "MLP step 784-2048-2048-10 b512", mlp, torch_ms,
                 torch_ms > 0 ? torch_ms / mlp : 0.0, "PyTorch eager (ratio = speed-up)");
     if (!json_path.empty()) {
-      std::ofstream js(json_path);
-      js << "{\n  \"benchmarks\": [\n";
+      auto entry = [](const std::string& name, const std::string& unit, double loom_figure, double reference,
+                      const std::string& reference_name, double ratio) {
+        return Json::object()
+            .set("name", name)
+            .set("unit", unit)
+            .set("loom", loom_figure)
+            .set("reference", reference)
+            .set("reference_name", reference_name)
+            .set("ratio", ratio);
+      };
+      Json benchmarks = Json::array();
       for (const Row& r : rows)
-        js << "    {\"name\": \"" << r.name << "\", \"unit\": \"" << r.unit << "\", \"loom\": " << r.loom
-           << ", \"reference\": " << r.reference << ", \"reference_name\": \"" << r.reference_name
-           << "\", \"ratio\": " << r.loom / r.reference << "},\n";
-      js << "    {\"name\": \"mlp_step\", \"unit\": \"ms\", \"loom\": " << mlp << ", \"reference\": " << torch_ms
-         << ", \"reference_name\": \"PyTorch eager\", \"ratio\": " << (torch_ms > 0 ? torch_ms / mlp : 0) << "}\n";
-      js << "  ]\n}\n";
+        benchmarks.push(entry(r.name, r.unit, r.loom, r.reference, r.reference_name, r.loom / r.reference));
+      benchmarks.push(entry("mlp_step", "ms", mlp, torch_ms, "PyTorch eager", torch_ms > 0 ? torch_ms / mlp : 0));
+      std::ofstream(json_path) << Json::object().set("benchmarks", std::move(benchmarks)).dump(2) << "\n";
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_engine: %s\n", e.what());

@@ -3,11 +3,11 @@
 // environment variables, a busy master port) as one program, ending in one all-reduce across
 // every local GPU, or across two CPU ranks where there is none.
 //
-// doctor_probe.h gathers the facts, samples/common/doctor_checks.h judges them, and this file
-// prints the verdicts, writes the JSON report and runs the smoke test. The smoke test runs in
-// fresh processes (this program again, in the hidden --smoke-rank mode, started by the
-// launcher behind loomrun): one per GPU over NCCL, as training runs, since a CUDA context
-// cannot be carried across fork.
+// parallel/diagnostics/machine_probe.h gathers the facts, parallel/diagnostics/doctor_checks.h
+// judges them, and this file prints the verdicts, writes the JSON report and runs the smoke
+// test. The smoke test runs in fresh processes (this program again, in the hidden --smoke-rank
+// mode, started by the launcher behind loomrun): one per GPU over NCCL, as training runs,
+// since a CUDA context cannot be carried across fork.
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -23,17 +23,19 @@
 
 #include "engine/ops.h"
 #include "kernels/config.h"
+#include "parallel/diagnostics/doctor_checks.h"
+#include "parallel/diagnostics/machine_probe.h"
+#include "parallel/init.h"
 #include "parallel/launcher.h"
 #include "parallel/socket.h"
-#include "samples/common/distributed.h"
-#include "samples/common/doctor_checks.h"
 #include "samples/common/flags.h"
-#include "samples/doctor_probe.h"
 
 extern char** environ;
 
 namespace loom::samples::doctor {
 namespace {
+
+using namespace dist::diagnostics;
 
 // ---- the smoke test --------------------------------------------------------------------------
 
@@ -62,7 +64,8 @@ int smoke_rank(int argc, char** argv) {
   // A rank stuck where no timeout reaches (a hung driver call) still ends, and the launcher stops the rest.
   ::alarm(unsigned(*timeout_s * 2 + 30));
   try {
-    DistContext ctx = init_distributed(backend == "nccl" ? "cuda" : "cpu", std::chrono::seconds(*timeout_s));
+    dist::DistContext ctx =
+        dist::init_distributed(backend == "nccl" ? "cuda" : "cpu", std::chrono::seconds(*timeout_s));
     // The first collective sets up connections (and NCCL's buffers): it is not timed.
     Tensor warm = full({1024}, 1.0, DType::f32, ctx.device);
     ctx.group->all_reduce(warm)->wait();
@@ -303,7 +306,7 @@ int run(int argc, char** argv) {
   std::cout << "loom doctor: is this machine fit to train?\n";
   Report report;
   report.section("Build");
-  const Machine m = probe();
+  const Machine m = probe_machine();
   report.add(Finding{Level::info, "build", build_summary(m), ""});
   report.section("Driver and GPUs");
   report.add(check_driver(m.driver));

@@ -30,8 +30,8 @@
 #include "engine/ops.h"
 #include "layers/layers.h"
 #include "parallel/ddp.h"
+#include "parallel/init.h"
 #include "parallel/rendezvous.h"
-#include "samples/common/distributed.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 #include "samples/common/progress.h"
@@ -243,7 +243,7 @@ int main(int argc, char** argv) {
     if (cuda_device_count() < o.gpus)
       flags.fail("--gpus " + std::to_string(o.gpus) + ": only " + std::to_string(cuda_device_count()) +
                  " GPU(s) are visible (for CPU ranks use loomrun --nproc-per-node N ... --device cpu)");
-    return samples::relaunch(argc, argv, int(o.gpus), "gpus");
+    return dist::relaunch(argc, argv, int(o.gpus), "gpus");
   }
 
   try {
@@ -270,7 +270,7 @@ int main(int argc, char** argv) {
         flags.fail("--device " + o.device + ": " + e.what());
       }
     }
-    samples::DistContext ctx = samples::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
+    dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
     const Device device = ctx.device;
     const bool main_rank = ctx.is_main();
     if (device.is_cuda() && device.index >= cuda_device_count())
@@ -406,7 +406,7 @@ int main(int argc, char** argv) {
       }
       if (main_rank && !o.quiet) progress.finish();
       // Reading the loss waits for the GPU, so the epoch's clock stops after its last step ran.
-      const double train_loss = samples::mean_over_ranks(ctx, epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN);
+      const double train_loss = dist::mean_over_ranks(ctx, epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN);
       const double epoch_seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
       const double images_per_s = double(epoch_steps * o.batch_size * ctx.size) / epoch_seconds;

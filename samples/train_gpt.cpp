@@ -21,8 +21,8 @@
 #include "engine/ops.h"
 #include "layers/layers.h"
 #include "parallel/ddp.h"
+#include "parallel/init.h"
 #include "parallel/rendezvous.h"
-#include "samples/common/distributed.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 #include "samples/common/progress.h"
@@ -128,10 +128,10 @@ int main(int argc, char** argv) {
     if (cuda_device_count() < o.gpus)
       flags.fail("--gpus " + std::to_string(o.gpus) + ": only " + std::to_string(cuda_device_count()) +
                  " GPU(s) are visible");
-    return samples::relaunch(argc, argv, int(o.gpus), "gpus");
+    return dist::relaunch(argc, argv, int(o.gpus), "gpus");
   }
   try {
-    samples::DistContext ctx = samples::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
+    dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
     const Device device = ctx.device;
     const bool main_rank = ctx.is_main();
     // With no flags: on a GPU the guide's model in bf16 for 3 epochs (about 20 s on an H200,
@@ -249,7 +249,7 @@ int main(int argc, char** argv) {
         if (step >= total_steps) break;
       }
       if (main_rank) progress.finish();
-      const double train_loss = samples::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
+      const double train_loss = dist::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       // Summed on the device and read once, so validation does not wait for the GPU per batch.
       Tensor val_sum;

@@ -1,6 +1,6 @@
 // A gpustat-like reading of the GPUs while training runs: utilization and memory in use of
-// every visible GPU, from NVML. NVML is loaded with dlopen at first use (never linked), so a
-// program on a machine without the NVIDIA driver simply reports nothing.
+// every visible GPU, from NVML (parallel/diagnostics/nvml.h), which is loaded at first use and
+// never linked, so a program on a machine without the NVIDIA driver simply reports nothing.
 #pragma once
 
 #include <string>

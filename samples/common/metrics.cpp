@@ -9,30 +9,10 @@
 #include <sstream>
 
 #include "kernels/core/error.h"
+#include "parallel/diagnostics/json.h"
 
 namespace loom::samples {
 namespace {
-
-std::string escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out;
-}
 
 std::string xml_escape(const std::string& s) {
   std::string out;
@@ -45,8 +25,7 @@ std::string xml_escape(const std::string& s) {
   return out;
 }
 
-std::string number(double v) {
-  if (!std::isfinite(v)) return "null";
+std::string tick_label(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.6g", v);
   return buf;
@@ -55,15 +34,9 @@ std::string number(double v) {
 }  // namespace
 
 std::string to_json(const MetricRecord& record) {
-  std::string out = "{";
-  for (size_t i = 0; i < record.size(); ++i) {
-    const auto& [key, value] = record[i];
-    out += (i ? ", \"" : "\"") + escape(key) + "\": ";
-    if (auto d = std::get_if<double>(&value)) out += number(*d);
-    else if (auto n = std::get_if<int64_t>(&value)) out += std::to_string(*n);
-    else out += "\"" + escape(std::get<std::string>(value)) + "\"";
-  }
-  return out + "}";
+  dist::diagnostics::Json out = dist::diagnostics::Json::object();
+  for (const auto& field : record) std::visit([&](const auto& v) { out.set(field.first, v); }, field.second);
+  return out.dump_line();
 }
 
 MetricsLog::MetricsLog(const std::string& path) : path_(path) {
@@ -116,11 +89,11 @@ void write_svg_chart(const std::string& path, const std::string& title, const st
       << "\" fill=\"none\" stroke=\"#888\"/>\n";
     for (int t = 0; t <= 4; ++t) {
       double yv = y0 + (y1 - y0) * t / 4, xv = x0 + (x1 - x0) * t / 4;
-      s << "<text x=\"" << left - 6 << "\" y=\"" << sy(yv) + 4 << "\" text-anchor=\"end\">" << number(yv)
+      s << "<text x=\"" << left - 6 << "\" y=\"" << sy(yv) + 4 << "\" text-anchor=\"end\">" << tick_label(yv)
         << "</text>\n";
       s << "<line x1=\"" << left << "\" x2=\"" << right << "\" y1=\"" << sy(yv) << "\" y2=\"" << sy(yv)
         << "\" stroke=\"#eee\"/>\n";
-      s << "<text x=\"" << sx(xv) << "\" y=\"" << bottom + 16 << "\" text-anchor=\"middle\">" << number(xv)
+      s << "<text x=\"" << sx(xv) << "\" y=\"" << bottom + 16 << "\" text-anchor=\"middle\">" << tick_label(xv)
         << "</text>\n";
     }
     s << "<text x=\"" << (left + right) / 2 << "\" y=\"" << bottom + 36 << "\" text-anchor=\"middle\">"

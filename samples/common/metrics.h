@@ -14,8 +14,9 @@ namespace loom::samples {
 using MetricValue = std::variant<double, int64_t, std::string>;
 using MetricRecord = std::vector<std::pair<std::string, MetricValue>>;
 
-// The JSON text of one record: {"epoch": 3, "loss": 0.25, "model": "simplecnn"}.
-// Non-finite numbers are written as null (JSON has no NaN).
+// The JSON text of one record, on one line (Json::dump_line, parallel/diagnostics/json.h):
+// {"epoch": 3, "loss": 0.25, "model": "simplecnn"}. Non-finite numbers are written as null
+// (JSON has no NaN).
 std::string to_json(const MetricRecord& record);
 
 class MetricsLog {

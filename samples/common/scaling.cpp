@@ -7,9 +7,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include "parallel/init.h"
 #include "parallel/launcher.h"
 #include "parallel/socket.h"
-#include "samples/common/distributed.h"
 #include "samples/common/metrics.h"
 
 namespace loom::samples {
@@ -33,7 +33,7 @@ double last_metric(const std::string& path, const std::string& key) {
 }
 
 int run_scaling(int argc, char** argv, const ScalingOptions& options) {
-  const std::vector<std::string> base = command_without(argc, argv, options.drop_flags);
+  const std::vector<std::string> base = dist::command_without(argc, argv, options.drop_flags);
   const std::string tmp = (std::filesystem::temp_directory_path() /
                            ("loom_scaling_" + std::to_string(::getpid()) + ".jsonl")).string();
   MetricsLog json(options.json_path);

@@ -1,4 +1,4 @@
-// bench_collectives: the formulas of samples/common/collective_bench.h (nccl-tests' bus
+// bench_collectives: the formulas of parallel/diagnostics/collective_bench.h (nccl-tests' bus
 // bandwidth factors, sizes, buffer shapes, expected values), the short flags it takes, and
 // the program itself run by loomrun on 2 and 4 Gloo CPU ranks and alone: it exits 0,
 // prints nccl-tests' table with no wrong element, and writes one valid JSON object per
@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "kernels/core/error.h"
-#include "samples/common/collective_bench.h"
+#include "parallel/diagnostics/collective_bench.h"
 #include "samples/common/flags.h"
 
-namespace loom::samples {
+namespace loom::dist::diagnostics {
 namespace {
 
 using dist::ReduceOp;
@@ -173,7 +173,7 @@ TEST(CollectiveBench, ToleranceIsZeroWhereTheArithmeticIsExact) {
 TEST(CollectiveBench, FlagsTakeNcclTestsShortForms) {
   std::string minbytes = "8", maxbytes = "128M";
   int64_t factor = 2, iters = 20;
-  Flags flags("bench", "test");
+  samples::Flags flags("bench", "test");
   flags.add("minbytes", &minbytes, "", {}, "SIZE");
   flags.alias('b', "minbytes");
   flags.add("maxbytes", &maxbytes, "", {}, "SIZE");
@@ -360,4 +360,4 @@ TEST(BenchCollectives, BadSizeIsAUsageError) {
 }
 
 }  // namespace
-}  // namespace loom::samples
+}  // namespace loom::dist::diagnostics

@@ -1,4 +1,4 @@
-#include "samples/common/collective_bench.h"
+#include "parallel/diagnostics/collective_bench.h"
 
 #include <algorithm>
 #include <cctype>
@@ -8,7 +8,7 @@
 
 #include "kernels/core/error.h"
 
-namespace loom::samples {
+namespace loom::dist::diagnostics {
 
 const char* collective_name(Collective c) {
   switch (c) {
@@ -204,4 +204,4 @@ double tolerance(Collective c, dist::ReduceOp op, DType dtype, int n) {
   return (n + 2) * std::ldexp(magnitude, -bits);
 }
 
-}  // namespace loom::samples
+}  // namespace loom::dist::diagnostics

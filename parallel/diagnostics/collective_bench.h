@@ -1,6 +1,7 @@
-// The arithmetic of bench_collectives, apart from the program so that tests can check it:
-// the message sizes swept, how a nominal size becomes each collective's buffers, the
-// bandwidths, and the values every rank writes and must read back. It follows nccl-tests
+// The arithmetic of a collective bandwidth benchmark (samples/bench_collectives.cpp is one),
+// apart from any program so that tests can check it and other tools can reuse it: the message
+// sizes swept, how a nominal size becomes each collective's buffers, the bandwidths, and the
+// values every rank writes and must read back. It follows nccl-tests
 // (NVIDIA/nccl-tests, doc/PERFORMANCE.md), so Loom's figures compare with theirs directly:
 //
 //   algbw = bytes / time, bytes being the size column:
@@ -20,10 +21,10 @@
 #include <string_view>
 #include <vector>
 
-#include "kernels/core/dtype.h"
-#include "parallel/process_group.h"
+#include "../../kernels/core/dtype.h"
+#include "../process_group.h"
 
-namespace loom::samples {
+namespace loom::dist::diagnostics {
 
 enum class Collective { all_reduce, all_gather, reduce_scatter, broadcast, sendrecv };
 inline constexpr Collective kCollectives[] = {Collective::all_reduce, Collective::all_gather,
@@ -87,4 +88,4 @@ double expected_value(Collective c, dist::ReduceOp op, DType dtype, int n, int r
 // types), else a bound on the rounding of n - 1 additions and of avg's division.
 double tolerance(Collective c, dist::ReduceOp op, DType dtype, int n);
 
-}  // namespace loom::samples
+}  // namespace loom::dist::diagnostics

@@ -1,27 +1,26 @@
-#include "samples/common/distributed.h"
+// init.h's start-up; the step numbers are those of init.h's essay.
+#include "parallel/init.h"
 
 #include <unistd.h>
 
 #include <climits>
-#include <cstdlib>
-#include <vector>
 
 #include "engine/ops.h"
 #include "parallel/launcher.h"
 #include "parallel/rendezvous.h"
 #include "parallel/socket.h"
 
-namespace loom::samples {
+namespace loom::dist {
 
-DistContext init_distributed(const std::string& device_flag, dist::Duration timeout) {
+DistContext init_distributed(const std::string& device_flag, Duration timeout) {
   DistContext ctx;
-  if (!dist::launched_with_rank()) {
+  if (!launched_with_rank()) {  // step 1
     ctx.device = device_flag == "auto" ? default_device() : Device::parse(device_flag);
     return ctx;
   }
-  const dist::RendezvousInfo info = dist::rendezvous_from_env();
+  const RendezvousInfo info = rendezvous_from_env();  // step 2
   ctx.rank = info.rank, ctx.size = info.world_size, ctx.local_rank = info.local_rank;
-  const int gpus = cuda_device_count();
+  const int gpus = cuda_device_count();  // step 3
   if (device_flag == "cpu" || (device_flag == "auto" && gpus == 0)) {
     ctx.device = Device::cpu();
   } else {
@@ -32,11 +31,11 @@ DistContext init_distributed(const std::string& device_flag, dist::Duration time
                "--device cpu");
     ctx.device = Device::cuda(info.local_rank);
   }
-  ctx.store = dist::connect_store(info, timeout);
-  dist::ProcessGroupOptions options;
+  ctx.store = connect_store(info, timeout);  // step 4
+  ProcessGroupOptions options;
   options.timeout = timeout;
-  ctx.group = ctx.device.is_cuda() ? dist::new_nccl_group(ctx.store, ctx.rank, ctx.size, ctx.device, options)
-                                   : dist::new_gloo_group(ctx.store, ctx.rank, ctx.size, options);
+  ctx.group = ctx.device.is_cuda() ? new_nccl_group(ctx.store, ctx.rank, ctx.size, ctx.device, options)
+                                   : new_gloo_group(ctx.store, ctx.rank, ctx.size, options);
   ctx.active = ctx.size > 1;
   return ctx;
 }
@@ -64,19 +63,19 @@ std::vector<std::string> command_without(int argc, char** argv, const std::vecto
 }
 
 int relaunch(int argc, char** argv, int ranks, const std::string& drop_flag) {
-  dist::LaunchOptions options;
+  LaunchOptions options;
   options.command = command_without(argc, argv, {drop_flag});
   options.nproc_per_node = ranks;
   options.master_addr = "127.0.0.1";
-  options.master_port = dist::net::free_port();
-  return dist::launch(options);
+  options.master_port = net::free_port();
+  return launch(options);
 }
 
 double mean_over_ranks(const DistContext& ctx, double value) {
   if (!ctx.active) return value;
   Tensor t = full({1}, value, DType::f64, ctx.device);
-  ctx.group->all_reduce(t, dist::ReduceOp::avg)->wait();
+  ctx.group->all_reduce(t, ReduceOp::avg)->wait();
   return t.to(Device::cpu()).to(DType::f64).item();
 }
 
-}  // namespace loom::samples
+}  // namespace loom::dist

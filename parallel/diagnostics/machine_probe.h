@@ -1,6 +1,6 @@
-// The facts doctor (samples/doctor.cpp) judges, gathered from this machine: the driver and
-// the GPUs through the CUDA runtime and NVML, the links between GPUs, the versions of the
-// CUDA runtime, cuDNN and NCCL that are loaded, the network interfaces.
+// The facts doctor_checks.h judges, gathered from this machine (samples/doctor.cpp runs both):
+// the driver and the GPUs through the CUDA runtime and NVML (nvml.h), the links between GPUs,
+// the versions of the CUDA runtime, cuDNN and NCCL that are loaded, the network interfaces.
 //
 // NVML is loaded with dlopen at run time, never linked, so the same binary runs on a machine
 // without a driver. GPUs are listed in CUDA's order (cuda:N, as Loom numbers them) and NVML's
@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "samples/common/doctor_checks.h"
+#include "doctor_checks.h"
 
-namespace loom::samples::doctor {
+namespace loom::dist::diagnostics {
 
 struct Machine {
   DriverFacts driver;
@@ -29,7 +29,7 @@ struct Machine {
   Findings notes;  // calls that failed while gathering
 };
 
-Machine probe();
+Machine probe_machine();
 
 // Names of the network interfaces that have an IPv4 or IPv6 address (getifaddrs), in order.
 std::vector<std::string> network_interfaces();
@@ -38,4 +38,4 @@ std::vector<std::string> local_addresses();
 // getaddrinfo on `host`: its addresses as text, or the resolver's error.
 Resolved resolve_host(const std::string& host);
 
-}  // namespace loom::samples::doctor
+}  // namespace loom::dist::diagnostics

@@ -1,20 +1,20 @@
 // The verdicts of doctor_checks.h. The words of every message, the thresholds and the
-// version rules live here; samples/doctor_probe.cpp gathers the facts.
-#include "samples/common/doctor_checks.h"
+// version rules live here; machine_probe.cpp gathers the facts.
+#include "parallel/diagnostics/doctor_checks.h"
 
 #include <dirent.h>
 
 #include <algorithm>
 #include <array>
 #include <cctype>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
 
+#include "parallel/diagnostics/collective_bench.h"
 #include "parallel/socket.h"
 
-namespace loom::samples::doctor {
+namespace loom::dist::diagnostics {
 namespace {
 
 Finding make(Level level, std::string check, std::string message, std::string fix = "") {
@@ -702,87 +702,13 @@ Finding check_smoke(const SmokeResult& r) {
   if (r.allreduce_ms < 0)
     return make(Level::fail, "smoke", what + ": the ranks exited without reporting a result", "rerun with " + debug);
   std::string line = what + ": correct sum in " + format("%.2f ms", r.allreduce_ms);
-  if (r.ranks > 1) {
-    const double bus_bytes = 2.0 * (r.ranks - 1) / r.ranks * double(r.bytes);
-    line += " (bus bandwidth " + format("%.1f GB/s", bus_bytes / (r.allreduce_ms * 1e-3) / 1e9) + ")";
-  }
+  if (r.ranks > 1)
+    line += " (bus bandwidth " +
+            format("%.1f GB/s", bandwidth(Collective::all_reduce, r.bytes, r.allreduce_ms * 1e-3, r.ranks).busbw) + ")";
   return make(Level::ok, "smoke", line + "; " + format("%.1f s", r.startup_s) + " in all, with process start-up");
 }
 
 // ---- the JSON report -------------------------------------------------------------------------
-
-Json& Json::set(const std::string& key, Json value) {
-  auto& object = std::get<Object>(v_);
-  for (auto& [k, v] : object)
-    if (k == key) {
-      v = std::move(value);
-      return *this;
-    }
-  object.emplace_back(key, std::move(value));
-  return *this;
-}
-
-Json& Json::push(Json value) {
-  std::get<Array>(v_).push_back(std::move(value));
-  return *this;
-}
-
-namespace {
-void write_string(std::string& out, const std::string& s) {
-  out += '"';
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += {'\\', char(c)};
-    } else if (c >= 0x20) {
-      out += char(c);
-    } else {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\u%04x", unsigned(c));
-      out += escaped;
-    }
-  }
-  out += '"';
-}
-}  // namespace
-
-void Json::write(std::string& out, int indent, int depth) const {
-  auto newline = [&](int d) {
-    if (indent > 0) out += "\n" + std::string(size_t(indent * d), ' ');
-  };
-  const auto* object = std::get_if<Object>(&v_);
-  const auto* array = std::get_if<Array>(&v_);
-  if (object || array) {
-    const size_t n = object ? object->size() : array->size();
-    out += object ? '{' : '[';
-    for (size_t k = 0; k < n; ++k) {
-      out += k ? "," : "";
-      newline(depth + 1);
-      if (object) {
-        write_string(out, (*object)[k].first);
-        out += indent > 0 ? ": " : ":";
-      }
-      (object ? (*object)[k].second : (*array)[k]).write(out, indent, depth + 1);
-    }
-    if (n > 0) newline(depth);
-    out += object ? '}' : ']';
-  } else if (auto b = std::get_if<bool>(&v_)) {
-    out += *b ? "true" : "false";
-  } else if (auto i = std::get_if<int64_t>(&v_)) {
-    out += std::to_string(*i);
-  } else if (auto d = std::get_if<double>(&v_)) {
-    out += std::isfinite(*d) ? format("%.6g", *d) : "null";
-  } else if (auto str = std::get_if<std::string>(&v_)) {
-    write_string(out, *str);
-  } else {
-    out += "null";
-  }
-}
-
-std::string Json::dump(int indent) const {
-  std::string out;
-  write(out, indent, 0);
-  return out;
-}
 
 Json to_json(const Findings& findings) {
   Json out = Json::array();
@@ -795,4 +721,4 @@ Json to_json(const Findings& findings) {
   return out;
 }
 
-}  // namespace loom::samples::doctor
+}  // namespace loom::dist::diagnostics

@@ -1,4 +1,4 @@
-// doctor's verdicts (samples/common/doctor_checks.h) on made-up machines: version chains,
+// doctor's verdicts (parallel/diagnostics/doctor_checks.h) on made-up machines: version chains,
 // GPU code against compute capabilities, driver states, links, NCCL environment traps,
 // interface filters, the rendezvous port; then the doctor program itself on this machine,
 // whose path meson passes in DOCTOR.
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -18,10 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "parallel/diagnostics/doctor_checks.h"
+#include "parallel/diagnostics/json.h"
 #include "parallel/socket.h"
-#include "samples/common/doctor_checks.h"
 
-namespace loom::samples::doctor {
+namespace loom::dist::diagnostics {
 namespace {
 
 // The finding named `check` (failing the test when there is none, or several).
@@ -533,6 +535,11 @@ TEST(DoctorReport, JsonAndExitCode) {
             "{\"text\":\"a \\\"quoted\\\"\\u000aline\\u0009\\u0001\",\"n\":3,\"x\":0.5,\"no\":null,\"yes\":true,"
             "\"list\":[1,\"two\"],\"empty\":{}}");
   EXPECT_EQ(Json::array().push(1).dump(2), "[\n  1\n]");
+  // The JSON-lines layout of metrics files, which scaling.cpp's last_metric reads as "key": value.
+  Json line = Json::object().set("epoch", 3).set("loss", 0.25).set("nan", NAN);
+  EXPECT_EQ(line.set("list", Json::array().push(1).push(2)).dump_line(),
+            "{\"epoch\": 3, \"loss\": 0.25, \"nan\": null, \"list\": [1, 2]}");
+  EXPECT_EQ(Json::object().set("k", 1).set("k", 2).dump(), "{\"k\":2}");  // setting again replaces in place
   Findings f = {{Level::ok, "a", "fine", ""}, {Level::warn, "b", "slow", "fix it"}};
   EXPECT_EQ(exit_code(f), 0);
   f.push_back({Level::fail, "c", "broken", "mend it"});
@@ -757,4 +764,4 @@ TEST(DoctorProgram, Help) {
 }
 
 }  // namespace
-}  // namespace loom::samples::doctor
+}  // namespace loom::dist::diagnostics

@@ -3,7 +3,7 @@
 // and NCCL, the GPU code in the build, the NCCL settings in the environment, the rendezvous
 // address and port, and one all-reduce.
 //
-// samples/doctor_probe.h gathers the facts (NVML, the CUDA runtime, getifaddrs) and these
+// machine_probe.h gathers the facts (NVML, the CUDA runtime, getifaddrs) and these
 // functions judge them. They take plain numbers, lists and an EnvLookup rather than probing the machine
 // themselves, so tests can feed them any machine: a driver too old for the runtime, a
 // GPU newer than the build, NCCL_SOCKET_IFNAME naming an absent interface.
@@ -20,12 +20,12 @@
 #include <string>
 #include <string_view>
 #include <utility>
-#include <variant>
 #include <vector>
 
-#include "parallel/rendezvous.h"
+#include "../rendezvous.h"
+#include "json.h"
 
-namespace loom::samples::doctor {
+namespace loom::dist::diagnostics {
 
 enum class Level { ok, info, warn, fail };
 // "OK  ", "INFO", "WARN", "FAIL": the column each line of the report starts with.
@@ -180,7 +180,7 @@ Finding nccl_settings(const std::vector<std::pair<std::string, std::string>>& va
 
 // ---- rendezvous ------------------------------------------------------------------------------
 
-// What a name lookup of MASTER_ADDR gave (samples/doctor_probe.h: resolve_host).
+// What a name lookup of MASTER_ADDR gave (machine_probe.h: resolve_host).
 struct Resolved {
   std::vector<std::string> addresses;
   std::string error;  // "" when the name resolved
@@ -214,35 +214,7 @@ Finding check_smoke(const SmokeResult& result);
 
 // ---- the JSON report -------------------------------------------------------------------------
 
-// A JSON value that keeps its keys in insertion order and writes itself out.
-class Json {
-  using Object = std::vector<std::pair<std::string, Json>>;
-  using Array = std::vector<Json>;
-
- public:
-  Json() = default;  // null
-  Json(bool v) : v_(v) {}
-  Json(int v) : v_(int64_t(v)) {}
-  Json(int64_t v) : v_(v) {}
-  Json(uint64_t v) : v_(int64_t(v)) {}
-  Json(double v) : v_(v) {}
-  Json(const char* v) : v_(std::string(v)) {}
-  Json(std::string v) : v_(std::move(v)) {}
-  static Json object() { return Json(Object{}); }
-  static Json array() { return Json(Array{}); }
-
-  Json& set(const std::string& key, Json value);  // objects
-  Json& push(Json value);                         // arrays
-  // Compact with indent 0, else one member per line, nested by `indent` spaces. Strings are
-  // escaped as JSON requires (control characters as \u00XX).
-  std::string dump(int indent = 0) const;
-
- private:
-  explicit Json(Object v) : v_(std::move(v)) {}
-  explicit Json(Array v) : v_(std::move(v)) {}
-  void write(std::string& out, int indent, int depth) const;
-  std::variant<std::monostate, bool, int64_t, double, std::string, Object, Array> v_;
-};
+// The findings as a JSON array of {level, check, message, fix} objects.
 Json to_json(const Findings& findings);
 
-}  // namespace loom::samples::doctor
+}  // namespace loom::dist::diagnostics
