@@ -3,6 +3,7 @@
 // Fashion-MNIST (data), trains SimpleCNN for a few Adam steps on the CPU (layers, engine,
 // kernels), and, started by loomrun as two ranks, all-reduces a tensor over Gloo (parallel)
 // and checks the sum. Prints "embed_train: ok" on success; any failure exits non-zero.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -14,8 +15,7 @@
 #include <loom/engine/ops.h>
 #include <loom/layers/models/simple_cnn.h>
 #include <loom/layers/optim/adam.h>
-#include <loom/parallel/process_group.h>
-#include <loom/parallel/rendezvous.h>
+#include <loom/parallel/init.h>
 
 namespace {
 
@@ -55,22 +55,24 @@ int main() {
       std::fprintf(stderr, "embed_train: the loss did not fall\n");
       return 1;
     }
-    const loom::dist::RendezvousInfo info = loom::dist::rendezvous_from_env();
-    std::shared_ptr<loom::dist::Store> store = loom::dist::connect_store(info);
-    auto group = loom::dist::new_gloo_group(store, info.rank, info.world_size);
-    loom::Tensor t = loom::full({4}, double(info.rank + 1), loom::DType::f32, loom::Device::cpu());
-    group->all_reduce(t)->wait();
-    const double expected = info.world_size * (info.world_size + 1) / 2.0;
+    const loom::dist::DistContext ctx = loom::dist::init_distributed("cpu", std::chrono::seconds(60));
+    if (!ctx.active) {
+      std::fprintf(stderr, "embed_train: start two ranks with loomrun --nproc-per-node 2\n");
+      return 1;
+    }
+    loom::Tensor t = loom::full({4}, double(ctx.rank + 1), loom::DType::f32, loom::Device::cpu());
+    ctx.group->all_reduce(t)->wait();
+    const double expected = ctx.size * (ctx.size + 1) / 2.0;
     for (int64_t i = 0; i < 4; ++i) {
       const double got = t.select(0, i).item();
       if (std::fabs(got - expected) > 0) {
-        std::fprintf(stderr, "embed_train: rank %d: all-reduced element %lld is %g, expected %g\n", info.rank,
+        std::fprintf(stderr, "embed_train: rank %d: all-reduced element %lld is %g, expected %g\n", ctx.rank,
                      static_cast<long long>(i), got, expected);
         return 1;
       }
     }
-    std::printf("embed_train: rank %d of %d: all-reduce over gloo gave %g\nembed_train: ok\n", info.rank,
-                info.world_size, expected);
+    std::printf("embed_train: rank %d of %d: all-reduce over gloo gave %g\nembed_train: ok\n", ctx.rank,
+                ctx.size, expected);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "embed_train: %s\n", e.what());
