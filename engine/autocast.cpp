@@ -1,25 +1,13 @@
 #include "engine/autocast.h"
 
-#include <atomic>
-
 #include "engine/autograd.h"
+#include "engine/options.h"
 #include "engine/tensor.h"
-#include "kernels/core/env.h"
 #include "kernels/core/error.h"
 
 namespace loom {
 namespace {
 thread_local std::optional<DType> current;
-
-std::atomic<bool>& copies_on() {
-  static std::atomic<bool> on{!env_is("LOOM_AUTOCAST_WEIGHT_COPIES", "0")};
-  return on;
-}
-
-std::atomic<bool>& gradient_copies_on() {
-  static std::atomic<bool> on{!env_is("LOOM_AUTOCAST_GRADIENT_COPIES", "0")};
-  return on;
-}
 }  // namespace
 
 AutocastGuard::AutocastGuard(std::optional<DType> dtype) : previous_(current) {
@@ -34,12 +22,6 @@ std::optional<DType> autocast_dtype() { return current; }
 
 DType autocast_compute_dtype(DType t) { return current && t == DType::f32 ? *current : t; }
 
-void set_autocast_weight_copies(bool enabled) { copies_on() = enabled; }
-bool autocast_weight_copies() { return copies_on(); }
-
-void set_autocast_gradient_copies(bool enabled) { gradient_copies_on() = enabled; }
-bool autocast_gradient_copies() { return gradient_copies_on(); }
-
 Tensor cast_or_kept(const Tensor& x, DType dtype) {
   if (x.dtype() != dtype && !any_requires_grad({x}))
     if (Tensor kept = kept_weight_copy(x); kept.defined() && kept.dtype() == dtype) return kept;
@@ -48,7 +30,7 @@ Tensor cast_or_kept(const Tensor& x, DType dtype) {
 
 Tensor weight_copy(const Tensor& p, DType dtype) {
   if (dtype == p.dtype()) return p;  // an f32 bias beside an f32 residual, say: no copy to keep
-  const bool keep = autocast_weight_copies() && p.is_leaf() && p.requires_grad();
+  const bool keep = options().autocast_weight_copies && p.is_leaf() && p.requires_grad();
   if (keep)
     if (Tensor kept = kept_weight_copy(p); kept.defined() && kept.dtype() == dtype) return kept;
   NoGradGuard no_grad;
@@ -65,7 +47,7 @@ Tensor kept_weight_copy(const Tensor& p) {
 }
 
 std::optional<DType> weight_copy_dtype(const Tensor& p) {
-  if (!p.impl()->cast_copy || !autocast_weight_copies()) return std::nullopt;
+  if (!p.impl()->cast_copy || !options().autocast_weight_copies) return std::nullopt;
   return p.impl()->cast_copy->dtype;
 }
 

@@ -14,16 +14,15 @@
 // casting every weight again at every forward. The optimizers write a fresh copy in the
 // same kernel that updates the parameter (2 bytes more a element), so a training step
 // makes no weight casts. A kept copy costs 2 bytes a parameter element for as long as the
-// parameter lives; set_autocast_weight_copies(false) turns this off (a cast at every use,
-// nothing kept), as does the environment variable LOOM_AUTOCAST_WEIGHT_COPIES=0.
+// parameter lives; Options::autocast_weight_copies (engine/options.h) turns this off (a
+// cast at every use, nothing kept).
 //
 // Gradient copies: the gradient an autocast product's backward reads in 16 bits (its f32
 // residual output's: set_gradient_read_dtype, engine/autograd.h) is written a second time,
 // rounded, by the LayerNorm backward that computes it, and kept on it the same way; the
 // product takes it through cast_or_kept instead of a cast pass (in a GPT, two passes a
-// block over (B T, C) f32). set_autocast_gradient_copies(false), or the environment
-// variable LOOM_AUTOCAST_GRADIENT_COPIES=0, turns this off. Values are the same either way:
-// the copy is the stored f32 gradient rounded as the cast rounds it.
+// block over (B T, C) f32). Options::autocast_gradient_copies turns this off. Values are
+// the same either way: the copy is the stored f32 gradient rounded as the cast rounds it.
 #pragma once
 
 #include <optional>
@@ -52,21 +51,13 @@ std::optional<DType> autocast_dtype();
 // dtype for f32 under a guard, else `t` unchanged (f64 stays f64, as in PyTorch).
 DType autocast_compute_dtype(DType t);
 
-// Process-wide; on unless LOOM_AUTOCAST_WEIGHT_COPIES=0.
-void set_autocast_weight_copies(bool enabled);
-bool autocast_weight_copies();
-
-// Process-wide; on unless LOOM_AUTOCAST_GRADIENT_COPIES=0.
-void set_autocast_gradient_copies(bool enabled);
-bool autocast_gradient_copies();
-
 // x.to(dtype), or the copy kept on x (set_weight_copy) when it is still valid, has that
 // dtype and no gradient needs to flow through the cast.
 Tensor cast_or_kept(const Tensor& x, DType dtype);
 
 // p in `dtype`, with no autograd node: p itself when it has that dtype; else p's kept copy
 // while it is valid, else a new cast, kept on p when p is a parameter (a leaf that
-// requires a gradient) and copies are on.
+// requires a gradient) and Options::autocast_weight_copies is on.
 Tensor weight_copy(const Tensor& p, DType dtype);
 
 // p's kept copy while it is valid (p's storage unchanged since), else undefined; makes none.

@@ -92,6 +92,10 @@ struct GemmArgs {
   // Optional input for the beta term (same dtype and row stride as C): C = alpha AB + beta
   // c_in (+ bias), C only written. A residual connection, out = x + layer(h), in the product.
   const void* c_in = nullptr;
+  // CUDA, single f32/bf16/f16 products: the first product of each shape and layout times
+  // cuBLASLt's candidate algorithms and keeps the fastest (true), or every product takes the
+  // heuristic's first choice, the same algorithm from run to run (false). The CPU ignores it.
+  bool autotune = true;
 };
 
 // A 2-d convolution (cross-correlation, as in PyTorch) over NCHW contiguous buffers:
@@ -112,6 +116,11 @@ struct Conv2dArgs {
   int64_t groups = 1;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // CUDA: a pass runs the execution plan cuDNN's graph API built for its shapes, where one
+  // exists and the pointers allow (true), or cuDNN's convolution API alone, which plans
+  // inside every call (false). The CPU ignores it. The workspace size is asked for with the
+  // same setting as the pass.
+  bool graph_api = true;
 };
 
 // A 2-d pooling window over NCHW contiguous buffers: x (N, C, H, W), y (N, C, OH, OW),
@@ -254,6 +263,11 @@ struct AttentionArgs {
   bool causal = false;
   double scale = 1.0;
   AttentionLayout strides;
+  // CUDA tensor-core backward: dQ in a kernel of its own, the same bits from run to run
+  // (true), or summed with atomics into an f32 accumulator in the workspace, in an order
+  // that varies (false: two products fewer a tile pair). The workspace size is asked for
+  // with the same setting. The other kernels, and the CPU's, are deterministic either way.
+  bool deterministic = false;
 };
 
 struct KernelTable {

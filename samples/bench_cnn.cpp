@@ -4,9 +4,12 @@
 // so the figure is the engine's: forward, loss, backward, optimizer step.
 //   bench_cnn [--model simplecnn|resnet18] [--image 1x28x28|3x32x32] [--batch N]
 //             [--precision f32|bf16] [--warmup N] [--steps N] [--ddp] [--json FILE]
+//             [--no-cudnn-graph]
 // --ddp also runs the step through DistributedDataParallel over an NCCL group of one rank,
 // alternating rounds of plain and DDP steps of the same model: the cost of data
 // parallelism's machinery (hooks, buckets, the all-reduce) on one GPU.
+// --no-cudnn-graph runs the convolutions through cuDNN's convolution API alone
+// (Options::cudnn_graph_api, engine/options.h).
 // Steps are bracketed by CUDA events and the median is reported. Prints one JSON object
 // (images/s, ms per step, peak memory; with --ddp the DDP step and the plain one beside it)
 // and appends it to --json.
@@ -23,6 +26,7 @@
 #include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "engine/options.h"
 #include "layers/layers.h"
 #include "parallel/ddp.h"
 #include "samples/common/flags.h"
@@ -34,7 +38,7 @@ using namespace loom;
 int main(int argc, char** argv) {
   std::string model_name = "resnet18", image = "3x32x32", precision = "bf16", json;
   int64_t batch = 256, warmup = 10, steps = 50;
-  bool ddp = false, bucket_view = false;
+  bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
   flags.add("image", &image, "image shape", {"1x28x28", "3x32x32"});
@@ -45,7 +49,11 @@ int main(int argc, char** argv) {
   flags.add_switch("ddp", &ddp, "train through DistributedDataParallel (NCCL, one rank)");
   flags.add_switch("bucket-view", &bucket_view, "with --ddp: gradients stay views into the buckets (no copy back)");
   flags.add("json", &json, "append the result here as a JSON line", {}, "FILE");
+  flags.add_switch("cudnn-graph", &cudnn_graph, "convolutions on cuDNN's graph API plans (else its convolution API)");
   flags.parse(argc, argv);
+  Options run_options = options();
+  run_options.cudnn_graph_api = cudnn_graph;
+  set_options(run_options);
   try {
     if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
     const Device dev = Device::cuda(0);

@@ -8,12 +8,15 @@
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
 //   bench_gpt [--config gpt2-124m] [--batch 16] [--seq 1024] [--precision bf16|f32]
 //             [--warmup N] [--steps N] [--ddp] [--json FILE] [--profile-step]
+//             [--deterministic] [--no-weight-copies] [--no-gradient-copies]
 // --ddp measures what data parallelism costs on one GPU: the same model is stepped plainly and
 // through DistributedDataParallel (NCCL, world size 1) in alternating rounds within one run,
 // so both see the same clocks and memory state, and the two medians are compared.
 // --profile-step runs one more step between cudaProfilerStart and cudaProfilerStop, so that
 // `ncu --profile-from-start off` (or nsys's cudaProfilerApi capture range) sees exactly one
 // steady-state step.
+// --deterministic, --no-weight-copies and --no-gradient-copies set the options of
+// engine/options.h, to measure what each costs or saves.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -29,6 +32,7 @@
 #include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "engine/options.h"
 #include "layers/layers.h"
 #include "parallel/ddp.h"
 #include "samples/common/flags.h"
@@ -43,6 +47,7 @@ int main(int argc, char** argv) {
   std::string config_name = "gpt2-124m", precision = "bf16", json;
   int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
   bool ddp = false, components = false, profile_step = false;
+  Options run_options = options();
   samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
   flags.add("config", &config_name, "model size", {"gpt2-124m", "guide", "tiny"});
   flags.add("batch", &batch, "sequences per step", 1);
@@ -54,7 +59,12 @@ int main(int argc, char** argv) {
   flags.add_switch("profile-step", &profile_step, "after the timed steps, one step inside cudaProfilerStart/Stop");
   flags.add_switch("components", &components, "also time each part of the model (forward, forward + backward)");
   flags.add("json", &json, "append the results here as JSON lines", {}, "FILE");
+  flags.add_switch("deterministic", &run_options.deterministic, "attention's backward without atomics");
+  flags.add_switch("weight-copies", &run_options.autocast_weight_copies, "keep autocast's bf16 weight copies");
+  flags.add_switch("gradient-copies", &run_options.autocast_gradient_copies,
+                   "LayerNorm's backward keeps the bf16 gradient a product reads");
   flags.parse(argc, argv);
+  set_options(run_options);
   try {
     if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
     const Device dev = Device::cuda(0);

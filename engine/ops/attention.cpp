@@ -17,6 +17,7 @@
 
 #include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
+#include "engine/options.h"
 
 namespace loom {
 
@@ -52,9 +53,10 @@ AttentionStrides strides_of(const Operand& o) { return {o.stride[0], o.stride[1]
 Tensor readable(const Tensor& t) { return in_place(bhtd(t)) ? t : t.contiguous(); }
 
 // The backward kernels into dq, dk and dv (in buffers the caller allocated, laid out as
-// a.strides says), with their scratch.
-void run_backward(const AttentionArgs& a, Device dev, void* dq, void* dk, void* dv, const Tensor& gout,
+// a.strides says), with their scratch, under the options in force as the backward runs.
+void run_backward(AttentionArgs a, Device dev, void* dq, void* dk, void* dv, const Tensor& gout,
                   const Tensor& q, const void* k, const void* v, const Tensor& out, const Tensor& lse) {
+  a.deterministic = options().deterministic;
   // Scratch lives until the kernels are queued; the allocator reuses it in stream order.
   const size_t bytes = kernels(dev).attention_workspace_size(a);
   Tensor ws = bytes ? Tensor::empty({int64_t(bytes)}, DType::u8, dev) : Tensor();

@@ -17,6 +17,7 @@
 
 #include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
+#include "engine/options.h"
 
 namespace loom {
 
@@ -26,8 +27,10 @@ namespace {
 
 std::string pair_str(std::array<int, 2> v) { return "(" + std::to_string(v[0]) + ", " + std::to_string(v[1]) + ")"; }
 
-// Scratch for one pass, recorded in `a`; the returned tensor owns it (undefined when none).
+// Scratch for one pass, recorded in `a` with the options the pass runs under; the returned
+// tensor owns it (undefined when none).
 Tensor workspace_for(Conv2dArgs& a, ConvPass pass, Device device) {
+  a.graph_api = options().cudnn_graph_api;
   const size_t bytes = kernels(device).conv2d_workspace_size(a, pass);
   Tensor ws = bytes ? Tensor::empty({int64_t(bytes)}, DType::u8, device) : Tensor();
   a.workspace = bytes ? ws.data_ptr() : nullptr;

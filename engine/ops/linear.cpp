@@ -9,6 +9,7 @@
 // contract (kernels/cpu/matmul.cpp), so the float64 finite-difference checks cover it.
 #include "engine/autocast.h"
 #include "engine/ops/product.h"
+#include "engine/options.h"
 
 namespace loom {
 
@@ -89,7 +90,7 @@ Tensor read_gradient(const Tensor& g, DType t) { return rows_of(cast_or_kept(g, 
 // A fused f32 output beside a 16-bit product: its gradient is read in the product's dtype,
 // so the op computing it may keep that rounding (set_gradient_read_dtype).
 void declare_gradient_dtype(const Tensor& y, const Output& o, DType t) {
-  if (o.fused && o.dtype != t && autocast_gradient_copies()) set_gradient_read_dtype(y, t);
+  if (o.fused && o.dtype != t && options().autocast_gradient_copies) set_gradient_read_dtype(y, t);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
 #include "engine/ops/product.h"
+#include "engine/options.h"
 
 namespace loom {
 
@@ -60,6 +61,7 @@ Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(Gem
   g.a = oa.t.data_ptr(), g.lda = oa.ld;
   g.b = ob.t.data_ptr(), g.ldb = ob.ld;
   g.c = c.data_ptr(), g.ldc = std::max<int64_t>(g.n, 1);
+  g.autotune = options().gemm_autotuning;
   if (extras) extras(g);
   kernels(a.device()).gemm(g, stream(a));
   return c;
@@ -126,6 +128,7 @@ Tensor matmul_nd(const Tensor& a, const Tensor& b) {
   g.a = oa.t.data_ptr(), g.lda = oa.ld, g.stride_a = sa;
   g.b = ob.t.data_ptr(), g.ldb = ob.ld, g.stride_b = sb;
   g.c = out.data_ptr(), g.ldc = n, g.stride_c = m * n;
+  g.autotune = options().gemm_autotuning;
   ops::kernels(a.device()).gemm(g, ops::stream(a));
   return out;
 }

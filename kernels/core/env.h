@@ -1,5 +1,7 @@
-// Loom's switches from the environment (LOOM_GEMM_TUNE=0, LOOM_CUDNN_GRAPH=0, ...): each is
-// read once, where it is used, through env_is.
+// Settings read from the environment, where PyTorch users expect to set them (LOOM_DIST_DEBUG=1,
+// as TORCH_DISTRIBUTED_DEBUG): each is read where it is used, through env_is. Choices between
+// faster and more reproducible computations are not read here: a program sets them through
+// the API and ops pass them down in the kernels' arguments, so a test can flip them.
 #pragma once
 
 #include <cstdlib>

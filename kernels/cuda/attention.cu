@@ -364,7 +364,7 @@ size_t attention_workspace_size(const AttentionArgs& args) {
   const int64_t q_pad = (args.q_len + attention::kRowPad - 1) / attention::kRowPad * attention::kRowPad;
   const size_t rows = size_t(args.batch * args.heads * q_pad);
   // The tensor-core backward's f32 dQ accumulator, after lse2 and Di.
-  const size_t dq_acc = attention::dq_by_atomics(args.dtype, args.head_dim) ? rows * args.head_dim * 4 : 0;
+  const size_t dq_acc = attention::dq_by_atomics(args) ? rows * args.head_dim * 4 : 0;
   return 2 * rows * acc_size(args.dtype) + dq_acc;
 }
 
@@ -400,7 +400,8 @@ void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv,
               attention_workspace_size(args), " bytes");
   p.lse2 = workspace;
   p.di = static_cast<char*>(workspace) + rows * acc_size(args.dtype);
-  if (attention::dq_by_atomics(args.dtype, args.head_dim))
+  const bool atomics = attention::dq_by_atomics(args);
+  if (atomics)
     p.dq_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + 2 * rows * acc_size(args.dtype));
   cudaStream_t s = as_cuda(stream);
   const AttentionLayout& st = p.strides;
@@ -408,7 +409,7 @@ void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv,
       aligned16({q, k, v, out, dout, dq, dk, dv, workspace}) &&
       mma_layout(p, {{st.q, p.q_len}, {st.k, p.kv_len}, {st.v, p.kv_len}, {st.out, p.q_len}, {st.dout, p.q_len},
                      {st.dq, p.q_len}, {st.dk, p.kv_len}, {st.dv, p.kv_len}})) {
-    attention::mma_backward(p, out, lse, args.dtype, s);
+    attention::mma_backward(p, out, lse, args.dtype, atomics, s);
     return;
   }
   dispatch_floating(args.dtype, "attention backward", [&](auto tag) {

@@ -75,13 +75,13 @@ template <class Kernel> void allow_shared_memory(Kernel kernel, size_t bytes, co
 // 96 or 128 (the caller also checks that every row they touch is 16-byte aligned).
 bool mma_supported(DType dtype, int64_t head_dim);
 // The forward (out, lse); the backward (dq, dk, dv), which writes lse2 and di into the
-// workspace first (p.lse2, p.di) from the forward's out and lse, and with dq_by_atomics (the
-// default) expects p.dq_acc too: (heads, q_pad, head_dim) f32, which it zeroes and fills.
+// workspace first (p.lse2, p.di) from the forward's out and lse, and with `atomics`
+// (dq_by_atomics) expects p.dq_acc too: (heads, q_pad, head_dim) f32, which it zeroes and fills.
 // Every operand's rows are 16-byte aligned (the caller checks).
 void mma_forward(const Params& p, DType dtype, cudaStream_t stream);
-void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, cudaStream_t stream);
+void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, cudaStream_t stream);
 // Whether mma_backward accumulates dQ with atomics (fewer products, not deterministic) rather
-// than in a kernel of its own; LOOM_ATTENTION_DQ=separate in the environment asks for the latter.
-bool dq_by_atomics(DType dtype, int64_t head_dim);
+// than in a kernel of its own, which args.deterministic asks for.
+bool dq_by_atomics(const AttentionArgs& args);
 
 }  // namespace loom::cuda::attention

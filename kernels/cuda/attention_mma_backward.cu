@@ -7,12 +7,11 @@
 //   the block's K and adds the (queries x D) result into an f32 accumulator with atomics
 //   (FlashAttention-2's way); a last kernel scales and rounds it into dq. 5 products per tile
 //   pair, but the order of the additions varies from run to run.
-// - dQ with LOOM_ATTENTION_DQ=separate: a second kernel shaped like the forward recomputes S
-//   and dP per key tile and accumulates dQ += dS K in registers: 7 products per tile pair,
-//   no workspace, and deterministic.
+// - dQ when AttentionArgs::deterministic asks: a second kernel shaped like the forward
+//   recomputes S and dP per key tile and accumulates dQ += dS K in registers: 7 products per
+//   tile pair, no accumulator in the workspace, and the same bits from run to run.
 #include <algorithm>
 
-#include "kernels/core/env.h"
 #include "kernels/cuda/attention_mma_tiles.cuh"
 
 namespace loom::cuda::attention {
@@ -366,13 +365,11 @@ template <class T, int D> __global__ void __launch_bounds__(256) dq_convert_kern
 }
 }  // namespace
 
-bool dq_by_atomics(DType dtype, int64_t head_dim) {
-  static const bool separate = env_is("LOOM_ATTENTION_DQ", "separate");
-  return !separate && mma_supported(dtype, head_dim);
+bool dq_by_atomics(const AttentionArgs& args) {
+  return !args.deterministic && mma_supported(args.dtype, args.head_dim);
 }
 
-void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, cudaStream_t stream) {
-  const bool atomics = dq_by_atomics(dtype, p.head_dim);
+void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, cudaStream_t stream) {
   LOOM_ASSERT(!atomics || p.q_len == 0 || p.dq_acc != nullptr, "attention: the backward's dQ accumulator is missing");
   dispatch(dtype, p.head_dim, [&](auto tag, auto dim) {
     using T = decltype(tag);

@@ -34,7 +34,8 @@
 // each pass of each plan also gets a graph API plan (conv_graph.h), built once, and a call
 // whose pointers are 16-byte aligned runs that; the convolution API serves the rest, a
 // shape the graph API builds no plan for, and any pass whose graph plan fails to run (it
-// is then dropped). LOOM_CUDNN_GRAPH=0 uses the convolution API alone.
+// is then dropped). Conv2dArgs::graph_api false uses the convolution API alone: no graph
+// plan is built or run for that call, while one built before stays for later calls.
 #include <cudnn.h>
 
 #include <algorithm>
@@ -46,7 +47,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/core/env.h"
 #include "kernels/core/precision.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/conv_graph.h"
@@ -234,17 +234,14 @@ void plan_pass(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
              " within a ", kMaxWorkspace >> 20, " MiB workspace");
 }
 
-bool graph_api_on() {
-  static const bool on = !env_is("LOOM_CUDNN_GRAPH", "0");
-  return on;
-}
-
-// Plans one pass with the graph API (once). Called under the device lock.
+// The pass's graph API plan, built the first time a call asks for the graph API; null when
+// the call does not, or when there is none. Called under the device lock.
 const conv_graph::Plan* graph_plan(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
+  if (!a.graph_api) return nullptr;
   const size_t i = size_t(pass);
   if (!p.graph_tried[i]) {
     p.graph_tried[i] = true;
-    if (graph_api_on()) p.graph[i] = conv_graph::build(a, pass, h, kMaxWorkspace);
+    p.graph[i] = conv_graph::build(a, pass, h, kMaxWorkspace);
   }
   return p.graph[i].get();
 }

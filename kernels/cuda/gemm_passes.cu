@@ -139,7 +139,7 @@ void finish(const GemmArgs& g, Done done, void* workspace, size_t workspace_byte
           GemmEpilogue::none, g.m, g.n);
       LOOM_CUDA_LAUNCH();
     }
-    if (g.row_sums_a && !done.row_sums_a) {
+    if (g.row_sums_a) {
       if (g.dtype == DType::bf16) row_sums<__nv_bfloat16, float>(g, workspace, workspace_bytes, stream);
       else row_sums<__half, float>(g, workspace, workspace_bytes, stream);
     }
@@ -154,9 +154,9 @@ void finish(const GemmArgs& g, Done done, void* workspace, size_t workspace_byte
                                                                      static_cast<T*>(g.aux), g.ld_aux, epilogue, g.m, g.n);
       LOOM_CUDA_LAUNCH();
     }
-    if (g.column_sums && !done.column_sums)
+    if (g.column_sums)
       sums(static_cast<T*>(g.column_sums), static_cast<const T*>(g.c), g.n, g.m, 1, g.ldc, workspace, workspace_bytes, stream);
-    if (g.row_sums_a && !done.row_sums_a) row_sums<T, T>(g, workspace, workspace_bytes, stream);
+    if (g.row_sums_a) row_sums<T, T>(g, workspace, workspace_bytes, stream);
   });
 }
 

@@ -13,9 +13,10 @@
 
 namespace loom::cuda::gemm_passes {
 
-// The parts of a product's extras that cuBLASLt already did; the passes skip them.
+// The parts of a product's extras that cuBLASLt already did; the passes skip them. The
+// bias-gradient sums are always the passes' (matmul.cu says why).
 struct Done {
-  bool bias = false, epilogue = false, column_sums = false, row_sums_a = false;
+  bool bias = false, epilogue = false;
 };
 
 // Runs every part of g's extras not in `done`; workspace is scratch of workspace_bytes.

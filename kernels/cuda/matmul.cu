@@ -30,14 +30,17 @@
 // CUDA events; the output is overwritten by the real product afterwards, and plans whose
 // beta term is read from C itself keep the first choice) and keeps the fastest. This costs
 // a few milliseconds once per shape and a synchronisation of the stream then.
-// LOOM_GEMM_TUNE=0 keeps the heuristic's first choice everywhere (bitwise the same
-// algorithms run to run). Batched and f64 products use cuBLAS's own GEMM calls.
+// GemmArgs::autotune false takes the heuristic's first choice instead (the same algorithm
+// run to run); a plan keeps both, so the setting may change from call to call. Batched and
+// f64 products use cuBLAS's own GEMM calls.
 //
 // Epilogues (GemmArgs in kernels/table.h): bias, GELU with its pre-activation, and the GELU
 // gradient run in cuBLASLt for 16-bit products; whatever cuBLASLt does not take (f32 GELU,
-// bias-gradient sums, products it cannot plan) runs in the passes below, after the product
-// on the same stream. An f32 C beside bf16/f16 A and B, and a separate c_in for the beta
-// term, let a residual stream be summed by the product itself.
+// products it cannot plan) runs in the passes of gemm_passes.cu, after the product on the
+// same stream. Bias-gradient sums always run there: cuBLASLt's BGRAD epilogues narrow the
+// algorithms a product may use, and the separate passes measured faster. An f32 C beside
+// bf16/f16 A and B, and a separate c_in for the beta term, let a residual stream be summed
+// by the product itself.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -48,7 +51,6 @@
 #include <mutex>
 #include <tuple>
 
-#include "kernels/core/env.h"
 #include "kernels/core/gemm_check.h"
 #include "kernels/core/precision.h"
 #include "kernels/cuda/common.cuh"
@@ -68,23 +70,8 @@ uint32_t alignment_of(const void* p) {
   return a == 0 ? 256u : uint32_t(std::min<uintptr_t>(256, a & (~a + 1)));
 }
 
-// Bias-gradient sums run in Loom's own passes (sums below) unless LOOM_GEMM_BGRAD=1 asks
-// for cuBLASLt's BGRAD epilogues: those narrow the algorithms a product may use, and on an
-// H200 they made GPT-2 124M's step 6% slower (38.7 vs 36.4 ms) than the separate passes.
-bool bgrad_epilogues() {
-  static const bool enabled = env_is("LOOM_GEMM_BGRAD", "1");
-  return enabled;
-}
-
-bool tuning_enabled() {
-  static const bool enabled = !env_is("LOOM_GEMM_TUNE", "0");
-  return enabled;
-}
-
 // The cuBLASLt epilogue for a product, and which parts of GemmArgs it covers. In the
-// column-major view Loom's columns are cuBLASLt's rows: a bias (n) is its bias, Loom's
-// column sums are its BGRAD of the output (only beside DGELU), and the row sums of op(A)
-// are its BGRADB (a reduction of its B over k).
+// column-major view Loom's columns are cuBLASLt's rows: a bias (n) is its bias.
 std::pair<cublasLtEpilogue_t, gemm_passes::Done> lt_epilogue(const GemmArgs& g) {
   gemm_passes::Done d;
   // cuBLASLt's GELU and its gradient are approximations that stay within a 16-bit result's
@@ -100,16 +87,11 @@ std::pair<cublasLtEpilogue_t, gemm_passes::Done> lt_epilogue(const GemmArgs& g) 
   }
   if (g.epilogue == GemmEpilogue::dgelu && !g.bias) {
     d.epilogue = true;
-    d.column_sums = g.column_sums != nullptr && bgrad_epilogues();
-    return {d.column_sums ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU, d};
+    return {CUBLASLT_EPILOGUE_DGELU, d};
   }
   if (g.epilogue == GemmEpilogue::none && g.bias) {
     d.bias = true;
     return {CUBLASLT_EPILOGUE_BIAS, d};
-  }
-  if (g.epilogue == GemmEpilogue::none && g.row_sums_a && !g.c_f32 && bgrad_epilogues()) {
-    d.row_sums_a = true;
-    return {CUBLASLT_EPILOGUE_BGRADB, d};
   }
   return {CUBLASLT_EPILOGUE_DEFAULT, d};
 }
@@ -122,13 +104,12 @@ struct LtPlan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   gemm_passes::Done done;    // what the epilogue covers; the rest runs in passes of its own
-  cublasLtMatmulAlgo_t candidates[kCandidates]{};
+  cublasLtMatmulAlgo_t candidates[kCandidates]{};  // in the heuristic's order
   int count = 0;      // heuristic candidates; 0: cuBLASLt has none and the product takes cuBLAS's path
-  int chosen = -1;    // the candidate in use; -1 until the first product picks one
+  int chosen = -1;    // the candidate timing picked; -1 until the first autotuned product
 };
 // dtype, compute type, transposes, m, n, k, leading dims, scalars (beta != 0, alpha read
-// from memory), epilogue, aux's leading dim, and the alignment of A, B, C, bias (or sums)
-// and aux.
+// from memory), epilogue, aux's leading dim, and the alignment of A, B, C, bias and aux.
 using LtKey = std::tuple<int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int64_t,
                          uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>;
 
@@ -181,14 +162,11 @@ bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max()
 
 cudaDataType_t c_type(const GemmArgs& g, const Types& t) { return g.c_f32 ? CUDA_R_32F : t.data; }
 
-// The vector cuBLASLt's bias pointer names for this epilogue: the bias it adds, or the
-// sums it writes.
+// The vector cuBLASLt's bias pointer names for this epilogue: the bias it adds.
 const void* lt_vector(const GemmArgs& g, cublasLtEpilogue_t epilogue) {
   switch (epilogue) {
     case CUBLASLT_EPILOGUE_BIAS:
     case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: return g.bias;
-    case CUBLASLT_EPILOGUE_DGELU_BGRAD: return g.column_sums;
-    case CUBLASLT_EPILOGUE_BGRADB: return g.row_sums_a;
     default: return nullptr;
   }
 }
@@ -218,7 +196,7 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
   if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
     LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
     if (lt_vector(g, epilogue)) {
-      const cudaDataType_t vector_type = c_type(g, t);  // bias and sums are in C's dtype
+      const cudaDataType_t vector_type = c_type(g, t);  // the bias is in C's dtype
       LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &vector_type,
                                                  sizeof(vector_type)));
     }
@@ -245,8 +223,10 @@ LtPlan& lt_plan(Blas& blas, const GemmArgs& g, const Types& t, int m, int n, int
     LOOM_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof(bytes)));
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int count = 0;
-  // Trial runs must not change what the product reads: C when beta != 0, unless it comes from c_in.
-  const int wanted = tuning_enabled() && (g.beta == 0.f || g.c_in) ? kCandidates : 1;
+  // Every candidate, whether this call autotunes or not: a later call may. Only the first
+  // where trial runs would change what the product reads (C when beta != 0, unless it comes
+  // from c_in).
+  const int wanted = g.beta == 0.f || g.c_in ? kCandidates : 1;
   LOOM_CUBLAS(cublasLtMatmulAlgoGetHeuristic(blas.lt, p.desc, p.a, p.b, p.c, p.c, pref, wanted, results, &count));
   cublasLtMatmulPreferenceDestroy(pref);
   for (int i = 0; i < count; ++i)
@@ -323,8 +303,9 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
       if (plan.done.epilogue)
         LOOM_CUBLAS(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux,
                                                    sizeof(g.aux)));
-      if (plan.chosen < 0) choose(blas, plan, g, alpha, beta, s);
-      LOOM_CUBLAS(lt_run(blas, plan, plan.candidates[plan.chosen], g, alpha, beta, s));
+      if (g.autotune && plan.chosen < 0) choose(blas, plan, g, alpha, beta, s);
+      const cublasLtMatmulAlgo_t& algo = plan.candidates[g.autotune ? plan.chosen : 0];
+      LOOM_CUBLAS(lt_run(blas, plan, algo, g, alpha, beta, s));
       gemm_passes::finish(g, plan.done, blas.workspace, kWorkspaceBytes, s);
       return;
     }

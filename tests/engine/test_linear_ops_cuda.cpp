@@ -1,6 +1,6 @@
 // linear and gelu_mlp on the GPU against the CPU: bf16 and f32 (TF32) through cuBLASLt's
-// epilogues (bias, GELU with its pre-activation, DGELU with the bias gradient, BGRADB for the
-// weight gradient's bias sums), at GPT-like widths and at widths whose rows are not 16-byte
+// epilogues (bias, GELU with its pre-activation, DGELU) and Loom's bias-gradient passes,
+// at GPT-like widths and at widths whose rows are not 16-byte
 // aligned in bf16 (7 and 13), where cuBLASLt may have no plan and the separate passes run;
 // the bias sums over rows in one chunk and in several (300 and 270 rows).
 // The reference is the same op on the CPU in f64 from the same (rounded) values.

@@ -4,6 +4,8 @@
 // fewer or more queries than keys, many heads, a peaked softmax, unaligned buffers (which
 // must take the rows path), strided operands (column slices of packed buffers, other axis
 // orders; rows aligned for the tensor cores or not), and sequences with no queries or no keys.
+// The tensor-core backward runs both ways it has (dQ by atomics, and deterministic in a
+// kernel of its own), and the deterministic one gives the same bits on a second run.
 // The backward kernels of both devices get the same out and lse (the CPU forward's), so
 // each comparison measures one kernel.
 #include <gtest/gtest.h>
@@ -107,9 +109,11 @@ struct Placed {
   }
 };
 
-void check(const Case& c, DType dt, size_t offset) {
-  SCOPED_TRACE(c.str() + " " + std::string(dtype_name(dt)) + (offset ? " unaligned" : ""));
-  const AttentionArgs a = c.args(dt);
+void check(const Case& c, DType dt, size_t offset, bool deterministic = false) {
+  SCOPED_TRACE(c.str() + " " + std::string(dtype_name(dt)) + (offset ? " unaligned" : "") +
+               (deterministic ? " deterministic" : ""));
+  AttentionArgs a = c.args(dt);
+  a.deterministic = deterministic;
   const int64_t nq = c.B * c.H * c.Tq * c.D, nk = c.B * c.H * c.Tk * c.D, nrows = c.B * c.H * c.Tq;
   const size_t es = dtype_size(dt);
   const uint32_t seed = uint32_t(c.Tq * 131 + c.Tk * 7 + c.D + (c.causal ? 1 : 0));
@@ -148,6 +152,48 @@ TEST(AttentionCuda, ForwardAndBackwardMatchCpu) {
   LOOM_REQUIRE_CUDA();
   for (const Case& c : cases())
     for (DType dt : {DType::f32, DType::bf16, DType::f16}) check(c, dt, 0);
+}
+
+TEST(AttentionCuda, DeterministicBackwardMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  for (const Case& c : cases())
+    for (DType dt : {DType::bf16, DType::f16}) check(c, dt, 0, true);
+}
+
+// dq, dk and dv as bytes from one GPU forward and backward on fixed inputs.
+std::vector<uint8_t> gpu_gradients(const AttentionArgs& a, uint32_t seed) {
+  const int64_t nq = a.batch * a.heads * a.q_len * a.head_dim, nk = a.batch * a.heads * a.kv_len * a.head_dim;
+  const size_t es = dtype_size(a.dtype);
+  const KernelTable& gpu = cuda_kernel_table();
+  DeviceBuffer<uint8_t> q(random_bytes(nq, seed, a.dtype)), k(random_bytes(nk, seed + 1, a.dtype)),
+      v(random_bytes(nk, seed + 2, a.dtype)), dout(random_bytes(nq, seed + 3, a.dtype));
+  DeviceBuffer<uint8_t> out(size_t(nq) * es), dq(size_t(nq) * es), dk(size_t(nk) * es), dv(size_t(nk) * es);
+  DeviceBuffer<float> lse(size_t(a.batch * a.heads * a.q_len));
+  DeviceBuffer<uint8_t> workspace(gpu.attention_workspace_size(a));
+  gpu.attention_forward(a, out.get(), lse.get(), q.get(), k.get(), v.get(), nullptr);
+  gpu.attention_backward(a, dq.get(), dk.get(), dv.get(), dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
+                         workspace.get(), nullptr);
+  std::vector<uint8_t> bytes = dq.to_host();
+  for (const auto* g : {&dk, &dv}) {
+    const std::vector<uint8_t> more = g->to_host();
+    bytes.insert(bytes.end(), more.begin(), more.end());
+  }
+  return bytes;
+}
+
+// Deterministic: two runs, the same bits, at a size where many key blocks add into every
+// query row (with atomics their order may differ from run to run). The workspace drops the
+// f32 dQ accumulator the atomics need.
+TEST(AttentionCuda, DeterministicBackwardRepeatsBitForBit) {
+  LOOM_REQUIRE_CUDA();
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    AttentionArgs a = Case{2, 4, 1024, 1024, 64, true}.args(dt);
+    const size_t with_atomics = cuda_kernel_table().attention_workspace_size(a);
+    a.deterministic = true;
+    EXPECT_LT(cuda_kernel_table().attention_workspace_size(a), with_atomics);
+    EXPECT_TRUE(gpu_gradients(a, 11) == gpu_gradients(a, 11)) << "two deterministic backwards differ";
+  }
 }
 
 TEST(AttentionCuda, UnalignedBuffersMatchCpu) {

@@ -1,7 +1,8 @@
 // The cuDNN convolution and the CUDA pooling kernels against the CPU kernels on the same
 // inputs. Convolution errors are measured against sum |a||b| (the CPU convolution of the
 // magnitudes, in f64), which bounds rounding in any summation order: TF32 keeps 10 bits
-// of each f32 input, bf16 and f16 round their outputs to 8 and 11 bits. Pooling must
+// of each f32 input, bf16 and f16 round their outputs to 8 and 11 bits. Every convolution
+// runs with cuDNN's graph API on and off (Conv2dArgs::graph_api) in one process. Pooling must
 // agree exactly on values and argmax indices, and closely on gradients.
 #include <gtest/gtest.h>
 
@@ -115,31 +116,37 @@ void check_conv(const ConvCase& c, double tol) {
 
   // Tensors at the start of their allocations run on cuDNN's graph API plans; one element
   // further on they are not 16-byte aligned, which sends the call to the convolution API.
-  for (size_t shift : {size_t(0), size_t(1)}) {
-    SCOPED_TRACE(shift ? "one element past 16-byte alignment" : "16-byte aligned");
-    auto padded = [shift](const std::vector<T>& v) {
-      std::vector<T> out(shift);
-      out.insert(out.end(), v.begin(), v.end());
-      return out;
-    };
-    auto unpadded = [shift](const std::vector<T>& v) { return std::vector<T>(v.begin() + long(shift), v.end()); };
-    DeviceBuffer<T> gx(padded(x)), gw(padded(w)), gdy(padded(dy));
-    DeviceBuffer<T> gy(y.size() + shift), gdx(dx.size() + shift), gdw(dw.size() + shift);
-    for (int rep = 0; rep < 2; ++rep) {  // the second round runs on the cached plans
-      {
-        auto ws = workspace(a, ConvPass::forward);
-        cuda::conv2d_forward(a, gy.get() + shift, gx.get() + shift, gw.get() + shift, nullptr);
-        expect_near_scaled(unpadded(gy.to_host()), y, sy, tol, "y");
-      }
-      {
-        auto ws = workspace(a, ConvPass::backward_data);
-        cuda::conv2d_backward_data(a, gdx.get() + shift, gdy.get() + shift, gw.get() + shift, nullptr);
-        expect_near_scaled(unpadded(gdx.to_host()), dx, sdx, tol, "dx");
-      }
-      {
-        auto ws = workspace(a, ConvPass::backward_filter);
-        cuda::conv2d_backward_filter(a, gdw.get() + shift, gx.get() + shift, gdy.get() + shift, nullptr);
-        expect_near_scaled(unpadded(gdw.to_host()), dw, sdw, tol, "dw");
+  // With graph_api off every call takes the convolution API, the graph plans built in the
+  // first round notwithstanding.
+  for (bool graph_api : {true, false}) {
+    a.graph_api = graph_api;
+    for (size_t shift : {size_t(0), size_t(1)}) {
+      SCOPED_TRACE(std::string(graph_api ? "graph API on, " : "graph API off, ") +
+                   (shift ? "one element past 16-byte alignment" : "16-byte aligned"));
+      auto padded = [shift](const std::vector<T>& v) {
+        std::vector<T> out(shift);
+        out.insert(out.end(), v.begin(), v.end());
+        return out;
+      };
+      auto unpadded = [shift](const std::vector<T>& v) { return std::vector<T>(v.begin() + long(shift), v.end()); };
+      DeviceBuffer<T> gx(padded(x)), gw(padded(w)), gdy(padded(dy));
+      DeviceBuffer<T> gy(y.size() + shift), gdx(dx.size() + shift), gdw(dw.size() + shift);
+      for (int rep = 0; rep < 2; ++rep) {  // the second round runs on the cached plans
+        {
+          auto ws = workspace(a, ConvPass::forward);
+          cuda::conv2d_forward(a, gy.get() + shift, gx.get() + shift, gw.get() + shift, nullptr);
+          expect_near_scaled(unpadded(gy.to_host()), y, sy, tol, "y");
+        }
+        {
+          auto ws = workspace(a, ConvPass::backward_data);
+          cuda::conv2d_backward_data(a, gdx.get() + shift, gdy.get() + shift, gw.get() + shift, nullptr);
+          expect_near_scaled(unpadded(gdx.to_host()), dx, sdx, tol, "dx");
+        }
+        {
+          auto ws = workspace(a, ConvPass::backward_filter);
+          cuda::conv2d_backward_filter(a, gdw.get() + shift, gx.get() + shift, gdy.get() + shift, nullptr);
+          expect_near_scaled(unpadded(gdw.to_host()), dw, sdw, tol, "dw");
+        }
       }
     }
   }

@@ -1,7 +1,8 @@
 // The cuBLAS GEMM against the CPU GEMM on the same inputs. Errors are measured against
 // alpha * (|A| @ |B|) + |beta C|, the scale that bounds rounding in any summation order:
 // TF32 keeps 10 bits of each f32 input, so f32 is held to ~1e-3 of that scale; bf16 and
-// f16 outputs round to 8 and 11 bits; f64 must agree closely.
+// f16 outputs round to 8 and 11 bits; f64 must agree closely. Autotuning (GemmArgs::autotune)
+// is flipped within the process on shapes of its own.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -153,6 +154,48 @@ TEST(MatmulCuda, BetaZeroIgnoresNanInC) {
   g.a = a.get(), g.lda = k, g.b = b.get(), g.ldb = n, g.c = c.get(), g.ldc = n;
   cuda::gemm(g, nullptr);
   for (float v : c.to_host()) ASSERT_EQ(v, 12.f);
+}
+
+// One product of a fresh shape (no plan for it yet) with autotuning off, on, then off again:
+// off takes the heuristic's first choice, the same bits both times, though the plan was
+// tuned in between; on takes the fastest candidate timing finds, within the rounding of
+// the first. A weight gradient's shape (small output, long k: split-K candidates) and a
+// square one.
+template <class T>
+void check_autotune_flips(int64_t m, int64_t n, int64_t k, bool trans_a, double tol) {
+  SCOPED_TRACE("(" + std::to_string(m) + ", " + std::to_string(n) + ", " + std::to_string(k) + ") " +
+               std::string(dtype_name(dtype_of<T>())));
+  std::mt19937 rng(11);
+  GemmArgs g;
+  g.dtype = dtype_of<T>();
+  g.trans_a = trans_a;
+  g.m = m, g.n = n, g.k = k;
+  g.lda = trans_a ? m : k, g.ldb = n, g.ldc = n;
+  const auto a = random_vector<T>(m * k, rng), b = random_vector<T>(k * n, rng);
+  DeviceBuffer<T> da(a), db(b);
+  auto run = [&](bool autotune) {
+    DeviceBuffer<T> dc(size_t(m * n));
+    GemmArgs call = g;
+    call.a = da.get(), call.b = db.get(), call.c = dc.get(), call.autotune = autotune;
+    cuda::gemm(call, nullptr);
+    return dc.to_host();
+  };
+  const std::vector<T> first = run(false), tuned = run(true), again = run(false);
+  ASSERT_EQ(first.size(), again.size());
+  for (size_t i = 0; i < first.size(); ++i)
+    ASSERT_EQ(as_double(first[i]), as_double(again[i])) << "the first choice changed, element " << i;
+  // The scale check_case holds products to, sum |a||b| over k, is about k / 4 here (values
+  // uniform in [-1, 1)).
+  for (size_t i = 0; i < first.size(); ++i)
+    ASSERT_NEAR(as_double(tuned[i]), as_double(first[i]), tol * double(k) / 4) << "element " << i;
+}
+
+TEST(MatmulCuda, AutotuneOffRepeatsTheFirstChoiceAndAgreesWithTuned) {
+  LOOM_REQUIRE_CUDA();
+  check_autotune_flips<bf16>(192, 160, 8192, true, 2e-2);
+  check_autotune_flips<bf16>(320, 320, 320, false, 2e-2);
+  check_autotune_flips<float>(192, 160, 8192, true, 5e-3);
+  check_autotune_flips<float>(320, 320, 320, false, 5e-3);
 }
 
 // The handle is shared by every host thread: concurrent callers (on one stream, so the

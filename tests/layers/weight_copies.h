@@ -15,6 +15,7 @@
 #include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "engine/options.h"
 #include "layers/models/gpt.h"
 #include "layers/optim/adam.h"
 #include "layers/optim/sgd.h"
@@ -22,22 +23,18 @@
 namespace loom::test {
 
 // Sets whether weight and gradient copies are kept for its scope (process-wide), then
-// restores both.
+// restores the options it found.
 class CopiesGuard {
  public:
-  explicit CopiesGuard(bool on) : weights_(autocast_weight_copies()), gradients_(autocast_gradient_copies()) {
-    set_autocast_weight_copies(on);
-    set_autocast_gradient_copies(on);
-  }
-  ~CopiesGuard() {
-    set_autocast_weight_copies(weights_);
-    set_autocast_gradient_copies(gradients_);
-  }
-  CopiesGuard(const CopiesGuard&) = delete;
-  CopiesGuard& operator=(const CopiesGuard&) = delete;
+  explicit CopiesGuard(bool on) : guard_(with_copies(on)) {}
 
  private:
-  bool weights_, gradients_;
+  static Options with_copies(bool on) {
+    Options o = options();
+    o.autocast_weight_copies = o.autocast_gradient_copies = on;
+    return o;
+  }
+  OptionsGuard guard_;
 };
 
 inline void expect_same_values(const Tensor& got, const Tensor& want, const std::string& what) {

@@ -1,0 +1,99 @@
+// Each performance option (engine/options.h) flipped within one process, through the ops
+// as a program calls them: both ways give the same values within their rounding, and the
+// deterministic attention backward and GEMMs without autotuning repeat bit for bit.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "engine/options.h"
+#include "tests/common/gpu.h"
+#include "tests/common/tensor_checks.h"
+
+namespace loom {
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+// The options in force with one change, for an OptionsGuard.
+Options with(bool Options::*option, bool value) {
+  Options o = options();
+  o.*option = value;
+  return o;
+}
+
+std::vector<float> values(const Tensor& t) { return t.to(Device::cpu()).to(DType::f32).to_vector<float>(); }
+
+void expect_same_bits(const Tensor& a, const Tensor& b, const std::string& what) {
+  const std::vector<float> va = values(a), vb = values(b);
+  ASSERT_EQ(va.size(), vb.size()) << what;
+  for (size_t i = 0; i < va.size(); ++i) ASSERT_EQ(va[i], vb[i]) << what << ", element " << i;
+}
+
+// The gradient of a weighted sum of packed_self_attention over a GPT-2-shaped qkv (tensor
+// cores: bf16, head_dim 64), under the options in force as the backward runs.
+Tensor attention_gradient(const Tensor& qkv_value, const Tensor& weights) {
+  Tensor qkv = qkv_value.detach().set_requires_grad();
+  Tensor out = packed_self_attention(qkv, 4, true);
+  out.backward(weights);
+  return qkv.grad();
+}
+
+TEST(OptionsCuda, DeterministicAttentionBackwardRepeatsAndAgreesWithAtomics) {
+  LOOM_REQUIRE_CUDA();
+  manual_seed(1);
+  const Tensor qkv = randn({2, 1024, 3 * 256}).to(DType::bf16).to(kGpu);
+  const Tensor w = randn({2, 1024, 256}).to(DType::bf16).to(kGpu);
+  const Tensor atomics = attention_gradient(qkv, w);
+  OptionsGuard guard(with(&Options::deterministic, true));
+  const Tensor first = attention_gradient(qkv, w), second = attention_gradient(qkv, w);
+  expect_same_bits(first, second, "two deterministic backwards");
+  test::expect_close_to_scale(first, atomics.to(Device::cpu()), 4e-2, "deterministic against atomics");
+}
+
+TEST(OptionsCuda, GemmWithoutAutotuningRepeatsAndAgreesWithTuned) {
+  LOOM_REQUIRE_CUDA();
+  manual_seed(2);
+  // A shape of its own, so its plan is made here: (dY^T X) of a weight gradient over a long k.
+  const Tensor a = randn({6144, 136}).to(DType::bf16).to(kGpu), b = randn({6144, 200}).to(DType::bf16).to(kGpu);
+  auto product = [&] { return matmul(a.t(), b); };
+  Tensor first, again;
+  {
+    OptionsGuard guard(with(&Options::gemm_autotuning, false));
+    first = product();
+  }
+  const Tensor tuned = product();
+  {
+    OptionsGuard guard(with(&Options::gemm_autotuning, false));
+    again = product();
+  }
+  expect_same_bits(first, again, "the heuristic's first choice, before and after tuning");
+  test::expect_close_to_scale(tuned, first.to(Device::cpu()), 2e-2, "tuned against the first choice");
+}
+
+TEST(OptionsCuda, ConvolutionsAgreeWithAndWithoutTheGraphApi) {
+  LOOM_REQUIRE_CUDA();
+  manual_seed(3);
+  const Tensor x = randn({8, 16, 20, 20}).to(kGpu), w = mul(randn({32, 16, 3, 3}), 0.2).to(kGpu);
+  const Tensor gy = randn({8, 32, 10, 10}).to(kGpu);
+  struct Result {
+    Tensor y, dx, dw;
+  };
+  auto run = [&] {
+    Tensor xi = x.detach().set_requires_grad(), wi = w.detach().set_requires_grad();
+    Tensor y = conv2d(xi, wi, Tensor(), {2, 2}, {1, 1});
+    y.backward(gy);
+    return Result{y, xi.grad(), wi.grad()};
+  };
+  const Result graph = run();
+  OptionsGuard guard(with(&Options::cudnn_graph_api, false));
+  const Result legacy = run();
+  test::expect_close_to_scale(legacy.y, graph.y.to(Device::cpu()), 5e-3, "y");
+  test::expect_close_to_scale(legacy.dx, graph.dx.to(Device::cpu()), 5e-3, "dx");
+  test::expect_close_to_scale(legacy.dw, graph.dw.to(Device::cpu()), 5e-3, "dw");
+}
+
+}  // namespace
+}  // namespace loom
