@@ -187,7 +187,7 @@ Findings check_nccl_version(int built, int loaded, int gpus) {
     if (gpus > 0)
       out.push_back(make(Level::warn, "nccl",
                          "Loom was built without NCCL: one process can train on one GPU, but multi-GPU training "
-                         "(DDP, FSDP, pipelines over processes) cannot start",
+                         "(DDP, one process per GPU) cannot start",
                          "install NCCL 2 (library and nccl.h) and rebuild Loom"));
     return out;
   }
