@@ -9,9 +9,11 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "parallel/trace.h"
 
 namespace loom::dist {
 
@@ -110,6 +112,7 @@ struct Reducer : std::enable_shared_from_this<Reducer> {
     Tensor buffer;               // (numel,) flat gradients, on the parameters' device
     size_t pending = 0;          // parameters whose hook has not fired yet
     WorkPtr work;                // the all-reduce in flight
+    int64_t trace_start_ns = -1;  // tracing: its launch, while its span is not yet recorded
   };
 
   std::shared_ptr<ProcessGroup> group;
@@ -164,6 +167,7 @@ struct Reducer : std::enable_shared_from_this<Reducer> {
     for (Bucket& b : buckets) {
       b.pending = b.params.size();
       b.work.reset();
+      b.trace_start_ns = -1;
     }
     for (Param& p : params) p.ready = false;
   }
@@ -186,12 +190,32 @@ struct Reducer : std::enable_shared_from_this<Reducer> {
       finish_queued = true;
     }
     p.ready = true;
+    if (trace::enabled()) trace_completed(false);
     if (--buckets[p.bucket].pending > 0) return;
     // Launch in bucket order only, so every rank issues the same collectives in turn.
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
       Bucket& b = buckets[next_bucket++];
+      const int64_t launched = trace::enabled() ? trace::now_ns() : -1;
       gather(b);
       b.work = group->all_reduce(b.buffer, ReduceOp::avg);
+      b.trace_start_ns = launched;
+    }
+    if (trace::enabled()) trace_completed(false);
+  }
+
+  // Tracing (trace.h): records the span of every launched bucket whose all-reduce is seen
+  // complete, from its launch to now; with `wait`, first waits on the host for all of them.
+  void trace_completed(bool wait) {
+    for (size_t i = 0; i < next_bucket; ++i) {
+      Bucket& b = buckets[i];
+      if (b.trace_start_ns < 0) continue;
+      if (wait)
+        while (!b.work->is_completed()) std::this_thread::yield();
+      else if (!b.work->is_completed())
+        continue;
+      trace::record("all_reduce bucket " + std::to_string(i), trace::Category::allreduce, b.trace_start_ns,
+                    trace::now_ns(), {.bytes = int64_t(b.buffer.nbytes())});
+      b.trace_start_ns = -1;
     }
   }
 
@@ -229,6 +253,7 @@ struct Reducer : std::enable_shared_from_this<Reducer> {
                 "; find_unused_parameters is not supported, make every parameter take part in the loss or "
                 "freeze it with set_requires_grad(false) before wrapping the module");
     }
+    if (trace::enabled()) trace_completed(true);
     for (Bucket& b : buckets) b.work->wait();
     // Copied back in one launch per dtype, not per bucket: each launch costs the host several
     // microseconds, and a CNN step on a fast GPU (ResNet-18 on an H200) is nearly host-bound.
