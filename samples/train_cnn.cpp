@@ -32,6 +32,7 @@
 #include "parallel/ddp.h"
 #include "parallel/init.h"
 #include "parallel/rendezvous.h"
+#include "parallel/trace.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 #include "samples/common/progress.h"
@@ -45,6 +46,7 @@ struct Options {
   std::string model = "simplecnn", data = "fashion-mnist", data_dir, optimizer = "auto", schedule = "cosine";
   std::string precision = "f32", device = "auto", augment = "auto";
   std::string init, save, resume, metrics = "train_cnn.jsonl", plot = "train_cnn.svg";
+  std::string trace;
   int64_t epochs = 0, batch_size = 128, seed = 0, workers = 4, subset = 0, test_subset = 0, save_every = 0;
   int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600, scaling = 0;
   double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
@@ -221,6 +223,8 @@ int main(int argc, char** argv) {
   flags.add("max-steps", &o.max_steps, "stop after this many steps in all (0: no limit)", 0);
   flags.add("metrics", &o.metrics, "append one JSON line per epoch here (\"\": none)", {}, "FILE");
   flags.add("plot", &o.plot, "draw the loss and accuracy curves here as SVG (\"\": none)", {}, "FILE");
+  flags.add("trace", &o.trace, "write every rank's step timeline here as Chrome-trace JSON (ui.perfetto.dev)", {},
+            "FILE");
   flags.add("gpus", &o.gpus, "data-parallel over N GPUs of this node: starts N ranks (as loomrun would)", 0, 1024);
   flags.add("bucket-mb", &o.bucket_mb, "data parallel: gradient bucket size in MiB", 1);
   flags.add_switch("sync-bn-stats", &o.sync_bn_stats, "data parallel: average BatchNorm running statistics over ranks");
@@ -373,6 +377,11 @@ int main(int argc, char** argv) {
                                             {"seed", std::to_string(o.seed)}}});
     };
 
+    // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).
+    if (!o.trace.empty()) {
+      if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
+      dist::trace::set_enabled(true, device);
+    }
     const auto run_start = std::chrono::steady_clock::now();
     model->train();
     for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
@@ -384,16 +393,23 @@ int main(int argc, char** argv) {
       int64_t epoch_steps = 0;
       data::Epoch batches = train_loader.epoch(epoch, batch);
       for (data::Batch& b : batches) {
+        dist::trace::Span step_span("step", dist::trace::Category::step);
         opt->zero_grad();
         Tensor loss;
         {
+          dist::trace::Span forward_span("forward", dist::trace::Category::forward);
           AutocastGuard cast(autocast);
           Tensor logits = trained->forward(b.inputs);
           loss = cross_entropy(logits.to(DType::f32), b.targets, -100, o.label_smoothing);
         }
-        loss.backward();
+        {
+          dist::trace::Span backward_span("backward", dist::trace::Category::backward);
+          loss.backward();
+        }
+        dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
         if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
         opt->step();
+        optimizer_span.end();
         sched.step();
         ++step, ++batch, ++epoch_steps;
         Tensor l = loss.detach();
@@ -436,6 +452,10 @@ int main(int argc, char** argv) {
         samples::write_svg_chart(o.plot, model->type_name() + " on " + d.name,
                                  {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"test", test_loss_curve}}},
                                   {"test accuracy", "epoch", "%", {{"test", test_acc_curve}}}});
+    }
+    if (!o.trace.empty()) {
+      dist::trace::write_merged_trace(ctx.active ? ctx.group.get() : nullptr, device, o.trace);
+      if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
     }
     return 0;
   } catch (const Error& e) {
