@@ -48,6 +48,7 @@ ImageSet load_files(const std::vector<std::string>& paths, const Format& f) {
   s.channels = 3;
   s.height = 32;
   s.width = 32;
+  if (!paths.empty()) s.source = paths[0];
   s.pixels.resize(static_cast<size_t>(s.count * kCifarPixels));
   s.labels.reserve(static_cast<size_t>(s.count));
   const int64_t record = f.label_bytes + kCifarPixels;

@@ -166,6 +166,15 @@ void InputFile::read(void* dst, size_t n, std::string_view what) {
 void InputFile::expect_end(std::string_view expected) {
   uint8_t probe[64];
   const size_t got = read_some(probe, sizeof probe);
+  if (got == 0 && gz_) {
+    // zlib checks the trailer (CRC-32 and length) as the stream ends and says Z_BUF_ERROR
+    // when the file stops before the trailer does: every byte of data was there, but the
+    // file is still cut short, and its contents are unverified.
+    int err = Z_OK;
+    gzerror(static_cast<gzFile>(gz_), &err);
+    LOOM_CHECK(err == Z_OK, path_, ": gzip stream ends without its complete trailer (CRC-32 and length, the last 8 "
+               "bytes of a gzip file): the file is truncated (gzip -t says so too); download it again");
+  }
   if (got == 0) return;
   if (plain_) {
     LOOM_FAIL(path_, ": holds ", file_bytes_, " bytes, more than expected (", expected,

@@ -52,7 +52,8 @@ class InputFile {
   // Reads exactly n bytes; throws naming the file and `what` when the stream ends first or
   // fails to inflate.
   void read(void* dst, size_t n, std::string_view what);
-  // Throws unless the stream is exhausted; for gzip this also makes zlib verify the CRC.
+  // Throws unless the stream is exhausted; for gzip this also makes zlib verify the trailer
+  // (CRC-32 and length), and a trailer cut short is an error too.
   // `expected` describes what the file should have held, for the message.
   void expect_end(std::string_view expected);
 

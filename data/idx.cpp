@@ -107,6 +107,7 @@ ImageSet load_idx_images(const std::string& path) {
   s.height = a.dims[1];
   s.width = a.dims[2];
   s.pixels = std::move(a.data);
+  s.source = path;
   return s;
 }
 

@@ -97,6 +97,7 @@ ImageSet load_image_folder(const std::string& root, int channels) {
   }
 
   s.channels = channels != 0 ? channels : first.channels;
+  s.source = files[0];
   s.count = static_cast<int64_t>(files.size());
   for (size_t i = 0; i < files.size(); ++i) {
     const DecodedImage img = decode_image(files[i], static_cast<int>(s.channels));

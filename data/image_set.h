@@ -18,6 +18,9 @@ struct ImageSet {
   int64_t count = 0, channels = 0, height = 0, width = 0;
   std::vector<int64_t> labels;           // (count,); empty when the source has no labels
   std::vector<std::string> class_names;  // label -> name; empty when the source names none
+  // Where the images came from, for messages: the IDX file, the first CIFAR batch file, or
+  // an image folder's first image.
+  std::string source;
 
   int64_t image_bytes() const { return channels * height * width; }
   // One image's pixels: (channels, height, width).

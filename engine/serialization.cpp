@@ -1,6 +1,7 @@
 // Safetensors read/write: a small strict JSON reader and writer for exactly the header's
 // subset (objects, strings with escapes, arrays of non-negative integers), the atomic
-// save, and the checks a file must pass before any number in it is trusted.
+// file replacement behind every save, and the checks a file must pass before any number in
+// it is trusted.
 //
 // Decisions: the header may list tensors in any order, but their byte ranges must tile
 // the buffer exactly (no hole, no overlap, nothing left over), as the reference
@@ -11,7 +12,9 @@
 // that is the order in which the rename itself becomes durable.
 #include "engine/serialization.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +22,7 @@
 #include <bit>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <set>
@@ -376,6 +380,53 @@ void write_all(int fd, const void* data, size_t n, const std::string& where, con
   }
 }
 
+// ---- atomic replacement -------------------------------------------------------------
+
+std::string parent_dir(const std::string& path) {
+  size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+}
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a fifo";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// Removes "<target>.tmp-<pid>" files whose pid no longer runs: saves that were killed. A
+// live pid (this process's, or another save in progress) keeps its file. Pids are only
+// meaningful on this host and in this pid namespace, which is where a save runs.
+void remove_dead_leftovers(const std::string& target) {
+  const std::string dir = parent_dir(target);
+  const std::string prefix = target.substr(target.rfind('/') + 1) + ".tmp-";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return;  // creating the temporary file will say what is wrong
+  std::vector<std::pair<std::string, long>> dead;
+  while (dirent* e = ::readdir(d)) {
+    std::string_view name = e->d_name;
+    if (!name.starts_with(prefix)) continue;
+    std::string_view digits = name.substr(prefix.size());
+    long pid = 0;
+    auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+    if (digits.empty() || ec != std::errc() || end != digits.data() + digits.size() || pid <= 0) continue;
+    if (pid == long(::getpid()) || ::kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;
+    dead.emplace_back(std::string(name), pid);
+  }
+  ::closedir(d);
+  for (const auto& [name, pid] : dead) {
+    const std::string leftover = dir + "/" + name;
+    struct stat st {};
+    if (::lstat(leftover.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::unlink(leftover.c_str()) == 0)
+      std::fprintf(stderr, "loom: removed '%s' (%lld bytes), left by process %ld, which no longer runs: a save to '%s' "
+                   "that was killed before it finished\n",
+                   leftover.c_str(), (long long)st.st_size, pid, target.c_str());
+  }
+}
+
 // The tensors' byte ranges, sorted, must tile [0, buffer_size) exactly.
 void check_coverage(const std::vector<Entry>& entries, uint64_t buffer_size, const std::string& where) {
   std::vector<const Entry*> order;
@@ -425,6 +476,108 @@ std::pair<DType, Shape> check_entry(const Entry& e, uint64_t buffer_size, const 
 
 }  // namespace
 
+std::string resolve_output_path(const std::string& path) {
+  LOOM_CHECK(!path.empty(), "an empty path names no file to write");
+  std::string p = path;
+  for (int links = 0;; ++links) {
+    struct stat st {};
+    if (::lstat(p.c_str(), &st) != 0) {
+      if (errno == ENOENT) return p;  // a new file; its directory is checked when it is created
+      fail_os(errno, "'", path, "'", p == path ? "" : " (a link to '" + p + "')", ": cannot look at it");
+    }
+    if (S_ISLNK(st.st_mode)) {
+      LOOM_CHECK(links < 40, "'", path, "': too many levels of symbolic links");
+      std::string link(size_t(st.st_size > 0 ? st.st_size : 4096) + 1, '\0');
+      ssize_t n = ::readlink(p.c_str(), link.data(), link.size());
+      if (n < 0) fail_os(errno, "'", path, "': cannot read the symbolic link '", p, "'");
+      link.resize(size_t(n));
+      p = link.starts_with('/') || p.find('/') == std::string::npos ? link : parent_dir(p) + "/" + link;
+      continue;
+    }
+    LOOM_CHECK(S_ISREG(st.st_mode), "'", path, "'", p == path ? "" : " (a link to '" + p + "')", " is ",
+               file_kind(st.st_mode), ", not a regular file: nothing was written; give the path of a file");
+    return p;
+  }
+}
+
+void check_output_path(const std::string& path, const std::string& flag) {
+  const std::string named = flag.empty() ? "'" + path + "'" : flag + " " + path;
+  std::string target;
+  try {
+    target = resolve_output_path(path);
+  } catch (const Error& e) {
+    LOOM_FAIL(flag.empty() ? "" : flag + ": ", e.what());
+  }
+  const std::string probe = target + ".probe-" + std::to_string(::getpid());
+  Fd fd{::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600)};
+  if (fd.fd < 0) {
+    const int err = errno;
+    const std::string dir = parent_dir(target);
+    if (err == ENOENT) LOOM_FAIL(named, ": the directory '", dir, "' does not exist: create it first");
+    fail_os(err, named, ": cannot create a file in '", dir, "' (tried '", probe,
+            "'): choose a directory this user can write to");
+  }
+  ::unlink(probe.c_str());
+}
+
+AtomicFile::AtomicFile(const std::string& path, std::string where)
+    : where_(where.empty() ? "'" + path + "': " : std::move(where)) {
+  try {
+    target_ = resolve_output_path(path);
+  } catch (const Error& e) {
+    LOOM_FAIL(where_, e.what());
+  }
+  remove_dead_leftovers(target_);
+  tmp_ = target_ + ".tmp-" + std::to_string(::getpid());
+  ::unlink(tmp_.c_str());  // an earlier process's with the same pid, or this one's
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+  if (fd_ < 0) fail_os(errno, where_, "cannot create the temporary file '", tmp_, "'");
+  // The new file takes the old one's permissions and, where this user may, its owner.
+  struct stat st {};
+  if (::stat(target_.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+    if (::fchmod(fd_, st.st_mode & 07777) != 0) {
+      const int err = errno;
+      ::close(std::exchange(fd_, -1));
+      ::unlink(tmp_.c_str());
+      fail_os(err, where_, "cannot give '", tmp_, "' the permissions of '", target_, "'");
+    }
+    if (st.st_uid != ::geteuid() || st.st_gid != ::getegid()) {
+      [[maybe_unused]] int ignored = ::fchown(fd_, st.st_uid, st.st_gid);
+    }
+  }
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_ && !tmp_.empty()) ::unlink(tmp_.c_str());
+}
+
+void AtomicFile::write(const void* data, size_t bytes) {
+  LOOM_ASSERT(fd_ >= 0 && !committed_, "AtomicFile::write after commit");
+  write_all(fd_, data, bytes, where_, tmp_);
+}
+
+void AtomicFile::commit() {
+  LOOM_ASSERT(fd_ >= 0 && !committed_, "AtomicFile::commit twice");
+  if (::fsync(fd_) != 0) fail_os(errno, where_, "fsync of '", tmp_, "' failed");
+  if (::close(std::exchange(fd_, -1)) != 0) fail_os(errno, where_, "closing '", tmp_, "' failed");
+  // Checked again: the target may have become something else while the file was written.
+  struct stat st {};
+  if (::lstat(target_.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    LOOM_FAIL(where_, "'", target_, "' became ", file_kind(st.st_mode), " while the file was written; it was left alone");
+  if (::rename(tmp_.c_str(), target_.c_str()) != 0)
+    fail_os(errno, where_, "cannot rename '", tmp_, "' to '", target_, "'");
+  committed_ = true;
+
+  // The rename itself made durable. Some file systems cannot fsync a directory (EINVAL).
+  const std::string dir = parent_dir(target_);
+  Fd dir_fd{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
+  if (dir_fd.fd < 0)
+    fail_os(errno, where_, "the file was written, but its directory '", dir, "' cannot be opened to fsync it");
+  if (::fsync(dir_fd.fd) != 0 && errno != EINVAL)
+    fail_os(errno, where_, "the file was written, but fsync of its directory '", dir, "' failed");
+}
+
 void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata) {
   std::string where = "save_safetensors('" + path + "'): ";
@@ -442,60 +595,63 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
   LOOM_CHECK(header.size() <= kMaxHeaderBytes, where, "the header would take ", header.size(),
              " bytes, more than readers accept (", kMaxHeaderBytes, "): save fewer tensors or less metadata per file");
 
-  // Write to a temporary name beside `path`, which the guard removes unless the rename happened.
-  std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  Fd fd{::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
-  if (fd.fd < 0) fail_os(errno, where, "cannot create the temporary file '", tmp, "'");
-  struct Remove {
-    const std::string& path;
-    bool keep = false;
-    ~Remove() {
-      if (!keep) ::unlink(path.c_str());
-    }
-  } remove{tmp};
-
+  AtomicFile file(path, where);
   uint64_t n = header.size();
-  write_all(fd.fd, &n, 8, where, tmp);
-  write_all(fd.fd, header.data(), header.size(), where, tmp);
+  file.write(&n, 8);
+  file.write(header.data(), header.size());
   for (const auto& [name, t] : tensors) {
     Tensor host = t.detach().to(Device::cpu()).contiguous();
-    write_all(fd.fd, host.data_ptr(), host.nbytes(), where, tmp);
+    file.write(host.data_ptr(), host.nbytes());
   }
-  if (::fsync(fd.fd) != 0) fail_os(errno, where, "fsync of '", tmp, "' failed");
-  if (::close(std::exchange(fd.fd, -1)) != 0) fail_os(errno, where, "closing '", tmp, "' failed");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail_os(errno, where, "cannot rename '", tmp, "' to '", path, "'");
-  remove.keep = true;
-
-  // Make the rename itself durable. Some file systems cannot fsync a directory (EINVAL).
-  size_t slash = path.rfind('/');
-  std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  Fd dir_fd{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
-  if (dir_fd.fd < 0)
-    fail_os(errno, where, "the file was written, but its directory '", dir, "' cannot be opened to fsync it");
-  if (::fsync(dir_fd.fd) != 0 && errno != EINVAL)
-    fail_os(errno, where, "the file was written, but fsync of its directory '", dir, "' failed");
+  file.commit();
 }
 
-SafetensorsFile load_safetensors(const std::string& path, Device device) {
-  std::string where = "load_safetensors('" + path + "'): ";
-  Fd fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (fd.fd < 0) fail_os(errno, where, "cannot open the file");
+namespace {
+
+// An open safetensors file with its header read and parsed (the tensors not yet).
+struct OpenedFile {
+  Fd fd{-1};
+  uint64_t file_size = 0, header_bytes = 0;
+  Header header;
+};
+
+void open_and_read_header(const std::string& path, const std::string& where, OpenedFile& f) {
+  f.fd.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd.fd < 0) fail_os(errno, where, "cannot open the file");
   struct stat st {};
-  if (::fstat(fd.fd, &st) != 0) fail_os(errno, where, "cannot stat the file");
+  if (::fstat(f.fd.fd, &st) != 0) fail_os(errno, where, "cannot stat the file");
   LOOM_CHECK(S_ISREG(st.st_mode), where, "not a regular file");
-  uint64_t file_size = uint64_t(st.st_size);
+  const uint64_t file_size = f.file_size = uint64_t(st.st_size);
   LOOM_CHECK(file_size >= 8, where, "the file is ", file_size,
              " bytes long, shorter than the 8-byte header length that starts every safetensors file");
 
   uint64_t n = 0;
-  read_exact(fd.fd, &n, 8, 0, where, "the header length");
+  read_exact(f.fd.fd, &n, 8, 0, where, "the header length");
   LOOM_CHECK(n <= kMaxHeaderBytes, where, "the header length is ", n, " bytes, more than the limit of ",
              kMaxHeaderBytes, ": this is not a safetensors file, or a corrupt one");
   LOOM_CHECK(n <= file_size - 8, where, "the header length is ", n, " bytes, but only ", file_size - 8,
              " bytes follow it (file size ", file_size, "): the file is truncated or not a safetensors file");
   std::string text(n, '\0');
-  read_exact(fd.fd, text.data(), n, 8, where, "the header");
-  Header header = HeaderParser(text, where).parse();
+  read_exact(f.fd.fd, text.data(), n, 8, where, "the header");
+  f.header_bytes = n;
+  f.header = HeaderParser(text, where).parse();
+}
+
+}  // namespace
+
+std::map<std::string, std::string> load_safetensors_metadata(const std::string& path) {
+  OpenedFile f;
+  open_and_read_header(path, "load_safetensors('" + path + "'): ", f);
+  return std::move(f.header.metadata);
+}
+
+SafetensorsFile load_safetensors(const std::string& path, Device device) {
+  std::string where = "load_safetensors('" + path + "'): ";
+  OpenedFile f;
+  open_and_read_header(path, where, f);
+  const uint64_t file_size = f.file_size, n = f.header_bytes;
+  Header& header = f.header;
+  Fd& fd = f.fd;
 
   uint64_t buffer_size = file_size - 8 - n;
   std::vector<std::pair<DType, Shape>> layouts;

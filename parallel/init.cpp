@@ -71,6 +71,28 @@ int relaunch(int argc, char** argv, int ranks, const std::string& drop_flag) {
   return launch(options);
 }
 
+void check_same_on_every_rank(const DistContext& ctx, const std::vector<SharedValue>& values, const std::string& hint) {
+  if (!ctx.active || values.empty()) return;
+  const int64_t n = int64_t(values.size());
+  std::vector<int64_t> mine;
+  for (const SharedValue& v : values) mine.push_back(v.value);
+  Tensor in = from_vector(mine, {n}).to(ctx.device);
+  Tensor out = Tensor::empty({int64_t(ctx.size) * n}, DType::i64, ctx.device);
+  ctx.group->all_gather(out, in)->wait();
+  const std::vector<int64_t> all = out.to(Device::cpu()).to_vector<int64_t>();
+  for (int r = 1; r < ctx.size; ++r) {
+    std::string differ;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t theirs = all[size_t(r * n + i)], reference = all[size_t(i)];
+      if (theirs == reference) continue;
+      differ += ::loom::detail::str(differ.empty() ? "" : "; ", values[size_t(i)].name, ": rank ", r, " has ", theirs,
+                            ", rank 0 has ", reference);
+    }
+    LOOM_CHECK(differ.empty(), "rank ", ctx.rank, ": ranks ", r, " and 0 disagree before the first step (", differ,
+               "), so they would run different numbers of steps and collectives: ", hint);
+  }
+}
+
 double mean_over_ranks(const DistContext& ctx, double value) {
   if (!ctx.active) return value;
   Tensor t = full({1}, value, DType::f64, ctx.device);

@@ -53,6 +53,20 @@ std::vector<std::string> command_without(int argc, char** argv, const std::vecto
 // Returns the exit code the program should end with: the first failing rank's, else 0.
 int relaunch(int argc, char** argv, int ranks, const std::string& drop_flag);
 
+// A value every rank must share, such as the number of steps per epoch.
+struct SharedValue {
+  std::string name;  // "steps per epoch"
+  int64_t value = 0;
+};
+
+// Checks, before the first step, that every rank holds the same `values` (one all_gather of
+// as many int64s): ranks that disagree on the dataset's size or the steps per epoch would
+// call a different number of collectives, and the first one left over would hang or abort
+// deep inside the backend. Throws loom::Error naming the first rank that differs from rank
+// 0, each value that differs with both ranks' numbers, and `hint` (what the user should make
+// the same on every rank). Every rank must call it; nothing happens when ctx is not active.
+void check_same_on_every_rank(const DistContext& ctx, const std::vector<SharedValue>& values, const std::string& hint);
+
 // The mean over ranks of a host value, such as each rank's loss (every rank must call it;
 // the value itself when the context is not active).
 double mean_over_ranks(const DistContext& ctx, double value);

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -74,11 +75,23 @@ class Launcher {
   }
 
   const LaunchOptions& o_;
+  std::string run_id_;
   std::vector<Rank> ranks_;
   bool stopping_ = false, killed_ = false;
   Clock::time_point kill_at_;
   int exit_code_ = 0;
 };
+
+// The job's LOOM_RUN_ID (rendezvous.h). On one node, a new one per launch (host, pid, time).
+// Several nodes must share one, which only the user can give: LOOM_RUN_ID from the
+// environment, else none.
+std::string job_run_id(int nnodes) {
+  if (nnodes > 1) return process_env("LOOM_RUN_ID").value_or("");
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  return ::loom::detail::str(host, "-", ::getpid(), "-", std::chrono::duration_cast<std::chrono::microseconds>(now).count());
+}
 
 std::string prefix_of(const Rank& r) { return "[rank " + std::to_string(r.rank) + "] "; }
 
@@ -91,6 +104,7 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env) {
   env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(o_.nproc_per_node));
   env.push_back("MASTER_ADDR=" + o_.master_addr);
   env.push_back("MASTER_PORT=" + std::to_string(o_.master_port));
+  if (!run_id_.empty()) env.push_back("LOOM_RUN_ID=" + run_id_);
   // Everything the child needs is built before fork: only async-signal-safe calls after it.
   std::vector<char*> argv, envp;
   for (const auto& a : o_.command) argv.push_back(const_cast<char*>(a.c_str()));
@@ -98,6 +112,7 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env) {
   for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
   std::string exec_failed = "loomrun: cannot run '" + o_.command[0] + "': ";
+  const pid_t supervisor = ::getpid();
 
   int out[2], err[2];
   LOOM_CHECK(::pipe2(out, O_CLOEXEC) == 0 && ::pipe2(err, O_CLOEXEC) == 0, "pipe2 failed: ", std::strerror(errno));
@@ -108,6 +123,11 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env) {
   ::sigprocmask(SIG_BLOCK, &all, &old_mask);
   pid_t pid = ::fork();
   if (pid == 0) {
+    // The rank dies with its supervisor: the kernel sends SIGKILL when loomrun's thread
+    // ends, even by kill -9. Should loomrun have died before the request took hold, the
+    // parent is already another process, and the rank must not start.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != supervisor) ::_exit(128 + SIGKILL);
     ::setpgid(0, 0);
     ::dup2(out[1], 1);
     ::dup2(err[1], 2);
@@ -234,10 +254,12 @@ int Launcher::run() {
   for (char** e = environ; *e; ++e) {
     std::string var = *e;
     std::string name = var.substr(0, var.find('='));
-    static const char* ours[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+    static const char* ours[] = {"RANK",        "WORLD_SIZE",  "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                 "MASTER_ADDR", "MASTER_PORT", "LOOM_RUN_ID"};
     if (std::none_of(std::begin(ours), std::end(ours), [&](const char* n) { return name == n; }))
       base_env.push_back(var);
   }
+  run_id_ = job_run_id(o_.nnodes);
   for (int i = 0; i < o_.nproc_per_node; ++i) ranks_.push_back(Rank{o_.node_rank * o_.nproc_per_node + i});
   try {
     for (Rank& r : ranks_) spawn(r, base_env);

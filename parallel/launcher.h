@@ -7,6 +7,12 @@
 // - One poll() loop in the calling thread reads every child's stdout and stderr pipes and
 //   a self-pipe fed by the SIGCHLD/SIGINT/SIGTERM/SIGHUP handlers, so output, exits and
 //   Ctrl-C are handled in one place, without threads.
+// - Each child dies with loomrun (PR_SET_PDEATHSIG, SIGKILL), so a loomrun that is itself
+//   killed with SIGKILL leaves no unsupervised ranks behind. Call launch() from a thread
+//   that outlives the ranks (the main thread): the signal follows the thread that forked.
+// - Each job gets a run id (LOOM_RUN_ID): a rank of a second job started on the same master
+//   port at the same moment reaches the first job's store, sees another run id there and
+//   fails with the busy-port message, leaving the first job alone.
 // - Each child runs in its own process group: Ctrl-C reaches loomrun alone, which passes
 //   it on once, and stopping a rank also stops any processes it started. The price: a rank
 //   cannot read from the terminal (stdin from a file or pipe works).

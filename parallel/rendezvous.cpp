@@ -4,7 +4,9 @@
 // at what the user has to fix.
 #include "parallel/rendezvous.h"
 
+#include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <vector>
 
@@ -129,13 +131,21 @@ RendezvousInfo rendezvous_from_env(const EnvLookup& env) {
   LOOM_CHECK(port <= 65535, port_var->name, "=", port, " is not a port number: expected ", kMasterPort.expected);
 
   return {static_cast<int>(rank), static_cast<int>(world_size), static_cast<int>(local_rank),
-          static_cast<int>(local_world_size), addr->text, static_cast<int>(port)};
+          static_cast<int>(local_world_size), addr->text, static_cast<int>(port), env("LOOM_RUN_ID").value_or("")};
 }
 
-std::unique_ptr<TcpStore> connect_store(const RendezvousInfo& info, Duration timeout) {
+std::unique_ptr<TcpStore> connect_store(const RendezvousInfo& info, Duration timeout, Duration report_every) {
   auto role = info.rank == 0 ? TcpStore::Role::server : TcpStore::Role::client;
+  auto start = std::chrono::steady_clock::now();
   auto store = std::make_unique<TcpStore>(info.master_addr, info.master_port, role, timeout);
   const std::string prefix = "loom/rendezvous/";
+
+  // Another job's store answers on a port both were given: leave it alone (read only).
+  if (info.rank == 0) store->set(prefix + "run_id", info.run_id);
+  std::string run_id = store->get_string(prefix + "run_id");
+  LOOM_CHECK(run_id == info.run_id, "rank ", info.rank, ": the ", store->describe(),
+             " belongs to another job (its run id is '", run_id, "', this job's '", info.run_id,
+             "'), so nothing was changed there: ", net::port_in_use_message(info.master_addr, info.master_port));
 
   // Every rank must agree on the world size; rank 0's is the reference.
   if (info.rank == 0) store->set(prefix + "world_size", std::to_string(info.world_size));
@@ -147,27 +157,42 @@ std::unique_ptr<TcpStore> connect_store(const RendezvousInfo& info, Duration tim
   LOOM_CHECK(claims == 1, "rank ", info.rank, " joined the ", store->describe(), " ", claims,
              " times: two processes have RANK=", info.rank, " (is another job using the same MASTER_PORT?)");
 
-  auto start = std::chrono::steady_clock::now();
   std::vector<std::string> keys;
   for (int r = 0; r < info.world_size; ++r) keys.push_back(prefix + "rank/" + std::to_string(r));
-  try {
-    store->wait(keys, timeout);
-  } catch (const StoreTimeout&) {
-    // Name the ranks that are missing, if the store can still tell (rank 0 may have given up
-    // and taken it down already).
-    std::string missing = "some ranks";
+  // The ranks that have not joined, if the store can still tell (rank 0 may have given up
+  // and taken it down already).
+  auto missing = [&]() -> std::string {
     try {
       std::string listed;
       int count = 0;
       for (int r = 0; r < info.world_size; ++r)
         if (!store->check({keys[r]})) listed += (count++ ? ", " : "") + std::to_string(r);
-      missing = (count == 1 ? "rank " : "ranks ") + listed;
+      return (count == 1 ? "rank " : "ranks ") + listed;
     } catch (const Error&) {
+      return "some ranks";
     }
-    LOOM_FAIL("rank ", info.rank, ": ", missing, " of ", info.world_size, " did not join the ", store->describe(),
-              " within ", net::elapsed_since(start), ": did they start, with the same MASTER_ADDR and MASTER_PORT?");
+  };
+  const auto deadline = start + timeout;
+  for (;;) {
+    const auto left = std::chrono::ceil<Duration>(deadline - std::chrono::steady_clock::now());
+    try {
+      store->wait(keys, std::clamp(std::min(left, report_every), Duration(1), timeout));
+      return store;
+    } catch (const StoreTimeout&) {
+      if (std::chrono::steady_clock::now() >= deadline)
+        LOOM_FAIL("rank ", info.rank, ": ", missing(), " of ", info.world_size, " did not join the ",
+                  store->describe(), " within ", net::elapsed_since(start),
+                  ": did they start, with the same MASTER_ADDR and MASTER_PORT?");
+      if (info.rank == 0) {
+        const std::string line = ::loom::detail::str(
+            "rank 0: waiting for ", missing(), " of ", info.world_size, " to join the ", store->describe(), " (",
+            net::elapsed_since(start), " of the ", std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
+            " s timeout)\n");
+        std::fputs(line.c_str(), stderr);
+        std::fflush(stderr);
+      }
+    }
   }
-  return store;
 }
 
 }  // namespace loom::dist

@@ -37,6 +37,10 @@ struct RendezvousInfo {
   int local_world_size = 1;  // processes on this node
   std::string master_addr;   // where rank 0 serves the store
   int master_port = 0;
+  // LOOM_RUN_ID: the same on every rank of one job and different between jobs (loomrun sets
+  // it), so a rank that reaches another job's store on a shared port fails before it changes
+  // anything there. Empty when no launcher set it; then no job is told from another.
+  std::string run_id;
 };
 
 // Whether a launcher gave this process a rank (RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID):
@@ -50,8 +54,12 @@ RendezvousInfo rendezvous_from_env(const EnvLookup& env = process_env);
 
 // Rank 0 serves the TcpStore on master_port; every rank connects to it and then waits
 // until all world_size ranks have joined, so a rank missing, started twice, or given
-// another WORLD_SIZE is an error naming it rather than a hang later on.
-std::unique_ptr<TcpStore> connect_store(const RendezvousInfo& info, Duration timeout = Store::kDefaultTimeout);
+// another WORLD_SIZE is an error naming it rather than a hang later on. The whole rendezvous
+// takes at most about `timeout`; while rank 0 waits, it prints the ranks still missing to
+// stderr every `report_every`. A rank whose run id differs from rank 0's (another job on the
+// same port) fails with the busy-port message before it claims its rank.
+std::unique_ptr<TcpStore> connect_store(const RendezvousInfo& info, Duration timeout = Store::kDefaultTimeout,
+                                        Duration report_every = std::chrono::seconds(5));
 
 // The whole of `text` as a decimal integer, or nothing.
 std::optional<int64_t> parse_integer(std::string_view text);

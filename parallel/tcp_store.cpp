@@ -2,10 +2,14 @@
 // One connection per store, one request at a time under a mutex, so a TcpStore can be
 // shared by threads. A get or wait sends its timeout to the server, which answers
 // "timeout" when it passes; the client's own deadline is only a backstop for a server
-// that stopped answering.
+// that stopped answering. The other requests are answered at once, so their deadline is the
+// store's timeout itself. A new connection first sends one such request (check of no keys):
+// something on the port that is not a TcpStore fails there, within the timeout, instead of
+// leaving the first get to wait for an answer that never comes.
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -31,17 +35,17 @@ struct TcpStore::Connection {
   std::string name;    // "TcpStore at host:port"
   std::string broken;  // why the connection can no longer be used, once it cannot
 
-  // Sends one request frame and returns the reply body.
-  std::string request(const std::string& frame, Duration timeout) {
+  // Sends one request frame and returns the reply body, which must arrive within `limit`.
+  std::string request(const std::string& frame, Duration limit) {
     LOOM_CHECK(broken.empty(), name, " cannot be used any more: ", broken);
     try {
       auto start = Clock::now();
       net::write_all(fd.get(), frame.data(), frame.size(), name);
-      std::string header = receive(4, start, timeout + kReplyGrace);
+      std::string header = receive(4, start, limit);
       uint32_t size = wire::Reader(header).u32();
       LOOM_CHECK(size <= wire::kMaxFrame, name, " sent a reply of ", size,
                  " bytes, which is not the TcpStore protocol: is MASTER_PORT another program's port?");
-      return receive(size, start, timeout + kReplyGrace);
+      return receive(size, start, limit);
     } catch (const Error& e) {
       // The reply stream is out of step now; later requests must not read this reply.
       broken = e.what();
@@ -87,7 +91,19 @@ TcpStore::TcpStore(std::string host, int port, Role role, Duration timeout)
   }
   connection_ = std::make_unique<Connection>();
   connection_->name = describe();
+  const auto start = Clock::now();
   connection_->fd = net::connect_tcp(host_, port_, this->timeout());
+  const Duration left = std::max(Duration(1), this->timeout() - std::chrono::ceil<Duration>(Clock::now() - start));
+  std::string reply;
+  try {
+    reply = connection_->request(wire::Writer().u8(uint8_t(Op::check)).strings({}).frame(), left);
+  } catch (const Error& e) {
+    LOOM_FAIL("something accepts connections on ", host_, ":", port_, " but does not answer as a TcpStore (",
+              e.what(), "): is MASTER_PORT another program's port? Pick another with --master-port or MASTER_PORT");
+  }
+  wire::Reader in(reply);
+  LOOM_CHECK(static_cast<Status>(in.u8()) == Status::ok && in.ok(), "something accepts connections on ", host_, ":",
+             port_, " but answers in another protocol than a TcpStore's: is MASTER_PORT another program's port?");
 }
 
 TcpStore::~TcpStore() = default;
@@ -120,7 +136,7 @@ Bytes TcpStore::get_impl(const std::string& key, Duration timeout) {
   {
     std::lock_guard lock(connection_->mutex);
     body = connection_->request(
-        wire::Writer().u8(uint8_t(Op::get)).bytes(key).i64(timeout.count()).frame(), timeout);
+        wire::Writer().u8(uint8_t(Op::get)).bytes(key).i64(timeout.count()).frame(), timeout + kReplyGrace);
   }
   wire::Reader in(body);
   if (status_of(in, connection_->name) == Status::timeout) fail_timeout({key}, {key}, start);
@@ -148,7 +164,7 @@ void TcpStore::wait_impl(const std::vector<std::string>& keys, Duration timeout)
   {
     std::lock_guard lock(connection_->mutex);
     body = connection_->request(
-        wire::Writer().u8(uint8_t(Op::wait)).strings(keys).i64(timeout.count()).frame(), timeout);
+        wire::Writer().u8(uint8_t(Op::wait)).strings(keys).i64(timeout.count()).frame(), timeout + kReplyGrace);
   }
   wire::Reader in(body);
   if (status_of(in, connection_->name) == Status::timeout) fail_timeout(keys, in.strings(), start);

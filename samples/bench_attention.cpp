@@ -135,8 +135,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_attention: no CUDA GPU visible; this benchmark needs one\n");
     return 1;
   }
-  const auto torch = torch_path.empty() ? std::map<std::string, std::pair<double, double>>() : read_torch(torch_path);
   try {
+    const auto torch = torch_path.empty() ? std::map<std::string, std::pair<double, double>>() : read_torch(torch_path);
     std::vector<Row> rows;
     std::printf("%-34s %10s %9s %12s %9s %12s %12s\n", "shape", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
                 "torch fwd", "torch f+b");
@@ -170,6 +170,9 @@ int main(int argc, char** argv) {
       std::ofstream(json_path) << Json::object().set("benchmarks", std::move(benchmarks)).dump(2) << "\n";
     }
   } catch (const Error& e) {
+    std::fprintf(stderr, "bench_attention: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {  // std::bad_alloc and the like: a message, not std::terminate
     std::fprintf(stderr, "bench_attention: %s\n", e.what());
     return 1;
   }

@@ -50,7 +50,8 @@ int main(int argc, char** argv) {
   flags.add_switch("bucket-view", &bucket_view, "with --ddp: gradients stay views into the buckets (no copy back)");
   flags.add("json", &json, "append the result here as a JSON line", {}, "FILE");
   flags.add_switch("cudnn-graph", &cudnn_graph, "convolutions on cuDNN's graph API plans (else its convolution API)");
-  flags.parse(argc, argv);
+  if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
+    flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
   Options run_options = options();
   run_options.cudnn_graph_api = cudnn_graph;
   set_options(run_options);
@@ -168,6 +169,9 @@ int main(int argc, char** argv) {
     if (!json.empty()) samples::MetricsLog(json).write(record);
     return 0;
   } catch (const Error& e) {
+    std::fprintf(stderr, "bench_cnn: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {  // std::bad_alloc and the like: a message, not std::terminate
     std::fprintf(stderr, "bench_cnn: %s\n", e.what());
     return 1;
   }

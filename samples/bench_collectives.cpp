@@ -34,8 +34,10 @@
 #include "parallel/store.h"
 #include "parallel/diagnostics/collective_bench.h"
 #include "parallel/init.h"
+#include "parallel/rendezvous.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
+#include "samples/common/program.h"
 
 using namespace loom;
 namespace bench = dist::diagnostics;  // the formulas, parallel/diagnostics/collective_bench.h
@@ -210,6 +212,30 @@ samples::MetricRecord json_record(const Run& run, Collective c, const Row& row) 
           {"device", run.ctx.device.str()}};
 }
 
+// The largest row must fit in the memory there is, on every rank of this machine at once.
+void check_memory(const Run& run, const std::vector<Collective>& collectives, int64_t max_bytes,
+                  const std::string& max_text, const samples::Flags& flags) {
+  const int local_ranks = int(dist::parse_integer(dist::process_env("LOCAL_WORLD_SIZE").value_or("1")).value_or(1));
+  bench::MemoryNeed worst;
+  const char* worst_name = "";
+  for (Collective c : collectives) {
+    const bench::CollectiveShape shape = bench::collective_shape(c, max_bytes, dtype_size(run.dtype), run.ctx.size);
+    const bench::MemoryNeed need = bench::memory_need(c, shape, dtype_size(run.dtype), !run.ctx.device.is_cuda());
+    if (need.host_bytes > worst.host_bytes) worst = need, worst_name = bench::collective_name(c);
+  }
+  const int64_t available = bench::available_host_memory();
+  const double gib = 1024.0 * 1024 * 1024;
+  if (available < 0 || double(worst.host_bytes) * local_ranks <= double(available)) return;
+  char text[320];
+  std::snprintf(text, sizeof text,
+                "-e/--maxbytes %s: at that size each rank needs about %.1f GiB of host memory (%s's buffers and the "
+                "check's float64 copies), %d rank(s) on this machine %.1f GiB, and %.1f GiB is available: lower "
+                "-e/--maxbytes",
+                max_text.c_str(), double(worst.host_bytes) / gib, worst_name, local_ranks,
+                double(worst.host_bytes) * local_ranks / gib, double(available) / gib);
+  flags.fail(text);
+}
+
 int64_t parse_size_flag(const samples::Flags& flags, const char* spelling, const std::string& text) {
   try {
     return bench::parse_size(text);
@@ -218,9 +244,7 @@ int64_t parse_size_flag(const samples::Flags& flags, const char* spelling, const
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // loomrun reads our output through a pipe
   Options o;
   samples::Flags flags("bench_collectives",
@@ -293,6 +317,7 @@ int main(int argc, char** argv) {
            : o.redop == "min" ? dist::ReduceOp::min
                               : dist::ReduceOp::sum;
     run.root = int(o.root);
+    check_memory(run, collectives, max_bytes, o.max_bytes, flags);
     run.iters = o.iters, run.warmup = o.warmup, run.check = o.check == 1;
     const bool main_rank = run.ctx.is_main();
     samples::MetricsLog log(main_rank ? o.json : "");
@@ -334,4 +359,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_collectives: %s\n", e.what());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return samples::run_guarded("bench_collectives", [&] { return run(argc, argv); });
 }

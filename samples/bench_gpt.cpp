@@ -63,7 +63,8 @@ int main(int argc, char** argv) {
   flags.add_switch("weight-copies", &run_options.autocast_weight_copies, "keep autocast's bf16 weight copies");
   flags.add_switch("gradient-copies", &run_options.autocast_gradient_copies,
                    "LayerNorm's backward keeps the bf16 gradient a product reads");
-  flags.parse(argc, argv);
+  if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
+    flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
   set_options(run_options);
   try {
     if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
@@ -249,6 +250,9 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const Error& e) {
+    std::fprintf(stderr, "bench_gpt: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {  // std::bad_alloc and the like: a message, not std::terminate
     std::fprintf(stderr, "bench_gpt: %s\n", e.what());
     return 1;
   }

@@ -132,5 +132,8 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     std::fprintf(stderr, "demo: %s\n", e.what());
     return 1;
+  } catch (const std::exception& e) {  // std::bad_alloc and the like: a message, not std::terminate
+    std::fprintf(stderr, "demo: %s\n", e.what());
+    return 1;
   }
 }

@@ -167,7 +167,7 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::cerr << "loomrun: " << e.message << " (loomrun --help explains the flags)\n";
     return 2;
-  } catch (const loom::Error& e) {
+  } catch (const std::exception& e) {  // loom::Error, and std::bad_alloc and the like
     std::cerr << "loomrun: " << e.what() << "\n";
     return 1;
   }

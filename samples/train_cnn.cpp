@@ -35,6 +35,7 @@
 #include "parallel/trace.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
+#include "samples/common/program.h"
 #include "samples/common/progress.h"
 #include "samples/common/scaling.h"
 
@@ -50,7 +51,7 @@ struct Options {
   int64_t epochs = 0, batch_size = 128, seed = 0, workers = 4, subset = 0, test_subset = 0, save_every = 0;
   int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600, scaling = 0;
   double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
-  bool gpu_resident = false, quiet = false, sync_bn_stats = false;
+  bool gpu_resident = false, quiet = false, sync_bn_stats = false, allow_nonfinite = false;
 };
 
 struct Datasets {
@@ -72,6 +73,10 @@ void take_first(data::ImageSet* set, int64_t n) {
   set->count = n;
   set->pixels.resize(size_t(n * set->image_bytes()));
   if (!set->labels.empty()) set->labels.resize(size_t(n));
+}
+
+std::string shape_text(const data::ImageSet& s) {
+  return std::to_string(s.channels) + "x" + std::to_string(s.height) + "x" + std::to_string(s.width);
 }
 
 Datasets load_datasets(const Options& o, const samples::Flags& flags) {
@@ -108,11 +113,14 @@ Datasets load_datasets(const Options& o, const samples::Flags& flags) {
     d.test = data::load_image_folder((std::filesystem::path(dir) / "test").string(), int(d.train.channels));
     if (d.train.class_names != d.test.class_names)
       flags.fail("--data-dir " + dir + ": train/ and test/ have different class folders");
-    if (d.test.height != d.train.height || d.test.width != d.train.width)
-      flags.fail("--data-dir " + dir + ": train/ and test/ images differ in size");
     d.mean.assign(size_t(d.train.channels), 0.5f);
     d.std.assign(size_t(d.train.channels), 0.5f);
   }
+  if (d.test.channels != d.train.channels || d.test.height != d.train.height || d.test.width != d.train.width)
+    flags.fail("the test images in " + d.test.source + " are " + shape_text(d.test) + " (channels x height x width), " +
+               "the training images in " + d.train.source + " are " + shape_text(d.train) +
+               ": a model trained on one shape cannot be tested on another; give a test set of the training images' "
+               "shape");
   take_first(&d.train, o.subset);
   take_first(&d.test, o.test_subset);
   d.name = o.data;
@@ -135,6 +143,30 @@ std::shared_ptr<nn::Module> make_model(const Options& o, const Datasets& d, cons
     return std::make_shared<nn::SimpleCNN>(d.train.channels, d.train.height, classes);
   }
   return nn::resnet18(classes, d.train.channels);
+}
+
+// What a checkpoint to resume holds, checked against this run before anything is loaded:
+// the program and model first (a message that names them beats a list of missing weights),
+// then the settings that give its data position its meaning.
+void check_resume(const Options& o, const std::map<std::string, std::string>& saved, const samples::Flags& flags) {
+  const auto entry = [&](const char* key) { return saved.count(key) ? saved.at(key) : std::string(); };
+  if (!entry("program").empty() && entry("program") != "train_cnn")
+    flags.fail("--resume " + o.resume + " was written by " + entry("program") +
+               (entry("config").empty() ? "" : " (a GPT of config " + entry("config") + ")") +
+               "; train_cnn resumes its own checkpoints");
+  if (entry("model").empty() && !entry("config").empty())
+    flags.fail("--resume " + o.resume + " holds a GPT (config " + entry("config") +
+               ", written by train_gpt); train_cnn resumes its own checkpoints");
+  for (const char* key : {"model", "data"}) {
+    const std::string& mine = key == std::string("model") ? o.model : o.data;
+    if (!entry(key).empty() && entry(key) != mine)
+      flags.fail("--resume " + o.resume + " holds a " + entry("model") + " trained on " + entry("data") +
+                 "; this run is --" + key + " " + mine + ": resume with --model " + entry("model") + " --data " +
+                 entry("data"));
+  }
+  if (!entry("optimizer").empty() && entry("optimizer") != o.optimizer)
+    flags.fail("--resume " + o.resume + " was saved with --optimizer " + entry("optimizer") + ", this run has --optimizer " +
+               o.optimizer + ": resume with --optimizer " + entry("optimizer"));
 }
 
 std::unique_ptr<optim::Optimizer> make_optimizer(const Options& o, const TensorList& params) {
@@ -182,9 +214,7 @@ EvalResult evaluate(nn::Module& model, const data::DataLoader& loader, std::opti
   return {loss_sum.item() / double(seen), correct.item() / double(seen)};
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   Options o;
   samples::Flags flags("train_cnn",
                        "Trains SimpleCNN (the guide's CIFAR-10 network) or ResNet-18 on Fashion-MNIST, CIFAR-10/100 or an\n"
@@ -234,7 +264,13 @@ int main(int argc, char** argv) {
             "--metrics JSON lines, --plot SVG); add --device cpu for CPU ranks",
             0, 1024);
   flags.add_switch("quiet", &o.quiet, "print only the per-epoch summaries");
-  flags.parse(argc, argv);
+  flags.add_switch("allow-nonfinite", &o.allow_nonfinite,
+                   "train on even when the initial weights or the loss hold NaN or infinity (default: stop, naming "
+                   "the parameter or the step)");
+  samples::reject_positional(flags, flags.parse(argc, argv), "the data is chosen with --data and --data-dir");
+  if (!o.init.empty() && !o.resume.empty())
+    flags.fail("--init " + o.init + " and --resume " + o.resume +
+               " both give the weights: --resume continues a run (its weights included), --init starts a new one");
   if (o.scaling > 0 && !dist::launched_with_rank()) {
     samples::ScalingOptions so;
     so.max_ranks = int(o.scaling);
@@ -250,10 +286,12 @@ int main(int argc, char** argv) {
     return dist::relaunch(argc, argv, int(o.gpus), "gpus");
   }
 
-  try {
+  {
     // ---- resolve defaults ---------------------------------------------------------------
     const bool resnet = o.model == "resnet18";
     if (o.optimizer == "auto") o.optimizer = resnet ? "sgd" : "adam";
+    if (flags.given("momentum") && o.optimizer != "sgd")
+      flags.fail("--momentum is SGD's; this run's optimizer is " + o.optimizer + " (add --optimizer sgd, or drop it)");
     if (o.lr == 0) o.lr = o.optimizer == "sgd" ? 0.1 : 1e-3;
     if (o.weight_decay < 0) o.weight_decay = o.optimizer == "sgd" ? 5e-4 : o.optimizer == "adamw" ? 0.01 : 0;
     const bool on_gpu = o.device == "auto" ? cuda_device_count() > 0 : o.device.starts_with("cuda");
@@ -274,9 +312,14 @@ int main(int argc, char** argv) {
         flags.fail("--device " + o.device + ": " + e.what());
       }
     }
+    // A checkpoint to resume is looked at (its header alone) before any data is read.
+    const std::map<std::string, std::string> saved =
+        o.resume.empty() ? std::map<std::string, std::string>{} : samples::checkpoint_entries(flags, o.resume, "train_cnn");
+    if (!o.resume.empty()) check_resume(o, saved, flags);
     dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
     const Device device = ctx.device;
     const bool main_rank = ctx.is_main();
+    if (main_rank) samples::check_output_paths(flags, {{"--save", o.save}, {"--plot", o.plot}});
     if (device.is_cuda() && device.index >= cuda_device_count())
       flags.fail("--device " + o.device + ": there is no such GPU (" + std::to_string(cuda_device_count()) +
                  " visible)");
@@ -316,11 +359,37 @@ int main(int argc, char** argv) {
     const int64_t steps_per_epoch = train_loader.num_batches();
     const int64_t total_steps = o.max_steps > 0 ? std::min(o.max_steps, steps_per_epoch * o.epochs)
                                                 : steps_per_epoch * o.epochs;
+    dist::check_same_on_every_rank(ctx,
+                                   {{"training images", train_count},
+                                    {"batch size", o.batch_size},
+                                    {"steps per epoch", steps_per_epoch},
+                                    {"steps in all", total_steps}},
+                                   "start every rank with the same --subset, --batch-size, --epochs and --max-steps, "
+                                   "and the same copy of the data");
+    if (!o.resume.empty())
+      samples::check_saved_settings(
+          flags, o.resume, saved,
+          {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
+           {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
+           {"world_size", "the rank count", std::to_string(ctx.size), "each rank's shard of the data depends on the rank count"},
+           {"train_images", "the training image count", std::to_string(train_count),
+            "its data position is a place in a dataset of that size (same --subset and data)"}});
+    if (main_rank && o.warmup > total_steps)
+      std::fprintf(stderr, "train_cnn: warning: --warmup %lld is longer than the run's %lld steps: the learning rate "
+                   "never reaches --lr %g\n", (long long)o.warmup, (long long)total_steps, o.lr);
+    if (main_rank && std::all_of(d.train.labels.begin(), d.train.labels.end(),
+                                 [&](int64_t l) { return l == d.train.labels.front(); }))
+      std::fprintf(stderr, "train_cnn: warning: every training image has label %lld: a model learns nothing from one "
+                   "class (a --subset of sorted data, or one class folder?)\n",
+                   (long long)(d.train.labels.empty() ? 0 : d.train.labels.front()));
 
     // ---- model, optimizer, schedule --------------------------------------------------------
     manual_seed(uint64_t(o.seed));
     std::shared_ptr<nn::Module> model = make_model(o, d, flags);
-    if (!o.init.empty()) nn::load_weights(o.init, *model);
+    if (!o.init.empty()) {
+      nn::load_weights(o.init, *model);
+      if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--init " + o.init);
+    }
     model->to(device);
     // Under data parallelism the step runs through DDP, which starts every rank from rank 0's
     // weights and averages the gradients during backward; checkpoints and evaluation use the
@@ -340,17 +409,10 @@ int main(int argc, char** argv) {
     std::vector<std::pair<double, double>> train_curve, test_loss_curve, test_acc_curve, train_acc_curve;
     if (!o.resume.empty()) {
       auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched});
-      auto number = [&](const char* key) -> int64_t {
-        auto it = user.find(key);
-        LOOM_CHECK(it != user.end(), o.resume, ": the checkpoint has no ", key, " entry; was it written by train_cnn?");
-        return std::stoll(it->second);
-      };
-      epoch = number("epoch"), batch = number("batch"), step = number("step");
-      for (const char* key : {"model", "data"}) {
-        const std::string& mine = key == std::string("model") ? o.model : o.data;
-        if (user.count(key) && user.at(key) != mine)
-          flags.fail("--resume " + o.resume + " was a " + user.at(key) + " run; this one is --" + key + " " + mine);
-      }
+      epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_cnn");
+      batch = samples::checkpoint_integer(o.resume, user, "batch", "train_cnn");
+      step = samples::checkpoint_integer(o.resume, user, "step", "train_cnn");
+      if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--resume " + o.resume);
       if (main_rank) std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
                   (long long)batch, (long long)step);
     }
@@ -372,9 +434,14 @@ int main(int argc, char** argv) {
                                    .user = {{"epoch", std::to_string(next_epoch)},
                                             {"batch", std::to_string(next_batch)},
                                             {"step", std::to_string(step)},
+                                            {"program", "train_cnn"},
                                             {"model", o.model},
                                             {"data", o.data},
-                                            {"seed", std::to_string(o.seed)}}});
+                                            {"optimizer", o.optimizer},
+                                            {"seed", std::to_string(o.seed)},
+                                            {"batch_size", std::to_string(o.batch_size)},
+                                            {"world_size", std::to_string(ctx.size)},
+                                            {"train_images", std::to_string(train_count)}}});
     };
 
     // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).
@@ -414,8 +481,12 @@ int main(int argc, char** argv) {
         ++step, ++batch, ++epoch_steps;
         Tensor l = loss.detach();
         loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
-        // Reading the loss waits for the GPU; the progress line does so only when it redraws.
-        if (main_rank && !o.quiet && (batch % 20 == 0 || batch == steps_per_epoch))
+        // Reading the loss waits for the GPU; the progress line does so only when it redraws,
+        // and the loss is checked there too (on the CPU, every step).
+        const bool redraw = main_rank && !o.quiet && (batch % 20 == 0 || batch == steps_per_epoch);
+        if (!o.allow_nonfinite && (!device.is_cuda() || batch % 20 == 0 || batch == steps_per_epoch))
+          samples::check_finite_loss(l.item(), step, !device.is_cuda());
+        if (redraw)
           progress.update(batch, batch * o.batch_size, l.item(), samples::device_note(device, batches.stall_seconds()));
         if (o.save_every > 0 && step % o.save_every == 0) save(epoch, batch);
         if (step >= total_steps) break;
@@ -458,8 +529,11 @@ int main(int argc, char** argv) {
       if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
     }
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "train_cnn: %s\n", e.what());
-    return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return samples::run_guarded("train_cnn", [&] { return run(argc, argv); });
 }

@@ -25,6 +25,7 @@
 #include "parallel/rendezvous.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
+#include "samples/common/program.h"
 #include "samples/common/progress.h"
 #include "samples/common/scaling.h"
 
@@ -38,7 +39,7 @@ struct Options {
   int64_t epochs = 0, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
   int64_t generate = 300, top_k = 40, timeout_s = 600, scaling = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
-  bool recompute = false;
+  bool recompute = false, allow_nonfinite = false;
 };
 
 // Samples `count` bytes after `prompt` (temperature, top-k) with the model on `device`.
@@ -70,9 +71,21 @@ std::string generate(nn::GPT& model, const std::string& prompt, int64_t count, d
   return out;
 }
 
-}  // namespace
+// What a checkpoint to resume holds, checked against this run before any data is read: the
+// program and the config first (a message that names them beats a list of missing weights).
+void check_resume(const Options& o, const std::map<std::string, std::string>& saved, const samples::Flags& flags) {
+  const auto entry = [&](const char* key) { return saved.count(key) ? saved.at(key) : std::string(); };
+  if (!entry("model").empty() || (!entry("program").empty() && entry("program") != "train_gpt"))
+    flags.fail("--resume " + o.resume + " was written by " +
+               (entry("program").empty() ? std::string("train_cnn") : entry("program")) +
+               (entry("model").empty() ? "" : " and holds a " + entry("model") + " trained on " + entry("data")) +
+               "; train_gpt resumes its own checkpoints");
+  if (!entry("config").empty() && entry("config") != o.config)
+    flags.fail("--resume " + o.resume + " holds a GPT of config " + entry("config") + "; this run is --config " +
+               o.config + ": resume with --config " + entry("config"));
+}
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   Options o;
   samples::Flags flags("train_gpt",
                        "Trains a GPT on text (bytes as tokens; default Debian's fortunes) or token shards, then\n"
@@ -111,7 +124,22 @@ int main(int argc, char** argv) {
             "run the same training on 1, 2, 4, ... N ranks and report speedup and efficiency (table, "
             "--metrics JSON lines, --plot SVG); add --device cpu for CPU ranks",
             0, 1024);
-  flags.parse(argc, argv);
+  flags.add_switch("allow-nonfinite", &o.allow_nonfinite,
+                   "train on even when the resumed weights or the loss hold NaN or infinity (default: stop, naming "
+                   "the parameter or the step)");
+  const std::vector<std::string> positional = flags.parse(argc, argv);
+  samples::reject_positional(flags, positional, positional.empty() ? "" : "did you mean --data " + positional[0] + "?");
+  if (flags.given("data") && !o.shards.empty())
+    flags.fail("--data " + o.data + " and --shards " + o.shards + " both name the training data: give one");
+  if (o.generate > 0 && o.shards.empty() && o.prompt.empty())
+    flags.fail("--prompt is empty: generation continues a text of at least one byte (or --generate 0 for none)");
+  for (const char* unused : {"prompt", "temperature", "top-k"}) {
+    if (!flags.given(unused)) continue;
+    if (o.generate == 0) flags.fail(std::string("--") + unused + " shapes the generated text, and --generate 0 asks for none");
+    if (!o.shards.empty())
+      flags.fail(std::string("--") + unused + " shapes the generated text, and a run on --shards generates none "
+                 "(its tokens are not bytes)");
+  }
   if (o.scaling > 0 && !dist::launched_with_rank()) {
     samples::ScalingOptions so;
     so.max_ranks = int(o.scaling);
@@ -119,7 +147,7 @@ int main(int argc, char** argv) {
     so.unit = "tok/s";
     so.json_path = o.metrics == "train_gpt.jsonl" ? "train_gpt_scaling.jsonl" : o.metrics;
     so.svg_path = o.plot == "train_gpt.svg" ? "train_gpt_scaling.svg" : o.plot;
-    so.drop_flags.push_back("generate");
+    for (const char* flag : {"generate", "prompt", "temperature", "top-k"}) so.drop_flags.push_back(flag);
     so.extra_args = {"--generate", "0"};  // measure training only
     so.quiet_flag = false;
     return samples::run_scaling(argc, argv, so);
@@ -130,10 +158,14 @@ int main(int argc, char** argv) {
                  " GPU(s) are visible");
     return dist::relaunch(argc, argv, int(o.gpus), "gpus");
   }
-  try {
+  {
+    // A checkpoint to resume is looked at (its header alone) before any data is read.
+    const std::map<std::string, std::string> saved =
+        o.resume.empty() ? std::map<std::string, std::string>{} : samples::checkpoint_entries(flags, o.resume, "train_gpt");
     dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
     const Device device = ctx.device;
     const bool main_rank = ctx.is_main();
+    if (main_rank) samples::check_output_paths(flags, {{"--save", o.save}, {"--plot", o.plot}});
     // With no flags: on a GPU the guide's model in bf16 for 3 epochs (about 20 s on an H200,
     // enough to write text with words in it); on the CPU the tiny one for an epoch.
     const bool on_gpu = device.is_cuda();
@@ -149,6 +181,7 @@ int main(int argc, char** argv) {
     config.recompute = o.recompute;
     if (o.context > config.context) flags.fail("--context " + std::to_string(o.context) + " is longer than the " +
                                                o.config + " config's " + std::to_string(config.context));
+    if (!o.resume.empty()) check_resume(o, saved, flags);
 
     // ---- data: a token stream, split 90/10 into training and validation ----------------
     data::TokenShard all;
@@ -191,6 +224,24 @@ int main(int argc, char** argv) {
     const int64_t steps_per_epoch = train_loader.num_batches();
     const int64_t total_steps = o.max_steps > 0 ? std::min(o.max_steps, steps_per_epoch * o.epochs)
                                                 : steps_per_epoch * o.epochs;
+    dist::check_same_on_every_rank(ctx,
+                                   {{"tokens", int64_t(all.tokens.size())},
+                                    {"training windows", train_set->size()},
+                                    {"batch size", o.batch_size},
+                                    {"steps per epoch", steps_per_epoch},
+                                    {"steps in all", total_steps}},
+                                   "start every rank with the same --data or --shards, --context, --batch-size, "
+                                   "--epochs and --max-steps, and the same copy of the data");
+    if (!o.resume.empty())
+      samples::check_saved_settings(
+          flags, o.resume, saved,
+          {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
+           {"context", "--context", std::to_string(o.context), "its data position counts windows of that length"},
+           {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
+           {"world_size", "the rank count", std::to_string(ctx.size),
+            "each rank's shard of the data depends on the rank count"},
+           {"train_windows", "the training window count", std::to_string(train_set->size()),
+            "its data position is a place in that many windows (the same data)"}});
 
     // ---- model and optimizer -------------------------------------------------------------
     manual_seed(uint64_t(o.seed));
@@ -208,9 +259,10 @@ int main(int argc, char** argv) {
     int64_t epoch = 0, batch = 0, step = 0;
     if (!o.resume.empty()) {
       auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched});
-      for (const char* key : {"epoch", "batch", "step"})
-        LOOM_CHECK(user.count(key), o.resume, ": the checkpoint has no ", key, " entry; was it written by train_gpt?");
-      epoch = std::stoll(user.at("epoch")), batch = std::stoll(user.at("batch")), step = std::stoll(user.at("step"));
+      epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
+      batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
+      step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");
+      if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--resume " + o.resume);
     }
     if (main_rank)
       std::printf("train_gpt: GPT %s (%lld parameters; %lld layers, width %lld, %lld heads) on %lld tokens "
@@ -243,6 +295,10 @@ int main(int argc, char** argv) {
         ++step, ++batch, ++steps;
         Tensor l = loss.detach();
         loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
+        // Reading the loss waits for the GPU: it is checked where the progress line reads it
+        // (on the CPU, every step).
+        if (!o.allow_nonfinite && (!device.is_cuda() || batch % 10 == 0 || batch == steps_per_epoch))
+          samples::check_finite_loss(l.item(), step, !device.is_cuda());
         if (main_rank && (batch % 10 == 0 || batch == steps_per_epoch))
           progress.update(batch, batch * o.batch_size * o.context, l.item(),
                           samples::device_note(device, batches.stall_seconds()));
@@ -284,14 +340,24 @@ int main(int argc, char** argv) {
         nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched,
                                      .user = {{"epoch", std::to_string(finished ? epoch + 1 : epoch)},
                                               {"batch", std::to_string(finished ? 0 : batch)},
-                                              {"step", std::to_string(step)}}});
+                                              {"step", std::to_string(step)},
+                                              {"program", "train_gpt"},
+                                              {"config", o.config},
+                                              {"context", std::to_string(o.context)},
+                                              {"batch_size", std::to_string(o.batch_size)},
+                                              {"seed", std::to_string(o.seed)},
+                                              {"world_size", std::to_string(ctx.size)},
+                                              {"train_windows", std::to_string(train_set->size())}}});
     }
     if (main_rank && o.generate > 0 && o.shards.empty())
       std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s\n", o.temperature, (long long)o.top_k,
                   generate(*model, o.prompt, o.generate, o.temperature, o.top_k, device, uint64_t(o.seed)).c_str());
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "train_gpt: %s\n", e.what());
-    return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return samples::run_guarded("train_gpt", [&] { return run(argc, argv); });
 }

@@ -4,7 +4,9 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <fstream>
 #include <limits>
+#include <string>
 
 #include "kernels/core/error.h"
 
@@ -202,6 +204,31 @@ double tolerance(Collective c, dist::ReduceOp op, DType dtype, int n) {
   // backend), each off by at most half a unit in the last place of a value below the bound.
   const double magnitude = op == dist::ReduceOp::avg ? kLargestInput : largest_sum;
   return (n + 2) * std::ldexp(magnitude, -bits);
+}
+
+MemoryNeed memory_need(Collective c, const CollectiveShape& shape, size_t element_size, bool buffers_on_host) {
+  const int64_t out = in_place(c) ? 0 : shape.out_count;
+  const int64_t buffers = 2 * (shape.in_count + out) * int64_t(element_size);
+  // make_input's values and their float64 tensor, or the output read back as float64 twice.
+  const int64_t copies = 16 * std::max(shape.in_count, shape.out_count);
+  MemoryNeed need;
+  need.host_bytes = copies + (buffers_on_host ? buffers : 0);
+  need.device_bytes = buffers_on_host ? 0 : buffers;
+  return need;
+}
+
+int64_t available_host_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    if (!line.starts_with("MemAvailable:")) continue;
+    const char* p = line.c_str() + 13;
+    while (*p == ' ') ++p;
+    int64_t kib = 0;
+    auto [end, ec] = std::from_chars(p, line.c_str() + line.size(), kib);
+    return ec == std::errc() ? kib * 1024 : -1;
+  }
+  return -1;
 }
 
 }  // namespace loom::dist::diagnostics

@@ -63,6 +63,19 @@ struct CollectiveShape {
 };
 CollectiveShape collective_shape(Collective c, int64_t nominal_bytes, size_t element_size, int n);
 
+// The memory one rank of bench_collectives holds at its peak for a row of `shape`: the timed
+// call's input and output and, while they live, the check's fresh pair, plus the host copies
+// the check makes (each input is built as float64 values on the host, the output read back
+// as float64). `buffers_on_host` is false when the buffers live on a GPU; the float64 copies
+// are on the host either way. Checked against the memory there is before the first row, so
+// a size too large for the machine is an error naming it rather than std::bad_alloc.
+struct MemoryNeed {
+  int64_t host_bytes = 0, device_bytes = 0;
+};
+MemoryNeed memory_need(Collective c, const CollectiveShape& shape, size_t element_size, bool buffers_on_host);
+// MemAvailable of /proc/meminfo, in bytes; -1 when it cannot be read.
+int64_t available_host_memory();
+
 // busbw / algbw at world size n (see the header comment).
 double bus_factor(Collective c, int n);
 struct Bandwidth {

@@ -1,13 +1,12 @@
 #include "samples/common/metrics.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <sstream>
 
+#include "engine/serialization.h"
 #include "kernels/core/error.h"
 #include "parallel/diagnostics/json.h"
 
@@ -117,15 +116,10 @@ void write_svg_chart(const std::string& path, const std::string& title, const st
   }
   s << "</svg>\n";
 
-  const std::string text = s.str(), tmp = path + ".tmp-" + std::to_string(getpid());
-  std::FILE* f = std::fopen(tmp.c_str(), "w");
-  LOOM_CHECK(f != nullptr, path, ": cannot write the chart: ", std::strerror(errno));
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = std::fclose(f) == 0 && ok;
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    LOOM_FAIL(path, ": cannot write the chart: ", std::strerror(errno));
-  }
+  const std::string text = s.str();
+  AtomicFile file(path, path + ": cannot write the chart: ");
+  file.write(text.data(), text.size());
+  file.commit();
 }
 
 }  // namespace loom::samples

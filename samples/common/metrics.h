@@ -46,8 +46,9 @@ struct Panel {
   std::vector<Series> series;
 };
 
-// Writes panels side by side as a standalone SVG file (atomically: a temporary file
-// renamed over `path`). Throws loom::Error naming the file when it cannot be written.
+// Writes panels side by side as a standalone SVG file, atomically (engine/serialization.h's
+// AtomicFile: symlinks followed, a path that is not a regular file refused, permissions
+// kept). Throws loom::Error naming the file when it cannot be written.
 void write_svg_chart(const std::string& path, const std::string& title, const std::vector<Panel>& panels);
 
 }  // namespace loom::samples

@@ -1,0 +1,67 @@
+// What the programs share around their training loop: main's exception guard, and the
+// checks a training program makes before its first step (output paths, checkpoints it
+// resumes, weights it loads) and during its run (the loss), so that a mistake costs seconds
+// and a message naming the flag, file or value, never an epoch or an abort.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "layers/module.h"
+#include "samples/common/flags.h"
+
+namespace loom::samples {
+
+// Runs `body` and returns its exit status; anything it throws becomes one line on stderr
+// ("<program>: <what>") and status 1, so no program ends in std::terminate (exit 134).
+int run_guarded(const char* program, const std::function<int()>& body);
+
+// Positional arguments are mistakes in programs that take only flags: the first is named,
+// with `hint` ("did you mean --data FILE?").
+void reject_positional(const Flags& flags, const std::vector<std::string>& positional, const std::string& hint);
+
+// Each (flag, path) with a non-empty path must be writable now (engine/serialization.h's
+// check_output_path): a missing or read-only directory, or a path that is a directory or a
+// device, fails before any work with the flag and the path named.
+void check_output_paths(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths);
+
+// A checkpoint's own entries (the "user." metadata save_checkpoint stores), read from its
+// header without loading its tensors. A file that is no training checkpoint fails here,
+// naming --resume and `program`.
+std::map<std::string, std::string> checkpoint_entries(const Flags& flags, const std::string& path,
+                                                      const std::string& program);
+
+// Entry `key` of a checkpoint as an integer >= 0; a missing or malformed one is a loom::Error
+// naming the file, the key and the value (so a hand-edited file is not a std::stoll abort).
+int64_t checkpoint_integer(const std::string& path, const std::map<std::string, std::string>& entries,
+                           const std::string& key, const std::string& program);
+
+// One setting a resumed run must share with the run that saved the checkpoint.
+struct SavedSetting {
+  std::string key;    // the checkpoint entry, "batch_size"
+  std::string flag;   // "--batch-size"
+  std::string value;  // this run's
+  std::string why;    // what a different value would break
+};
+// Fails naming the flag, the saved value and this run's for the first setting that differs;
+// entries the checkpoint lacks (older files) are not compared.
+void check_saved_settings(const Flags& flags, const std::string& path, const std::map<std::string, std::string>& entries,
+                          const std::vector<SavedSetting>& settings);
+
+// Throws a loom::Error naming `source` (the flag and file the weights came from), the first
+// parameter holding a NaN or an infinity, and the element, unless every value is finite.
+void check_finite_parameters(const nn::Module& model, const std::string& source);
+
+// Stops a run whose loss is no longer finite, naming the step. On the CPU each step's loss
+// is read anyway; on a GPU reading it waits for the device, so it is checked where the
+// program reads it (`exact` false: the message says the step it was seen at).
+void check_finite_loss(double loss, int64_t step, bool exact);
+
+// The flag that lets a run go on through non-finite weights and losses, for the messages.
+inline constexpr const char* kAllowNonfiniteFlag = "--allow-nonfinite";
+
+}  // namespace loom::samples
