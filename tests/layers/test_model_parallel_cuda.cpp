@@ -81,7 +81,9 @@ Trained train(const std::vector<Device>& devices, PlacementPolicy policy, int st
     out.losses.push_back(loss.item());
     for (const auto& [name, p] : model.named_parameters()) {
       EXPECT_TRUE(p.grad().defined()) << name;
-      if (p.grad().defined()) EXPECT_EQ(p.grad().device(), p.device()) << name;
+      if (p.grad().defined()) {
+        EXPECT_EQ(p.grad().device(), p.device()) << name;
+      }
     }
     if (step + 1 == steps)
       for (const auto& [name, p] : model.named_parameters()) out.grads.emplace_back(name, p.grad().to(Device::cpu()));
