@@ -15,6 +15,49 @@ Tensor Module::forward(const Tensor&) {
   LOOM_FAIL(type_name(), " has no one-input forward(): call its own forward method");
 }
 
+Tensor Module::operator()(const Tensor& input) {
+  // By index, on copies: a hook may register or remove hooks.
+  auto pre = forward_pre_hooks_;
+  for (auto& [_, hook] : pre) hook(*this, input);
+  Tensor output = forward(input);
+  auto post = forward_hooks_;
+  for (auto& [_, hook] : post) hook(*this, input, output);
+  return output;
+}
+
+int Module::register_forward_pre_hook(ForwardPreHook hook) {
+  LOOM_CHECK(hook, type_name(), ": register_forward_pre_hook needs a function");
+  forward_pre_hooks_.emplace_back(next_hook_handle_, std::move(hook));
+  return next_hook_handle_++;
+}
+
+int Module::register_forward_hook(ForwardHook hook) {
+  LOOM_CHECK(hook, type_name(), ": register_forward_hook needs a function");
+  forward_hooks_.emplace_back(next_hook_handle_, std::move(hook));
+  return next_hook_handle_++;
+}
+
+void Module::remove_hook(int handle) {
+  auto drop = [&](auto& list) {
+    for (auto it = list.begin(); it != list.end(); ++it)
+      if (it->first == handle) {
+        list.erase(it);
+        return true;
+      }
+    return false;
+  };
+  LOOM_CHECK(drop(forward_pre_hooks_) || drop(forward_hooks_), type_name(), ": no hook with handle ", handle,
+             " is registered on this module");
+}
+
+std::shared_ptr<Module> Module::replace_module(const std::string& name, std::shared_ptr<Module> module) {
+  LOOM_CHECK(module != nullptr, type_name(), ": replace_module('", name, "') got a null module");
+  LOOM_CHECK(module.get() != this, type_name(), ": a module cannot be its own child ('", name, "')");
+  for (auto& [n, child] : children_)
+    if (n == name) return std::exchange(child, std::move(module));
+  LOOM_FAIL(type_name(), ": replace_module: no child is registered as '", name, "'");
+}
+
 void Module::check_new_name(const std::string& name, const char* what) const {
   LOOM_CHECK(!name.empty(), type_name(), ": a ", what, " needs a non-empty name");
   LOOM_CHECK(name.find('.') == std::string::npos, type_name(), ": ", what, " name '", name,

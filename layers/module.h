@@ -9,11 +9,18 @@
 // handle held elsewhere (an optimizer, a DDP bucket, a layer's member) stays valid and
 // sees the moved data. load_state_dict likewise copies values into the existing tensors.
 //
+// Hooks (PyTorch's register_forward_pre_hook / register_forward_hook) run when a module is
+// called through operator(): pre-hooks before forward, hooks after it with its output. A
+// parent whose forward calls child->forward() directly, as Loom's models do, skips the
+// child's hooks; that is why parallel/fsdp.h gathers on first use of a parameter's storage
+// rather than from hooks.
+//
 // A module is owned through std::shared_ptr (children are shared_ptr) and is not copyable:
 // a copy would alias the parameters it appears to duplicate.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -47,7 +54,8 @@ class Module {
   // The computation of a one-input module. Modules whose forward takes something else
   // define their own method and leave this one, which throws, alone.
   virtual Tensor forward(const Tensor& input);
-  Tensor operator()(const Tensor& input) { return forward(input); }
+  // forward(input) between the forward pre-hooks and the forward hooks.
+  Tensor operator()(const Tensor& input);
   // "Linear", "Sequential", ...: used in error messages.
   virtual std::string type_name() const { return "Module"; }
 
@@ -63,6 +71,20 @@ class Module {
     add_child(name, module);
     return module;
   }
+
+  // Puts `module` in the place of the child registered as `name` (same name, same position
+  // in traversal) and returns the child it replaces. Members a parent keeps to the old
+  // child are not changed: a parent that calls a typed member sees no replacement.
+  std::shared_ptr<Module> replace_module(const std::string& name, std::shared_ptr<Module> module);
+
+  // ---- hooks (see the header comment) -------------------------------------------------
+  using ForwardPreHook = std::function<void(Module& module, const Tensor& input)>;
+  using ForwardHook = std::function<void(Module& module, const Tensor& input, const Tensor& output)>;
+  // Each returns a handle for remove_hook; hooks run in the order registered.
+  int register_forward_pre_hook(ForwardPreHook hook);
+  int register_forward_hook(ForwardHook hook);
+  // Removes a hook registered on this module; an unknown handle is an error.
+  void remove_hook(int handle);
 
   // ---- traversal (depth first, registration order, dotted names) ---------------------
   // Each parameter once: a tied parameter appears under the first name that reaches it.
@@ -107,6 +129,9 @@ class Module {
   // Visits every parameter (dedup = false: every name, as state_dict lists them).
   void collect(NamedTensors* out, const std::string& prefix, bool params, bool buffers) const;
 
+  std::vector<std::pair<int, ForwardPreHook>> forward_pre_hooks_;
+  std::vector<std::pair<int, ForwardHook>> forward_hooks_;
+  int next_hook_handle_ = 0;
   NamedTensors parameters_, buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
