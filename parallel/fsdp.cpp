@@ -1,0 +1,454 @@
+// FullyShardedDataParallel: units and shards (fsdp.h, steps 1-2), gathering on first use
+// (step 3), releasing (step 4), reduce-scattering gradients (step 5), the shards' optimizer
+// support (step 6) and full state dicts.
+#include "parallel/fsdp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+
+namespace loom::dist {
+
+namespace {
+
+enum class Phase { idle, forward, backward };
+
+// One parameter and its shard. The full parameter is seen as (rows, row_numel).
+struct ShardedParam {
+  std::string name;
+  Tensor full;   // the module's parameter; its storage is released between uses
+  Tensor shard;  // (rows_on(rank), ...): the leaf the optimizer steps on
+  int64_t rows = 0, chunk_rows = 0, row_numel = 0;
+  int64_t offset = 0;  // of this parameter's padded shard in the unit's flat buffer (elements)
+
+  int64_t rows_on(int rank) const { return std::clamp<int64_t>(rows - rank * chunk_rows, 0, chunk_rows); }
+  // Rows [r c, r c + rows_on(r)) of a full tensor laid out like this parameter.
+  Tensor rows_of(const Tensor& full_like, int rank) const {
+    return full_like.reshape({rows, row_numel}).slice(0, rank * chunk_rows, rank * chunk_rows + rows_on(rank));
+  }
+  // Rank r's rows of this parameter in one rank's flat shard...
+  Tensor in_shard(const Tensor& flat, int rank) const { return segment(flat, offset, rows_on(rank)); }
+  // ... and in a gathered buffer of W flat shards of `unit_numel` elements each.
+  Tensor in_gathered(const Tensor& buffer, int rank, int64_t unit_numel) const {
+    return segment(buffer, rank * unit_numel + offset, rows_on(rank));
+  }
+  Tensor segment(const Tensor& buffer, int64_t start, int64_t n_rows) const {
+    return buffer.slice(0, start, start + n_rows * row_numel).view({n_rows, row_numel});
+  }
+};
+
+struct Unit {
+  std::string name;
+  std::vector<ShardedParam> params;
+  int64_t flat_numel = 0;  // S: elements of one rank's flat shard
+  DType dtype = DType::f32;
+  Device device = Device::cpu();
+  size_t full_bytes = 0;
+  bool gathered = false;
+  int trainable = 0;      // parameters that require a gradient
+  int grads_pending = 0;  // of those, how many have not had their gradient this backward
+};
+
+// A reduce-scatter in flight: its output holds this rank's averaged rows of `unit`.
+struct PendingReduction {
+  size_t unit;
+  Tensor output, input;
+  WorkPtr work;
+};
+
+}  // namespace
+
+struct FSDPState {
+  std::shared_ptr<ProcessGroup> group;
+  FSDPOptions options;
+  std::vector<Unit> units;  // the root unit last
+  Phase phase = Phase::idle;
+  bool sync_gradients = true;
+  bool callback_queued = false;
+  std::deque<size_t> held;  // gathered units, earliest first
+  std::vector<PendingReduction> reductions;
+  FSDPMemory memory;
+
+  int rank() const { return group->rank(); }
+  int world() const { return group->size(); }
+
+  void release(size_t u) {
+    Unit& unit = units[u];
+    if (!unit.gathered) return;
+    for (ShardedParam& p : unit.params) p.full.storage()->release();
+    unit.gathered = false;
+    memory.full_parameter_bytes -= unit.full_bytes;
+    held.erase(std::find(held.begin(), held.end(), u));
+  }
+
+  void release_all() {
+    while (!held.empty()) release(held.front());
+  }
+
+  // fsdp.h, step 3: one all_gather of the flat shards, then the rows copied out.
+  void gather(size_t u) {
+    Unit& unit = units[u];
+    LOOM_CHECK(phase != Phase::idle, "FSDP: the parameters of unit '", unit.name, "' (", unit.params.front().name,
+               ", ...) were read outside a step; their full values exist only inside fsdp.forward()/call() and "
+               "the backward that follows (read full_state_dict() instead)");
+    // fsdp.h, step 4: ZeRO-3 holds at most two units, so the earliest goes first.
+    if (options.reshard_after_forward == ReshardAfterForward::yes)
+      while (held.size() >= 2) release(held.front());
+    NoGradGuard no_grad;
+    Tensor flat = Tensor::empty({unit.flat_numel}, unit.dtype, unit.device);
+    for (const ShardedParam& p : unit.params)
+      if (p.rows_on(rank()) > 0) copy_(p.in_shard(flat, rank()), p.shard.reshape({p.rows_on(rank()), p.row_numel}));
+    Tensor gathered = Tensor::empty({world() * unit.flat_numel}, unit.dtype, unit.device);
+    group->all_gather(gathered, flat)->wait();
+    for (ShardedParam& p : unit.params) {
+      p.full.storage()->acquire();
+      for (int r = 0; r < world(); ++r)
+        if (p.rows_on(r) > 0) copy_(p.rows_of(p.full.detach(), r), p.in_gathered(gathered, r, unit.flat_numel));
+    }
+    unit.gathered = true;
+    memory.full_parameter_bytes += unit.full_bytes;
+    memory.peak_full_parameter_bytes = std::max(memory.peak_full_parameter_bytes, memory.full_parameter_bytes);
+    held.push_back(u);
+  }
+
+  // fsdp.h, step 5: the last gradient of unit u has been accumulated.
+  void end_unit_backward(size_t u) {
+    Unit& unit = units[u];
+    if (sync_gradients) {
+      NoGradGuard no_grad;
+      Tensor input = zeros({world() * unit.flat_numel}, unit.dtype, unit.device);
+      for (ShardedParam& p : unit.params) {
+        Tensor g = p.full.grad();
+        if (!g.defined()) continue;
+        for (int r = 0; r < world(); ++r)
+          if (p.rows_on(r) > 0) copy_(p.in_gathered(input, r, unit.flat_numel), p.rows_of(g, r));
+        p.full.zero_grad();
+      }
+      Tensor output = Tensor::empty({unit.flat_numel}, unit.dtype, unit.device);
+      WorkPtr work = group->reduce_scatter(output, input, ReduceOp::avg);
+      reductions.push_back({u, output, input, work});
+    }
+    release(u);
+  }
+
+  // fsdp.h, step 5: the end of backward.
+  void finish_backward() {
+    callback_queued = false;
+    for (PendingReduction& r : reductions) {
+      r.work->wait();
+      for (ShardedParam& p : units[r.unit].params) {
+        if (!p.shard.requires_grad()) continue;
+        Tensor g = p.in_shard(r.output, rank()).view(p.shard.shape());
+        if (p.shard.grad().defined()) add_(p.shard.grad(), g);
+        else p.shard.set_grad(g.clone());
+      }
+    }
+    reductions.clear();
+    // A unit still waiting for gradients names its parameters that have none.
+    std::string unused;
+    for (Unit& unit : units) {
+      if (unit.grads_pending == 0) continue;
+      for (ShardedParam& p : unit.params)
+        if (p.full.requires_grad() && !p.full.grad().defined()) unused += (unused.empty() ? "" : ", ") + p.name;
+    }
+    release_all();
+    phase = Phase::idle;
+    LOOM_CHECK(unused.empty(), "FSDP: parameters that did not receive a gradient in this backward: ", unused,
+               ". Every unit's gradients are reduced once all of them have arrived; freeze parameters a step does "
+               "not use with set_requires_grad(false) before wrapping");
+  }
+
+  static void on_gradient(const std::shared_ptr<FSDPState>& self, size_t u) {
+    self->count_gradient(self, u);
+  }
+  void count_gradient(const std::shared_ptr<FSDPState>& self, size_t u) {
+    if (phase == Phase::idle) return;
+    phase = Phase::backward;
+    if (!callback_queued) {
+      callback_queued = true;
+      queue_callback([self] { self->finish_backward(); });
+    }
+    if (--units[u].grads_pending == 0) end_unit_backward(u);
+  }
+
+  void begin_forward() {
+    release_all();  // a forward not followed by backward left units gathered
+    reductions.clear();
+    for (Unit& unit : units) unit.grads_pending = unit.trainable;
+    phase = Phase::forward;
+  }
+};
+
+namespace {
+
+// The sizes of a parameter as (rows, row_numel) and its shard's rows per rank.
+ShardedParam describe(const std::string& name, const Tensor& p, int world) {
+  ShardedParam sp;
+  sp.name = name;
+  sp.full = p;
+  sp.rows = p.dim() == 0 ? 1 : p.size(0);
+  sp.row_numel = sp.rows == 0 ? 0 : p.numel() / sp.rows;
+  sp.chunk_rows = (sp.rows + world - 1) / world;
+  return sp;
+}
+
+// fsdp.h, step 1: the units' parameter names, the root's last.
+std::vector<std::pair<std::string, nn::NamedTensors>> assign_units(nn::Module& root, const FSDPOptions& options) {
+  std::unordered_set<const TensorImpl*> claimed;
+  std::vector<std::pair<std::string, nn::NamedTensors>> units;
+  std::unordered_map<const nn::Module*, std::string> path;
+  for (auto& [name, m] : root.named_modules()) path.emplace(m.get(), name);
+  auto claim = [&](const std::string& prefix, nn::Module& m, nn::NamedTensors* into) {
+    for (auto& [name, t] : m.named_parameters())
+      if (claimed.insert(t.impl()).second) into->emplace_back(prefix.empty() ? name : prefix + "." + name, t);
+  };
+  if (!options.units.empty()) {
+    for (const auto& modules : options.units) {
+      std::string unit_name;
+      nn::NamedTensors params;
+      for (const auto& m : modules) {
+        LOOM_CHECK(m && path.count(m.get()), "FSDP: a module of options.units is not part of the wrapped model");
+        const std::string& prefix = path.at(m.get());
+        LOOM_CHECK(!prefix.empty(), "FSDP: options.units names the root module; what no unit claims forms the root "
+                   "unit already");
+        unit_name += (unit_name.empty() ? "" : "+") + prefix;
+        claim(prefix, *m, &params);
+      }
+      if (!params.empty()) units.emplace_back(unit_name, std::move(params));
+    }
+  } else if (options.min_num_params > 0) {
+    // Bottom-up: returns how many parameters below `m` no unit has claimed yet.
+    std::function<int64_t(nn::Module&, const std::string&)> visit = [&](nn::Module& m, const std::string& prefix) {
+      for (auto& [name, child] : m.named_children()) visit(*child, prefix.empty() ? name : prefix + "." + name);
+      int64_t free_params = 0;
+      for (auto& [_, t] : m.named_parameters())
+        if (!claimed.count(t.impl())) free_params += t.numel();
+      if (&m != &root && free_params >= options.min_num_params) {
+        nn::NamedTensors params;
+        claim(prefix, m, &params);
+        units.emplace_back(prefix, std::move(params));
+        return int64_t(0);
+      }
+      return free_params;
+    };
+    visit(root, "");
+  }
+  nn::NamedTensors rest;
+  claim("", root, &rest);
+  if (!rest.empty()) units.emplace_back("", std::move(rest));
+  return units;
+}
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> module,
+                                                   std::shared_ptr<ProcessGroup> group, FSDPOptions options)
+    : module_(std::move(module)), group_(std::move(group)), state_(std::make_shared<FSDPState>()) {
+  LOOM_CHECK(module_ && group_, "FullyShardedDataParallel needs a module and a process group");
+  state_->group = group_;
+  state_->options = options;
+  NoGradGuard no_grad;
+  const int world = group_->size(), rank = group_->rank();
+
+  // Step 1: the same model everywhere (a count and a size sum compared), then rank 0's values.
+  nn::NamedTensors all = module_->named_parameters();
+  int64_t numel = 0;
+  for (const auto& [_, t] : all) numel += t.numel();
+  const Device device = all.empty() ? Device::cpu() : all.front().second.device();
+  Tensor mine = from_vector(std::vector<int64_t>{int64_t(all.size()), numel}, {2}).to(device);
+  Tensor every = Tensor::empty({2 * world}, DType::i64, device);
+  group_->all_gather(every, mine)->wait();
+  std::vector<int64_t> counts = every.to_vector<int64_t>();
+  for (int r = 1; r < world; ++r)
+    LOOM_CHECK(counts[2 * r] == counts[0] && counts[2 * r + 1] == counts[1], "FSDP: rank ", r, " has a model of ",
+               counts[2 * r], " parameters (", counts[2 * r + 1], " elements), rank 0 one of ", counts[0], " (",
+               counts[1], "): every rank must wrap the same model");
+  for (auto& [name, t] : all) {
+    LOOM_CHECK(t.device() == device, "FSDP: parameter ", name, " is on ", t.device().str(), ", the first on ",
+               device.str(), ": move the module to one device before wrapping");
+    LOOM_CHECK(t.is_contiguous() && t.offset() == 0 && t.storage()->nbytes() == t.nbytes(), "FSDP: parameter ", name,
+               " does not own its storage (a view of a larger tensor); its storage is released between uses");
+    group_->broadcast(t, 0)->wait();
+  }
+  for (auto& [_, b] : module_->named_buffers()) group_->broadcast(b, 0)->wait();
+
+  // Step 2: shards and flat layouts; the full storages released.
+  for (auto& [unit_name, params] : assign_units(*module_, options)) {
+    Unit unit;
+    unit.name = unit_name.empty() ? "(root)" : unit_name;
+    unit.dtype = params.front().second.dtype();
+    unit.device = device;
+    for (auto& [name, t] : params) {
+      LOOM_CHECK(t.dtype() == unit.dtype, "FSDP: unit '", unit.name, "' mixes ", dtype_name(unit.dtype), " and ",
+                 dtype_name(t.dtype()), " (", name, "); a unit is gathered through one flat buffer of one dtype");
+      ShardedParam p = describe(name, t, world);
+      p.offset = unit.flat_numel;
+      unit.flat_numel += p.chunk_rows * p.row_numel;
+      Shape shard_shape = t.dim() == 0 ? Shape{p.rows_on(rank)} : t.shape();
+      shard_shape[0] = p.rows_on(rank);
+      p.shard = p.rows_of(t, rank).contiguous().clone().reshape(shard_shape);
+      if (t.requires_grad()) {
+        p.shard.set_requires_grad(true);
+        ++unit.trainable;
+      }
+      unit.full_bytes += t.nbytes();
+      state_->memory.shard_parameter_bytes += p.shard.nbytes();
+      unit.params.push_back(std::move(p));
+    }
+    state_->units.push_back(std::move(unit));
+  }
+  std::weak_ptr<FSDPState> weak = state_;
+  for (size_t u = 0; u < state_->units.size(); ++u)
+    for (ShardedParam& p : state_->units[u].params) {
+      p.full.storage()->release();
+      p.full.storage()->set_acquire_hook([weak, u] {
+        auto state = weak.lock();
+        LOOM_CHECK(state != nullptr, "FSDP: a parameter of a model whose FullyShardedDataParallel was destroyed was "
+                   "read; its full values are gone (load a full state dict into a fresh model)");
+        state->gather(u);
+      });
+      if (p.full.requires_grad())
+        p.full.register_post_accumulate_grad_hook([weak, u](Tensor&) {
+          if (auto state = weak.lock()) FSDPState::on_gradient(state, u);
+        });
+    }
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() = default;
+
+FullyShardedDataParallel::ForwardScope::ForwardScope(FullyShardedDataParallel& fsdp) : fsdp_(fsdp) {
+  fsdp_.state_->begin_forward();
+}
+
+FullyShardedDataParallel::ForwardScope::~ForwardScope() {
+  // Without a backward to come, nothing releases the units: do it here.
+  if (!grad_enabled()) {
+    fsdp_.state_->release_all();
+    fsdp_.state_->phase = Phase::idle;
+  }
+}
+
+Tensor FullyShardedDataParallel::forward(const Tensor& input) {
+  return call([&] { return module_->forward(input); });
+}
+
+FullyShardedDataParallel::NoSync::NoSync(FullyShardedDataParallel& fsdp)
+    : fsdp_(fsdp), previous_(fsdp.state_->sync_gradients) {
+  fsdp_.state_->sync_gradients = false;
+}
+
+FullyShardedDataParallel::NoSync::~NoSync() { fsdp_.state_->sync_gradients = previous_; }
+
+TensorList FullyShardedDataParallel::parameters() const {
+  TensorList out;
+  for (const auto& [_, t] : named_parameters()) out.push_back(t);
+  return out;
+}
+
+nn::NamedTensors FullyShardedDataParallel::named_parameters() const {
+  // In the module's order, whatever the units' order.
+  std::unordered_map<const TensorImpl*, const ShardedParam*> by_full;
+  for (const Unit& unit : state_->units)
+    for (const ShardedParam& p : unit.params) by_full.emplace(p.full.impl(), &p);
+  nn::NamedTensors out;
+  for (const auto& [name, t] : module_->named_parameters()) out.emplace_back(name, by_full.at(t.impl())->shard);
+  return out;
+}
+
+void FullyShardedDataParallel::zero_grad() {
+  for (Tensor& t : parameters()) t.zero_grad();
+}
+
+double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
+  LOOM_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must not be negative, got ", max_norm);
+  NoGradGuard no_grad;
+  const Device device = state_->units.empty() ? Device::cpu() : state_->units.front().device;
+  Tensor total = zeros({1}, DType::f64, device);
+  TensorList grads;
+  for (const Tensor& p : parameters()) {
+    Tensor g = p.grad();
+    if (!g.defined() || g.numel() == 0) continue;
+    grads.push_back(g);
+    Tensor wide = g.dtype() == DType::f64 ? g : g.to(DType::f32);
+    add_(total, sum(mul(wide, wide)).to(DType::f64).reshape({1}));
+  }
+  group_->all_reduce(total, ReduceOp::sum)->wait();
+  const double norm = std::sqrt(total.item());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1)
+    for (const Tensor& g : grads) mul_(g, coef);
+  return norm;
+}
+
+nn::NamedTensors FullyShardedDataParallel::full_state_dict() {
+  LOOM_CHECK(state_->phase == Phase::idle, "FSDP: full_state_dict() inside a step; call it between steps");
+  NoGradGuard no_grad;
+  // state_dict() detaches, so its parameters are found by their storage.
+  std::unordered_map<const Storage*, Tensor> full;
+  state_->phase = Phase::forward;
+  for (size_t u = 0; u < state_->units.size(); ++u) {
+    state_->gather(u);
+    for (const ShardedParam& p : state_->units[u].params) full.emplace(p.full.storage().get(), p.full.detach().clone());
+    state_->release(u);
+  }
+  state_->phase = Phase::idle;
+  nn::NamedTensors out;
+  for (auto& [name, t] : module_->state_dict()) {
+    auto it = full.find(t.storage().get());
+    out.emplace_back(name, it == full.end() ? t.clone() : it->second);
+  }
+  return out;
+}
+
+void FullyShardedDataParallel::load_full_state_dict(const nn::NamedTensors& state) {
+  NoGradGuard no_grad;
+  std::unordered_map<std::string, Tensor> by_name(state.begin(), state.end());
+  for (Unit& unit : state_->units)
+    for (ShardedParam& p : unit.params) {
+      auto it = by_name.find(p.name);
+      LOOM_CHECK(it != by_name.end(), "FSDP: load_full_state_dict: ", p.name, " is missing from the state dict");
+      LOOM_CHECK(it->second.shape() == p.full.shape(), "FSDP: load_full_state_dict: ", p.name, " has shape ",
+                 shape_str(it->second.shape()), " in the state dict but ", shape_str(p.full.shape()), " in the model");
+      if (p.rows_on(group_->rank()) > 0)
+        copy_(p.shard, p.rows_of(it->second.to(p.shard.device()), group_->rank()).reshape(p.shard.shape()));
+    }
+  for (auto& [name, b] : module_->named_buffers()) {
+    auto it = by_name.find(name);
+    LOOM_CHECK(it != by_name.end(), "FSDP: load_full_state_dict: buffer ", name, " is missing from the state dict");
+    copy_(b, it->second);
+  }
+}
+
+std::vector<std::vector<std::string>> FullyShardedDataParallel::unit_assignment() const {
+  std::vector<std::vector<std::string>> out;
+  for (const Unit& unit : state_->units) {
+    out.emplace_back();
+    for (const ShardedParam& p : unit.params) out.back().push_back(p.name);
+  }
+  return out;
+}
+
+std::vector<std::string> FullyShardedDataParallel::unit_names() const {
+  std::vector<std::string> out;
+  for (const Unit& unit : state_->units) out.push_back(unit.name == "(root)" ? "" : unit.name);
+  return out;
+}
+
+FSDPMemory FullyShardedDataParallel::memory() const { return state_->memory; }
+
+void FullyShardedDataParallel::reset_peak_memory() {
+  state_->memory.peak_full_parameter_bytes = state_->memory.full_parameter_bytes;
+}
+
+std::unique_ptr<FullyShardedDataParallel> fully_shard(std::shared_ptr<nn::Module> module,
+                                                      std::shared_ptr<ProcessGroup> group, FSDPOptions options) {
+  return std::make_unique<FullyShardedDataParallel>(std::move(module), std::move(group), std::move(options));
+}
+
+}  // namespace loom::dist

@@ -1,0 +1,205 @@
+// Fully sharded data parallel (FSDP), modelled on PyTorch's FSDP2 (fully_shard). As in DDP
+// (ddp.h) every rank trains on its own rows of the global batch and the ranks take the
+// same optimizer step; unlike DDP no rank keeps a whole copy of the model between uses.
+// Each parameter is cut along dim 0 into one shard per rank, and a rank keeps only its shard,
+// its shard's gradient and its shard's optimizer state: W ranks hold 1/W of all three each.
+// The full values of a group of parameters (a unit: a GPT block, a ResNet stage) exist only
+// while the unit computes, in forward and in backward.
+//
+// The algorithm, in the order it runs:
+//
+// 1. Construction. Rank 0's parameters and buffers are broadcast (all ranks then start
+//    equal), the parameters are split into units (options.units by hand, or the size policy
+//    min_num_params, PyTorch's size_based_auto_wrap_policy: bottom-up, a module whose
+//    not-yet-claimed parameters number at least min_num_params becomes a unit; what no unit
+//    claims forms the root unit). A parameter tied to two modules (GPT's token embedding
+//    and output layer) belongs to the unit that claims it first.
+//
+// 2. Shards. A parameter of n rows gets c = ceil(n / W) rows per rank: rank r holds rows
+//    [r c, min(n, (r + 1) c)), so the last ranks may hold fewer rows or none (torch.chunk's
+//    split). Each shard becomes a new leaf tensor, the one the optimizer steps on
+//    (parameters()); the module's parameter keeps its shape, its identity and its hooks,
+//    and its Storage is released (engine/storage.h): its memory goes back to the allocator.
+//    A unit lays its shards end to end in one flat buffer of S elements per rank, every
+//    shard padded to c rows, so that rank r's shard of every parameter sits at the same
+//    offset in every rank's buffer:
+//
+//      parameter a (5 rows), b (2 rows), W = 2:  c_a = 3, c_b = 1,  S = 3 a-rows + 1 b-row
+//      rank 0's flat shard: a0 a1 a2 | b0        rank 1's: a3 a4 -- | b1
+//      all_gather:          [a0 a1 a2 b0 | a3 a4 -- b1]  -> copied out into a's and b's storage
+//
+// 3. Gather on first use. The first read of a released parameter's data inside a step (by
+//    whichever op needs it, in forward or in backward) runs its storage's acquire hook,
+//    which gathers the parameter's whole unit: one all_gather of the flat buffers, then the
+//    rows copied out into every parameter's re-acquired storage. Every rank runs the same
+//    program, so every rank reads the units in the same order and issues the same
+//    all_gathers. Gathering on use rather than from module hooks needs nothing of the
+//    model: Loom's models call their children and read their weights directly, and a
+//    tied weight read again by the output layer is simply gathered again.
+//
+// 4. Free after use (reshard_after_forward). ZeRO-3 (ReshardAfterForward::yes): at most
+//    two units are held at once; gathering a third releases the one gathered earliest. As
+//    units run one after the other this frees a unit's full values once the next but one
+//    starts, and backward gathers them again when it reads the weights its ops saved (those
+//    saved copies share the parameter's storage, so they see the re-acquired values).
+//    ZeRO-2 (ReshardAfterForward::no): a unit gathered in forward stays until its backward
+//    has ended, which saves the second all_gather and holds every unit at the turn.
+//
+// 5. Gradients. Every parameter has a post-accumulate-grad hook (engine/autograd.h). When
+//    the last trainable parameter of a unit has its gradient, the unit's backward is over:
+//    its full gradients are laid out like the gathered buffer (padding zero), reduce-
+//    scattered with ReduceOp::avg so that each rank receives the average of its own rows,
+//    the full gradients are dropped and the unit's full values released. A callback queued
+//    at the first hook runs at the end of backward: it waits for the reduce-scatters, adds
+//    each shard's slice to its shard's grad, names the parameters that got no gradient (an
+//    error, as in DDP; freeze them with set_requires_grad(false) before wrapping) and
+//    releases whatever is still gathered.
+//
+// 6. Optimizer, clipping, accumulation. The optimizer (SGD, Adam, AdamW unchanged) is built
+//    on parameters(): it steps on shards, with shard-sized state. clip_grad_norm_ sums the
+//    squares of the local shards' gradients and all_reduces the sum, so every rank scales
+//    by the same global norm. Under no_sync() a backward keeps each unit's full gradients
+//    (the next backward adds to them) and communicates nothing; the first synchronised
+//    backward reduce-scatters the sums.
+//
+// One unit's life through a ZeRO-3 step (S: elements of its flat shard, W ranks):
+//
+//   forward   a weight read -> all_gather -> [full, W S]  compute  .. released when the unit
+//             after next is gathered -> [shard, S]
+//   backward  a saved weight read -> all_gather -> [full, W S]  compute
+//             last gradient -> [full grads, W S] -reduce_scatter(avg)-> [shard grad, S]
+//             full values and full gradients released
+//   step      AdamW on [shard, S] with [shard grad, S] and [state, 2 S]
+//
+// ZeRO-2 keeps [full, W S] from the unit's forward to the end of its backward.
+//
+// Devices. CPU tensors over a Gloo group, CUDA tensors over an NCCL group. On CUDA every copy
+// into and out of the flat buffers is an engine op on the compute stream and Work::wait()
+// makes the compute stream wait for the collective (nccl_group.cpp), so the host does not
+// block in a step; the all_gather is issued when its unit is first read, not prefetched.
+//
+// Buffers (BatchNorm's running statistics) are replicated, broadcast from rank 0 at
+// construction only. Not offered: prefetching the next unit on a communication stream,
+// mixed precision (bf16 gathers), HSDP, and using the module on its own after wrapping
+// (its parameters' storages stay released; load full_state_dict() into a fresh model).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../layers/module.h"
+#include "process_group.h"
+
+namespace loom::dist {
+
+// Whether a unit's full parameters are freed after its forward (ZeRO-3) or kept until its
+// backward has ended (ZeRO-2).
+enum class ReshardAfterForward : bool { no = false, yes = true };
+
+struct FSDPOptions {
+  ReshardAfterForward reshard_after_forward = ReshardAfterForward::yes;
+  // Units by hand, in order: the parameters of each list's modules that no earlier unit
+  // claimed form one unit (a GPT's {wte, wpe}, then one list per block). Empty: the size
+  // policy below decides.
+  std::vector<std::vector<std::shared_ptr<nn::Module>>> units;
+  // The size policy (see the header comment, step 1); 0 makes the whole model one unit.
+  int64_t min_num_params = 0;
+};
+
+// Bytes of full (gathered) parameters this rank holds, now and at most since the last reset;
+// the shards' bytes for comparison.
+struct FSDPMemory {
+  size_t full_parameter_bytes = 0;
+  size_t peak_full_parameter_bytes = 0;
+  size_t shard_parameter_bytes = 0;
+};
+
+struct FSDPState;
+
+class FullyShardedDataParallel {
+ public:
+  // Shards `module` across `group` (see the header comment). Every rank of the group must
+  // call this with the same model: it communicates.
+  FullyShardedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                           FSDPOptions options = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  // Runs the module's one-input forward inside a step (step 3 gathers as it goes).
+  Tensor forward(const Tensor& input);
+  // For any other forward:  Tensor loss = fsdp.call([&] { return gpt->loss(ids, targets); });
+  // Under NoGradGuard (evaluation) every unit is released again when `run` returns.
+  template <class F>
+  decltype(auto) call(F&& run) {
+    ForwardScope scope(*this);
+    return run();
+  }
+
+  // The shards, in the module's parameter order: build the optimizer on these.
+  TensorList parameters() const;
+  // The shards under the module's parameter names ("transformer.h.0.attn.c_attn.weight").
+  nn::NamedTensors named_parameters() const;
+  // Drops every shard's gradient.
+  void zero_grad();
+  // Clips the shards' gradients by the global norm over all ranks (step 6); returns that norm.
+  double clip_grad_norm_(double max_norm);
+
+  // Gradient accumulation: backwards of forwards run while a NoSync lives keep the full
+  // gradients and communicate nothing; the next synchronised backward reduces their sum.
+  class NoSync {
+   public:
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    friend class FullyShardedDataParallel;
+    explicit NoSync(FullyShardedDataParallel& fsdp);
+    FullyShardedDataParallel& fsdp_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  // Every parameter's full value and every buffer, under the module's names, on every rank
+  // (one all_gather per unit: a collective). Tied parameters appear under each name.
+  nn::NamedTensors full_state_dict();
+  // Takes this rank's rows of every parameter in `state` (full tensors under the module's
+  // names) into the shards, and the buffers as they are. Local: no communication.
+  void load_full_state_dict(const nn::NamedTensors& state);
+
+  // The units, each as its parameters' names; the root unit ("" in unit_names()) last.
+  std::vector<std::vector<std::string>> unit_assignment() const;
+  // Each unit's name: the module path ("transformer.h.0"), several joined by '+', "" for the root.
+  std::vector<std::string> unit_names() const;
+  FSDPMemory memory() const;
+  void reset_peak_memory();
+
+  const std::shared_ptr<nn::Module>& module() const { return module_; }
+  ProcessGroup& group() const { return *group_; }
+
+ private:
+  class ForwardScope {
+   public:
+    explicit ForwardScope(FullyShardedDataParallel& fsdp);
+    ~ForwardScope();
+    ForwardScope(const ForwardScope&) = delete;
+    ForwardScope& operator=(const ForwardScope&) = delete;
+
+   private:
+    FullyShardedDataParallel& fsdp_;
+  };
+
+  std::shared_ptr<nn::Module> module_;
+  std::shared_ptr<ProcessGroup> group_;
+  // Shared with the storages' acquire hooks and the gradient hooks, which hold it weakly.
+  std::shared_ptr<FSDPState> state_;
+};
+
+// FSDP2's spelling: shards `module` and returns the wrapper that runs it.
+std::unique_ptr<FullyShardedDataParallel> fully_shard(std::shared_ptr<nn::Module> module,
+                                                      std::shared_ptr<ProcessGroup> group, FSDPOptions options = {});
+
+}  // namespace loom::dist

@@ -1,0 +1,453 @@
+// FullyShardedDataParallel over CPU ranks in a Gloo group. The central promise: W ranks, each
+// training on its rows of a global batch with sharded parameters, gradients and AdamW state,
+// follow one process trained on the whole batch (losses, clipped gradient norms and weights
+// after 20 steps within 1e-5 relative), on 2, 3 and 4 ranks (uneven and empty shards), in
+// ZeRO-2 and ZeRO-3, for SimpleCNN (units chosen by size) and a GPT with tied embeddings
+// (units by hand). Also: ZeRO-3 holds at most the two largest units in full while ZeRO-2
+// holds them all, and the allocator gets the full parameters' bytes back; accumulation under
+// no_sync communicates nothing and equals the large batch; a parameter without gradient is
+// named; parameters read outside a step are refused; full state dicts go out and back in.
+//
+// Ranks and the single-process reference are forked children meeting through a FileStore, as
+// in test_ddp.cpp; a child reports through its exit code and prints what failed.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include "engine/allocator.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "engine/serialization.h"
+#include "layers/layers.h"
+#include "parallel/fsdp.h"
+#include "parallel/store.h"
+
+namespace loom::dist {
+namespace {
+
+using namespace std::chrono_literals;
+
+// ---- processes -----------------------------------------------------------------------------
+
+std::string temp_path(const std::string& stem) {
+  static std::atomic<int> counter{0};
+  return (std::filesystem::path(::testing::TempDir()) /
+          (stem + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++)))
+      .string();
+}
+
+pid_t fork_child(const std::function<void()>& body) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::alarm(180);
+    ::setenv("LOOM_NUM_THREADS", "1", 1);
+    int code = 1;
+    try {
+      body();
+      code = 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "child %d: %s\n", ::getpid(), e.what());
+    }
+    ::_exit(code);
+  }
+  return pid;
+}
+
+int exit_code(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+using RankBody = std::function<void(int rank, std::shared_ptr<ProcessGroup> group)>;
+
+void run_ranks(int world, const RankBody& body) {
+  std::string store_path = temp_path("fsdp_store");
+  ProcessGroupOptions options;
+  options.timeout = 60s;
+  std::vector<pid_t> ranks;
+  for (int rank = 0; rank < world; ++rank)
+    ranks.push_back(fork_child([&, rank] {
+      auto store = std::make_shared<FileStore>(store_path, world, 60s);
+      body(rank, new_gloo_group(store, rank, world, options));
+    }));
+  for (int rank = 0; rank < world; ++rank) EXPECT_EQ(exit_code(ranks[rank]), 0) << "rank " << rank;
+  std::filesystem::remove(store_path);
+}
+
+void run_alone(const std::function<void()>& body) { EXPECT_EQ(exit_code(fork_child(body)), 0); }
+
+// ---- checks inside children ------------------------------------------------------------------
+
+template <class... Parts>
+void require(bool ok, const Parts&... parts) {
+  if (ok) return;
+  std::ostringstream os;
+  (os << ... << parts);
+  throw std::runtime_error(os.str());
+}
+
+std::string require_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    for (const std::string& p : parts) require(msg.find(p) != std::string::npos, "'", p, "' missing from: ", msg);
+    return msg;
+  }
+  throw std::runtime_error("expected a loom::Error");
+}
+
+double relative_difference(const Tensor& a, const Tensor& b) {
+  std::vector<double> x = a.to_vector<double>(), y = b.to_vector<double>();
+  require(x.size() == y.size(), "sizes differ: ", x.size(), " and ", y.size());
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    diff = std::max(diff, std::abs(x[i] - y[i]));
+    scale = std::max(scale, std::abs(y[i]));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+// Every tensor of `want` but the series "losses" and "norms" is in `got` and close to it.
+void require_close(const nn::NamedTensors& got, const std::map<std::string, Tensor>& want, double rtol) {
+  std::map<std::string, Tensor> by_name(got.begin(), got.end());
+  for (const auto& [name, w] : want) {
+    if (name == "losses" || name == "norms") continue;
+    require(by_name.count(name) == 1, name, " is missing");
+    double d = relative_difference(by_name.at(name), w);
+    require(d <= rtol, name, " differs from the reference by ", d, " (relative), more than ", rtol);
+  }
+}
+
+// ---- models and data -------------------------------------------------------------------------
+
+enum class Model { cnn, gpt };
+constexpr int64_t kBatch = 12;  // divisible by 2, 3 and 4: every rank's mean has the same weight
+constexpr int64_t kSeq = 16;
+
+struct Batch {
+  Tensor x, y;
+};
+
+Batch global_batch(Model model, int step) {
+  manual_seed(1000 + step);
+  std::mt19937 gen{uint32_t(step)};
+  if (model == Model::cnn) {
+    std::vector<int64_t> labels(kBatch);
+    for (auto& l : labels) l = int64_t(gen() % 10);
+    return {randn({kBatch, 1, 28, 28}), from_vector(labels, {kBatch})};
+  }
+  std::vector<int64_t> ids(kBatch * kSeq), targets(kBatch * kSeq);
+  for (auto& i : ids) i = int64_t(gen() % 256);
+  for (auto& t : targets) t = int64_t(gen() % 256);
+  return {from_vector(ids, {kBatch, kSeq}), from_vector(targets, {kBatch, kSeq})};
+}
+
+Batch rows(const Batch& b, int part, int parts) {
+  int64_t n = b.x.size(0);
+  int64_t lo = part * n / parts, hi = (part + 1) * n / parts;
+  return {b.x.slice(0, lo, hi).contiguous(), b.y.slice(0, lo, hi).contiguous()};
+}
+
+nn::GPTConfig tiny_gpt(int layers) {
+  nn::GPTConfig c = nn::GPTConfig::named("tiny");
+  c.layers = layers;
+  c.context = kSeq;
+  return c;
+}
+
+std::shared_ptr<nn::Module> make_model(Model model, uint64_t seed, int gpt_layers = 2) {
+  manual_seed(seed);
+  if (model == Model::cnn) return std::make_shared<nn::SimpleCNN>(1, 28, 10);
+  return std::make_shared<nn::GPT>(tiny_gpt(gpt_layers));
+}
+
+Tensor loss_of(nn::Module& model, Model kind, const Batch& b) {
+  if (kind == Model::cnn) return cross_entropy(model.forward(b.x), b.y);
+  return static_cast<nn::GPT&>(model).loss(b.x, b.y);
+}
+
+// SimpleCNN by size (features.3, classifier.1 and classifier.3 become units; features.0 is
+// left to the root); GPT by hand: the embeddings (the output layer's tied weight with them),
+// then each block; ln_f is left to the root.
+FSDPOptions fsdp_options(nn::Module& model, Model kind, ReshardAfterForward reshard) {
+  FSDPOptions o;
+  o.reshard_after_forward = reshard;
+  if (kind == Model::cnn) {
+    o.min_num_params = 1000;
+  } else {
+    auto& gpt = static_cast<nn::GPT&>(model);
+    o.units.push_back({gpt.wte, gpt.wpe});
+    for (auto& block : gpt.blocks) o.units.push_back({block});
+  }
+  return o;
+}
+
+// eps = 1e-3: where a gradient is near zero, Adam's m / sqrt(v) is near +-1 whatever its
+// size, so the order of a float sum (W ranks against one) could flip an update by lr; a
+// larger eps keeps the update proportional to such gradients and the comparison sharp.
+optim::AdamWOptions adamw_options() {
+  optim::AdamWOptions o;
+  o.lr = 1e-2;
+  o.eps = 1e-3;
+  o.weight_decay = 0.1;
+  return o;
+}
+
+constexpr double kMaxNorm = 0.5;
+
+// One process on whole batches: AdamW with clipping; saves the weights, losses and norms.
+void train_reference(Model kind, const std::string& path, int steps) {
+  auto model = make_model(kind, 0);
+  optim::AdamW opt(model->parameters(), adamw_options());
+  std::vector<float> losses, norms;
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    Tensor loss = loss_of(*model, kind, global_batch(kind, step));
+    loss.backward();
+    losses.push_back(float(loss.item()));
+    norms.push_back(float(optim::clip_grad_norm_(model->parameters(), kMaxNorm)));
+    opt.step();
+  }
+  nn::NamedTensors out = model->state_dict();
+  out.emplace_back("losses", from_vector(losses, {steps}));
+  out.emplace_back("norms", from_vector(norms, {steps}));
+  save_safetensors(path, out);
+}
+
+// ---- tests -----------------------------------------------------------------------------------
+
+struct TrainingCase {
+  Model model;
+  int world;
+  ReshardAfterForward reshard;
+};
+
+std::string case_name(const TrainingCase& c) {
+  return std::string(c.model == Model::cnn ? "SimpleCNN" : "TinyGPT") + "World" + std::to_string(c.world) +
+         (c.reshard == ReshardAfterForward::yes ? "ZeRO3" : "ZeRO2");
+}
+
+void PrintTo(const TrainingCase& c, std::ostream* os) { *os << case_name(c); }
+
+class FsdpTraining : public ::testing::TestWithParam<TrainingCase> {};
+
+TEST_P(FsdpTraining, RanksOnShardsEqualOneProcessOnTheGlobalBatch) {
+  constexpr int kSteps = 20;
+  const TrainingCase c = GetParam();
+  std::string reference = temp_path("fsdp_reference") + ".safetensors";
+  run_alone([&] { train_reference(c.model, reference, kSteps); });
+  run_ranks(c.world, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto want = load_safetensors_map(reference);
+    auto model = make_model(c.model, rank);  // the ranks start differently: FSDP broadcasts rank 0's
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, c.model, c.reshard));
+    require(fsdp.unit_names().size() >= 4, "expected at least four units, got ", fsdp.unit_names().size());
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    std::vector<double> want_losses = want.at("losses").to_vector<double>();
+    std::vector<double> want_norms = want.at("norms").to_vector<double>();
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      Batch mine = rows(global_batch(c.model, step), rank, c.world);
+      Tensor loss = fsdp.call([&] { return loss_of(*model, c.model, mine); });
+      loss.backward();
+      Tensor mean_loss = loss.detach().reshape({1}).clone();
+      group->all_reduce(mean_loss, ReduceOp::avg)->wait();
+      const double norm = fsdp.clip_grad_norm_(kMaxNorm);
+      opt.step();
+      const double dl = std::abs(mean_loss.item() - want_losses[step]) / std::abs(want_losses[step]);
+      const double dn = std::abs(norm - want_norms[step]) / std::abs(want_norms[step]);
+      require(dl <= 1e-5, "step ", step, ": loss ", mean_loss.item(), " against ", want_losses[step]);
+      require(dn <= 1e-5, "step ", step, ": gradient norm ", norm, " against ", want_norms[step]);
+    }
+    require(want_norms.front() > kMaxNorm, "the clipping never acted: the first norm is ", want_norms.front());
+    require_close(fsdp.full_state_dict(), want, 1e-5);
+  });
+  std::filesystem::remove(reference);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fsdp, FsdpTraining,
+    ::testing::Values(TrainingCase{Model::cnn, 2, ReshardAfterForward::yes},
+                      TrainingCase{Model::cnn, 3, ReshardAfterForward::no},
+                      TrainingCase{Model::cnn, 4, ReshardAfterForward::yes},
+                      TrainingCase{Model::gpt, 2, ReshardAfterForward::no},
+                      TrainingCase{Model::gpt, 3, ReshardAfterForward::yes},
+                      TrainingCase{Model::gpt, 4, ReshardAfterForward::no}),
+    [](const auto& info) { return case_name(info.param); });
+
+TEST(FsdpShards, UnevenAndEmptyShardsCoverEveryRowOnce) {
+  // Linear(5, 3): weight 3 rows, bias 3 rows; on 4 ranks one row each and none on rank 3.
+  run_ranks(4, [](int rank, std::shared_ptr<ProcessGroup> group) {
+    manual_seed(7);
+    auto lin = std::make_shared<nn::Linear>(5, 3);
+    nn::NamedTensors before = lin->state_dict();
+    std::map<std::string, Tensor> want;
+    for (auto& [name, t] : before) want.emplace(name, t.clone());
+    FullyShardedDataParallel fsdp(lin, group);
+    for (const auto& [name, shard] : fsdp.named_parameters())
+      require(shard.size(0) == (rank < 3 ? 1 : 0), name, " has ", shard.size(0), " rows on rank ", rank);
+    nn::NamedTensors full = fsdp.full_state_dict();
+    require_close(full, want, 0);
+    // A step with an empty shard in AdamW.
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    sum(fsdp.forward(ones({2, 5}))).backward();
+    opt.step();
+    require(fsdp.named_parameters()[1].second.grad().defined(), "the bias shard got no gradient");
+  });
+}
+
+TEST(FsdpMemory, ZeRO3HoldsAtMostTheTwoLargestUnitsAndZeRO2HoldsThemAll) {
+  run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> group) {
+    for (auto reshard : {ReshardAfterForward::yes, ReshardAfterForward::no}) {
+      auto model = make_model(Model::gpt, 0, 6);
+      size_t total = 0;
+      for (const Tensor& p : model->parameters()) total += p.nbytes();
+      const size_t before = memory::stats(Device::cpu()).allocated;
+      FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, reshard));
+      const size_t after = memory::stats(Device::cpu()).allocated;
+      const FSDPMemory m0 = fsdp.memory();
+      require(m0.full_parameter_bytes == 0, "full parameters held after wrapping: ", m0.full_parameter_bytes);
+      require(m0.shard_parameter_bytes <= total / 2 + 4096, "shards of ", m0.shard_parameter_bytes, " bytes for ",
+              total, " bytes on two ranks");
+      // The allocator got the full values back: what wrapping added is the shards and no more.
+      require(after <= before - total + m0.shard_parameter_bytes + 64 * 1024, "the allocator holds ", after,
+              " bytes after wrapping, ", before, " before, for ", total, " bytes of parameters");
+      // The units' sizes, largest first.
+      std::vector<size_t> unit_bytes;
+      for (const auto& names : fsdp.unit_assignment()) {
+        size_t bytes = 0;
+        for (const auto& [name, t] : model->named_parameters())
+          if (std::find(names.begin(), names.end(), name) != names.end()) bytes += t.nbytes();
+        unit_bytes.push_back(bytes);
+      }
+      std::sort(unit_bytes.rbegin(), unit_bytes.rend());
+      optim::AdamW opt(fsdp.parameters(), adamw_options());
+      for (int step = 0; step < 2; ++step) {
+        opt.zero_grad();
+        Batch mine = rows(global_batch(Model::gpt, step), rank, 2);
+        fsdp.call([&] { return loss_of(*model, Model::gpt, mine); }).backward();
+        opt.step();
+      }
+      const FSDPMemory m = fsdp.memory();
+      require(m.full_parameter_bytes == 0, "full parameters held after the step: ", m.full_parameter_bytes);
+      if (reshard == ReshardAfterForward::yes)
+        require(m.peak_full_parameter_bytes <= unit_bytes[0] + unit_bytes[1], "ZeRO-3 held ",
+                m.peak_full_parameter_bytes, " bytes of full parameters; the two largest units have ",
+                unit_bytes[0] + unit_bytes[1]);
+      else
+        require(m.peak_full_parameter_bytes == total, "ZeRO-2 held ", m.peak_full_parameter_bytes,
+                " bytes of full parameters at most, the model has ", total);
+    }
+  });
+}
+
+TEST(FsdpNoSync, MicroBatchesUnderNoSyncThenOneSyncedBackwardEqualTheLargeBatch) {
+  constexpr int kSteps = 3, kWorld = 2, kMicro = 3;  // 6 rows per rank, 2 per micro-batch
+  std::string reference = temp_path("fsdp_nosync_reference") + ".safetensors";
+  run_alone([&] { train_reference(Model::cnn, reference, kSteps); });
+  run_ranks(kWorld, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(Model::cnn, 0);
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::cnn, ReshardAfterForward::yes));
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    for (int step = 0; step < kSteps; ++step) {
+      Batch mine = rows(global_batch(Model::cnn, step), rank, kWorld);
+      opt.zero_grad();
+      for (int k = 0; k < kMicro; ++k) {
+        Batch micro = rows(mine, k, kMicro);
+        auto loss = [&] { return mul(fsdp.call([&] { return loss_of(*model, Model::cnn, micro); }), 1.0 / kMicro); };
+        if (k + 1 < kMicro) {
+          auto guard = fsdp.no_sync();
+          Tensor l = loss();
+          int64_t before = group->sequence_number();
+          l.backward();
+          // ZeRO-3 gathers again in backward, but reduces nothing.
+          require(fsdp.parameters()[0].grad().defined() == false, "a backward under no_sync reduced gradients");
+          require(group->sequence_number() > before, "the backward gathered nothing");
+        } else {
+          loss().backward();
+        }
+      }
+      fsdp.clip_grad_norm_(kMaxNorm);
+      opt.step();
+    }
+    require_close(fsdp.full_state_dict(), load_safetensors_map(reference), 1e-5);
+  });
+  std::filesystem::remove(reference);
+}
+
+// fc1 always takes part; fc2 only when use_fc2.
+class TwoLayers : public nn::Module {
+ public:
+  TwoLayers() {
+    fc1 = register_module("fc1", std::make_shared<nn::Linear>(4, 3));
+    fc2 = register_module("fc2", std::make_shared<nn::Linear>(3, 2));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = fc1->forward(x);
+    return use_fc2 ? fc2->forward(h) : h;
+  }
+  std::shared_ptr<nn::Linear> fc1, fc2;
+  bool use_fc2 = true;
+};
+
+TEST(FsdpErrors, UnusedParametersAreNamedAndReadingOutsideAStepIsRefused) {
+  run_ranks(2, [](int, std::shared_ptr<ProcessGroup> group) {
+    auto model = std::make_shared<TwoLayers>();
+    FSDPOptions options;
+    options.units = {{model->fc1}, {model->fc2}};
+    FullyShardedDataParallel fsdp(model, group, options);
+    Tensor x = ones({2, 4});
+    model->use_fc2 = false;
+    std::string msg = require_error([&] { sum(fsdp.forward(x)).backward(); },
+                                    {"did not receive a gradient", ": fc2.weight, fc2.bias.", "set_requires_grad(false)"});
+    require(msg.find("fc1") == std::string::npos, "fc1 took part but is named: ", msg);
+    require_error([&] { (void)model->fc1->weight.to_vector<float>(); },
+                  {"unit 'fc1'", "outside a step", "full_state_dict"});
+    // Recovers: a step that uses everything works, and evaluation releases what it gathered.
+    model->use_fc2 = true;
+    fsdp.zero_grad();
+    sum(fsdp.forward(x)).backward();
+    require(fsdp.parameters()[0].grad().defined(), "no gradient after a full step");
+    {
+      NoGradGuard no_grad;
+      fsdp.forward(x);
+    }
+    require(fsdp.memory().full_parameter_bytes == 0, "evaluation left units gathered");
+  });
+}
+
+TEST(FsdpStateDict, AFullStateDictLoadsBackIntoShardsOnAnotherWorldSize) {
+  std::string path = temp_path("fsdp_state") + ".safetensors";
+  run_ranks(3, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(Model::gpt, 5);
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::yes));
+    nn::NamedTensors state = fsdp.full_state_dict();
+    bool tied = false;
+    for (const auto& [name, t] : state) tied |= name == "lm_head.weight";
+    require(tied, "the tied output weight is missing from the full state dict");
+    if (rank == 0) save_safetensors(path, state);
+  });
+  run_ranks(2, [&](int, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(Model::gpt, 99);  // other values, replaced by the load
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::yes));
+    auto saved = load_safetensors_map(path);
+    nn::NamedTensors named(saved.begin(), saved.end());
+    fsdp.load_full_state_dict(named);
+    for (const auto& [name, t] : fsdp.full_state_dict())
+      require(relative_difference(t, saved.at(name)) == 0, name, " differs after the load");
+  });
+  std::filesystem::remove(path);
+}
+
+}  // namespace
+}  // namespace loom::dist
