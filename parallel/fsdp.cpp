@@ -64,6 +64,11 @@ struct PendingReduction {
 
 }  // namespace
 
+RowRange shard_rows(int64_t rows, int world, int rank) {
+  const int64_t chunk = (rows + world - 1) / world;
+  return {rank * chunk, std::clamp<int64_t>(rows - rank * chunk, 0, chunk)};
+}
+
 struct FSDPState {
   std::shared_ptr<ProcessGroup> group;
   FSDPOptions options;

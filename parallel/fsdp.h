@@ -116,6 +116,13 @@ struct FSDPMemory {
   size_t shard_parameter_bytes = 0;
 };
 
+// The rows [start, start + count) of a parameter of `rows` rows (dim 0) that rank `rank` of
+// `world` holds: ceil(rows / world) per rank, fewer or none on the last ranks (step 2).
+struct RowRange {
+  int64_t start = 0, count = 0;
+};
+RowRange shard_rows(int64_t rows, int world, int rank);
+
 struct FSDPState;
 
 class FullyShardedDataParallel {

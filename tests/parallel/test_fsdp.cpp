@@ -7,6 +7,9 @@
 // holds them all, and the allocator gets the full parameters' bytes back; accumulation under
 // no_sync communicates nothing and equals the large batch; a parameter without gradient is
 // named; parameters read outside a step are refused; full state dicts go out and back in.
+// Sharded checkpoints: training saved and resumed across world sizes 4 -> 2 -> 1 -> 3 follows
+// the run that never stopped; the export is the full state dict; a save that never got its
+// index leaves the previous checkpoint in force.
 //
 // Ranks and the single-process reference are forked children meeting through a FileStore, as
 // in test_ddp.cpp; a child reports through its exit code and prints what failed.
@@ -29,6 +32,7 @@
 #include "engine/serialization.h"
 #include "layers/layers.h"
 #include "parallel/fsdp.h"
+#include "parallel/sharded_checkpoint.h"
 #include "parallel/store.h"
 
 namespace loom::dist {
@@ -447,6 +451,89 @@ TEST(FsdpStateDict, AFullStateDictLoadsBackIntoShardsOnAnotherWorldSize) {
       require(relative_difference(t, saved.at(name)) == 0, name, " differs after the load");
   });
   std::filesystem::remove(path);
+}
+
+// ---- sharded checkpoints ---------------------------------------------------------------------
+
+// Trains steps [from, to) of the tiny GPT on `world` ranks, resuming from `load_dir` when given
+// and saving into `save_dir`; every step's loss must equal the single-process reference's.
+void train_segment(int world, int from, int to, const std::string& load_dir, const std::string& save_dir,
+                   const std::string& reference) {
+  run_ranks(world, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto want = load_safetensors_map(reference);
+    std::vector<double> want_losses = want.at("losses").to_vector<double>();
+    auto model = make_model(Model::gpt, load_dir.empty() ? 0 : 50 + rank);  // a resumed run's values are loaded
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::yes));
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    if (!load_dir.empty()) load_sharded_checkpoint(load_dir, fsdp, &opt);
+    for (int step = from; step < to; ++step) {
+      opt.zero_grad();
+      Batch mine = rows(global_batch(Model::gpt, step), rank, world);
+      Tensor loss = fsdp.call([&] { return loss_of(*model, Model::gpt, mine); });
+      loss.backward();
+      Tensor mean_loss = loss.detach().reshape({1}).clone();
+      group->all_reduce(mean_loss, ReduceOp::avg)->wait();
+      fsdp.clip_grad_norm_(kMaxNorm);
+      opt.step();
+      const double d = std::abs(mean_loss.item() - want_losses[step]) / std::abs(want_losses[step]);
+      require(d <= 1e-5, "world ", world, ", step ", step, ": loss ", mean_loss.item(), " against ",
+              want_losses[step]);
+    }
+    save_sharded_checkpoint(save_dir, fsdp, &opt);
+    if (to == 20) require_close(fsdp.full_state_dict(), want, 1e-5);
+  });
+}
+
+TEST(FsdpShardedCheckpoint, TrainingResumedAtOtherWorldSizesFollowsTheRunThatNeverStopped) {
+  std::string reference = temp_path("fsdp_ckpt_reference") + ".safetensors";
+  run_alone([&] { train_reference(Model::gpt, reference, 20); });
+  std::vector<std::string> dirs;
+  for (int i = 0; i < 4; ++i) dirs.push_back(temp_path("fsdp_ckpt"));
+  train_segment(4, 0, 5, "", dirs[0], reference);
+  train_segment(2, 5, 10, dirs[0], dirs[1], reference);
+  train_segment(1, 10, 15, dirs[1], dirs[2], reference);
+  train_segment(3, 15, 20, dirs[2], dirs[3], reference);
+  for (const auto& d : dirs) std::filesystem::remove_all(d);
+  std::filesystem::remove(reference);
+}
+
+TEST(FsdpShardedCheckpoint, TheExportIsTheFullStateDictAndAnUnindexedSaveIsIgnored) {
+  std::string dir = temp_path("fsdp_ckpt"), exported = temp_path("fsdp_export") + ".safetensors";
+  std::string full = temp_path("fsdp_full") + ".safetensors";
+  run_ranks(3, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(Model::gpt, 3);
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::no));
+    save_sharded_checkpoint(dir, fsdp);
+    if (rank == 0) save_safetensors(full, fsdp.full_state_dict());
+    else fsdp.full_state_dict();
+  });
+  // A later save killed before its index: a newer generation's file, and no index naming it.
+  std::filesystem::copy_file(std::filesystem::path(dir) / "shard-g1-00000-of-00003.safetensors",
+                             std::filesystem::path(dir) / "shard-g2-00000-of-00002.safetensors");
+  run_alone([&] {
+    export_consolidated_safetensors(dir, exported);
+    auto got = load_safetensors_map(exported), want = load_safetensors_map(full);
+    require(got.size() == want.size() && got.count("lm_head.weight"), got.size(), " tensors exported, ",
+            want.size(), " in the full state dict");
+    for (const auto& [name, t] : want) require(relative_difference(got.at(name), t) == 0, name, " differs");
+  });
+  run_ranks(2, [&](int, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(Model::gpt, 4);
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::yes));
+    load_sharded_checkpoint(dir, fsdp);
+    auto want = load_safetensors_map(full);
+    for (const auto& [name, t] : fsdp.full_state_dict())
+      require(relative_difference(t, want.at(name)) == 0, name, " differs after the load");
+    save_sharded_checkpoint(dir, fsdp);  // generation 2 replaces the stray file and generation 1
+  });
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) files.push_back(e.path().filename().string());
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, (std::vector<std::string>{"index.safetensors", "shard-g2-00000-of-00002.safetensors",
+                                             "shard-g2-00001-of-00002.safetensors"}));
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(exported);
+  std::filesystem::remove(full);
 }
 
 }  // namespace

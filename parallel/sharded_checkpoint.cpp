@@ -1,0 +1,313 @@
+// Sharded checkpoints: the file layout and the save order are in sharded_checkpoint.h; the
+// row arithmetic is fsdp.h's (shard_rows), so a checkpoint is resharded by copying the
+// overlaps of the saved ranks' row ranges with this rank's.
+#include "parallel/sharded_checkpoint.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "engine/serialization.h"
+
+namespace loom::dist {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kFormat = "loom-sharded-1";
+constexpr const char* kIndex = "index.safetensors";
+
+std::string shard_file(const std::string& dir, int64_t generation, int rank, int world) {
+  char name[96];
+  std::snprintf(name, sizeof(name), "shard-g%lld-%05d-of-%05d.safetensors", static_cast<long long>(generation), rank,
+                world);
+  return (fs::path(dir) / name).string();
+}
+
+// Appends `item` to a comma-separated list.
+void append(std::string& list, const std::string& item) {
+  if (!list.empty()) list += ',';
+  list += item;
+}
+
+std::string shape_text(const Shape& shape) {
+  std::string s;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(shape[i]);
+  }
+  return s;
+}
+
+Shape parse_shape(const std::string& text, const std::string& where) {
+  Shape shape;
+  std::stringstream in(text);
+  std::string part;
+  while (std::getline(in, part, ',')) {
+    LOOM_CHECK(!part.empty() && part.find_first_not_of("0123456789") == std::string::npos, where,
+               ": the shape '", text, "' is not a list of sizes");
+    shape.push_back(std::stoll(part));
+  }
+  return shape;
+}
+
+std::string number_text(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
+
+// Rows of a tensor of `shape` seen as (rows, row_numel), as fsdp.h shards it.
+int64_t rows_of(const Shape& shape) { return shape.empty() ? 1 : shape[0]; }
+
+// The optimizer's parameter index (its state_dict numbering) -> the FSDP parameter name.
+std::vector<std::string> optimizer_names(const optim::Optimizer& opt, const FullyShardedDataParallel& fsdp) {
+  std::unordered_map<const TensorImpl*, std::string> name_of;
+  for (const auto& [name, t] : fsdp.named_parameters()) name_of.emplace(t.impl(), name);
+  std::vector<std::string> out;
+  for (const auto& group : opt.param_groups())
+    for (const Tensor& p : group.params) {
+      auto it = name_of.find(p.impl());
+      LOOM_CHECK(it != name_of.end(), "sharded checkpoint: the optimizer steps on a tensor that is not one of the FSDP "
+                 "model's shards; build it on fsdp.parameters()");
+      out.push_back(it->second);
+    }
+  return out;
+}
+
+// A saved checkpoint: its index and the shard files, each read when first needed.
+class SavedCheckpoint {
+ public:
+  explicit SavedCheckpoint(const std::string& dir) : dir_(dir) {
+    const std::string index = (fs::path(dir) / kIndex).string();
+    LOOM_CHECK(fs::exists(index), "sharded checkpoint: ", dir, " has no ", kIndex,
+               " (not a sharded checkpoint, or its first save never finished)");
+    meta_ = load_safetensors_metadata(index);
+    LOOM_CHECK(meta_.count("format") && meta_.at("format") == kFormat, "sharded checkpoint: ", index,
+               " is not an index of format ", kFormat);
+    world_ = std::stoi(meta_.at("world_size"));
+    generation_ = std::stoll(meta_.at("generation"));
+  }
+
+  int world() const { return world_; }
+  const std::map<std::string, std::string>& meta() const { return meta_; }
+
+  Shape shape(const std::string& name) const {
+    auto it = meta_.find("shape." + name);
+    LOOM_CHECK(it != meta_.end(), "sharded checkpoint: ", dir_, " holds no parameter ", name);
+    return parse_shape(it->second, dir_ + "/" + kIndex);
+  }
+
+  const SafetensorsFile& file(int rank) {
+    auto it = files_.find(rank);
+    if (it == files_.end()) it = files_.emplace(rank, load_safetensors(shard_file(dir_, generation_, rank, world_))).first;
+    return it->second;
+  }
+
+  const Tensor* find(int rank, const std::string& key) {
+    for (const auto& [name, t] : file(rank).tensors)
+      if (name == key) return &t;
+    return nullptr;
+  }
+
+  // Rows [range.start, range.start + range.count) of the saved tensor `key` (a parameter of
+  // full shape `full`, or one of its optimizer buffers), copied into dst, (range.count, ...).
+  void read_rows(const std::string& key, const Shape& full, RowRange range, const Tensor& dst) {
+    const int64_t n = rows_of(full), row_numel = n == 0 ? 0 : shape_numel(full) / n;
+    Tensor into = dst.reshape({range.count, row_numel});
+    for (int r = 0; r < world_; ++r) {
+      const RowRange theirs = shard_rows(n, world_, r);
+      const int64_t lo = std::max(theirs.start, range.start);
+      const int64_t hi = std::min(theirs.start + theirs.count, range.start + range.count);
+      if (lo >= hi) continue;
+      const Tensor* src = find(r, key);
+      LOOM_CHECK(src != nullptr, "sharded checkpoint: ", shard_file(dir_, generation_, r, world_), " has no ", key);
+      LOOM_CHECK(src->numel() == theirs.count * row_numel, "sharded checkpoint: ", key, " in ",
+                 shard_file(dir_, generation_, r, world_), " has ", src->numel(), " elements, expected ",
+                 theirs.count * row_numel);
+      copy_(into.slice(0, lo - range.start, hi - range.start),
+            src->reshape({theirs.count, row_numel}).slice(0, lo - theirs.start, hi - theirs.start));
+    }
+  }
+
+ private:
+  std::string dir_;
+  std::map<std::string, std::string> meta_;
+  int world_ = 0;
+  int64_t generation_ = 0;
+  std::map<int, SafetensorsFile> files_;
+};
+
+}  // namespace
+
+void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
+                             const optim::Optimizer* optimizer) {
+  ProcessGroup& group = fsdp.group();
+  const int rank = group.rank(), world = group.size();
+  nn::NamedTensors shards = fsdp.named_parameters();
+  const Device device = shards.empty() ? Device::cpu() : shards.front().second.device();
+  fs::create_directories(dir);
+
+  // The generation: one more than the finished checkpoint's, as rank 0 reads it.
+  int64_t generation = 1;
+  const std::string index = (fs::path(dir) / kIndex).string();
+  if (rank == 0 && fs::exists(index)) {
+    auto meta = load_safetensors_metadata(index);
+    if (meta.count("generation")) generation = std::stoll(meta.at("generation")) + 1;
+  }
+  Tensor g = from_vector(std::vector<int64_t>{generation}, {1}).to(device);
+  group.broadcast(g, 0)->wait();
+  generation = int64_t(g.item());
+
+  nn::NamedTensors tensors;
+  std::map<std::string, std::string> meta{{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}};
+  for (const auto& [name, t] : shards) tensors.emplace_back("param." + name, t);
+  optim::OptimizerState opt_state;
+  if (optimizer) {
+    opt_state = optimizer->state_dict();
+    const std::vector<std::string> names = optimizer_names(*optimizer, fsdp);
+    // "state.<i>.<buffer>" and "state.<i>.step" under the parameter's name instead of i.
+    auto split = [&](const std::string& key) {
+      const size_t dot = key.find('.', 6);
+      return std::make_pair(names.at(std::stoul(key.substr(6, dot - 6))), key.substr(dot + 1));
+    };
+    for (const auto& [key, t] : opt_state.tensors) {
+      auto [name, buffer] = split(key);
+      tensors.emplace_back("optim." + name + "." + buffer, t);
+    }
+    for (const auto& [key, v] : opt_state.scalars)
+      if (key.starts_with("state.")) meta["step." + split(key).first] = number_text(v);
+  }
+  if (rank == 0)
+    for (const auto& [name, b] : fsdp.module()->named_buffers()) tensors.emplace_back("buffer." + name, b);
+  save_safetensors(shard_file(dir, generation, rank, world), tensors, meta);
+  group.barrier()->wait();
+
+  if (rank == 0) {
+    std::map<std::string, std::string> index_meta{{"format", kFormat},
+                                                  {"generation", std::to_string(generation)},
+                                                  {"world_size", std::to_string(world)}};
+    std::string order;
+    std::unordered_map<const Storage*, std::string> by_storage;
+    for (const auto& [name, p] : fsdp.module()->named_parameters()) {
+      index_meta["shape." + name] = shape_text(p.shape());
+      append(order, name);
+      by_storage.emplace(p.storage().get(), name);
+    }
+    index_meta["params"] = order;
+    std::string buffers;
+    for (const auto& [name, b] : fsdp.module()->named_buffers()) append(buffers, name);
+    index_meta["buffers"] = buffers;
+    // Names under which state_dict() lists a parameter a second time (GPT's lm_head.weight).
+    for (const auto& [name, t] : fsdp.module()->state_dict()) {
+      auto it = by_storage.find(t.storage().get());
+      if (it != by_storage.end() && it->second != name) index_meta["tied." + name] = it->second;
+    }
+    if (optimizer) {
+      index_meta["optimizer"] = optimizer->type_name();
+      for (const auto& [key, v] : opt_state.scalars)
+        if (key.starts_with("param_groups.")) index_meta[key] = number_text(v);
+    }
+    save_safetensors(index, {}, index_meta);
+    // The previous generations' files: no index names them any more.
+    const std::string keep = "shard-g" + std::to_string(generation) + "-";
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string file = entry.path().filename().string();
+      if (file.starts_with("shard-g") && !file.starts_with(keep) && file.ends_with(".safetensors"))
+        fs::remove(entry.path());
+    }
+  }
+  group.barrier()->wait();
+}
+
+void load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp, optim::Optimizer* optimizer) {
+  NoGradGuard no_grad;
+  SavedCheckpoint saved(dir);
+  const int rank = fsdp.group().rank(), world = fsdp.group().size();
+  nn::NamedTensors full = fsdp.module()->named_parameters();  // shapes only: their storages stay released
+  nn::NamedTensors shards = fsdp.named_parameters();
+  std::map<std::string, Shape> full_shape;
+  for (size_t i = 0; i < full.size(); ++i) {
+    const auto& [name, p] = full[i];
+    Shape shape = saved.shape(name);
+    LOOM_CHECK(shape == p.shape(), "sharded checkpoint: ", name, " has shape ", shape_str(shape), " in ", dir,
+               " but ", shape_str(p.shape()), " in the model");
+    full_shape[name] = shape;
+    saved.read_rows("param." + name, shape, shard_rows(rows_of(shape), world, rank), shards[i].second);
+  }
+  for (const auto& [name, b] : fsdp.module()->named_buffers()) {
+    const Tensor* t = saved.find(0, "buffer." + name);
+    LOOM_CHECK(t != nullptr, "sharded checkpoint: ", dir, " holds no buffer ", name);
+    copy_(b, *t);
+  }
+  if (!optimizer) return;
+  const auto& meta = saved.meta();
+  LOOM_CHECK(meta.count("optimizer"), "sharded checkpoint: ", dir, " holds no optimizer state");
+  LOOM_CHECK(meta.at("optimizer") == optimizer->type_name(), "sharded checkpoint: ", dir, " holds the state of ",
+             meta.at("optimizer"), ", not of ", optimizer->type_name());
+  optim::OptimizerState state;
+  for (const auto& [key, v] : meta)
+    if (key.starts_with("param_groups.")) state.scalars[key] = std::stod(v);
+  const std::vector<std::string> names = optimizer_names(*optimizer, fsdp);
+  const SafetensorsFile& first = saved.file(0);
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
+    auto step = first.metadata.find("step." + name);
+    if (step == first.metadata.end()) continue;  // never stepped
+    const std::string key = "state." + std::to_string(i) + ".";
+    state.scalars[key + "step"] = std::stod(step->second);
+    const std::string prefix = "optim." + name + ".";
+    const Shape& shape = full_shape.at(name);
+    const RowRange mine = shard_rows(rows_of(shape), world, rank);
+    for (const auto& [saved_key, t] : first.tensors) {
+      if (!saved_key.starts_with(prefix) || saved_key.find('.', prefix.size()) != std::string::npos) continue;
+      Shape shard_shape = shape.empty() ? Shape{mine.count} : shape;
+      shard_shape[0] = mine.count;
+      Tensor buffer = Tensor::empty(shard_shape, t.dtype());
+      saved.read_rows(saved_key, shape, mine, buffer);
+      state.tensors.emplace_back(key + saved_key.substr(prefix.size()), buffer);
+    }
+  }
+  optimizer->load_state_dict(state);
+}
+
+void export_consolidated_safetensors(const std::string& dir, const std::string& path) {
+  NoGradGuard no_grad;
+  SavedCheckpoint saved(dir);
+  const auto& meta = saved.meta();
+  auto list = [](const std::string& text) {
+    std::vector<std::string> out;
+    std::stringstream in(text);
+    std::string part;
+    while (std::getline(in, part, ','))
+      if (!part.empty()) out.push_back(part);
+    return out;
+  };
+  nn::NamedTensors out;
+  std::map<std::string, Tensor> by_name;
+  for (const std::string& name : list(meta.at("params"))) {
+    const Shape shape = saved.shape(name);
+    const Tensor* first = saved.find(0, "param." + name);
+    LOOM_CHECK(first != nullptr, "sharded checkpoint: ", dir, " has no param.", name, " in rank 0's file");
+    Tensor t = Tensor::empty(shape, first->dtype());
+    saved.read_rows("param." + name, shape, {0, rows_of(shape)}, t);
+    out.emplace_back(name, t);
+    by_name.emplace(name, t);
+  }
+  for (const auto& [key, target] : meta)
+    if (key.starts_with("tied.")) out.emplace_back(key.substr(5), by_name.at(target));
+  for (const std::string& name : list(meta.at("buffers"))) {
+    const Tensor* t = saved.find(0, "buffer." + name);
+    LOOM_CHECK(t != nullptr, "sharded checkpoint: ", dir, " has no buffer ", name);
+    out.emplace_back(name, *t);
+  }
+  save_safetensors(path, out);
+}
+
+}  // namespace loom::dist

@@ -1,0 +1,52 @@
+// Sharded checkpoints of an FSDP model (fsdp.h) and its optimizer, the role of PyTorch's
+// distributed checkpoint (DCP). Every rank writes what it holds, so no rank ever gathers the
+// whole model; an index written last says what a finished checkpoint is made of; a
+// checkpoint loads at any world size, and exports to one safetensors file.
+//
+// A checkpoint is a folder:
+//
+//   shard-g<G>-<r>-of-<W>.safetensors   rank r's rows of every parameter ("param.<name>") and of
+//                                       its optimizer buffers ("optim.<name>.<buffer>"), rank 0's
+//                                       buffers ("buffer.<name>"); metadata: each parameter's
+//                                       optimizer step ("step.<name>")
+//   index.safetensors                   no tensors; metadata: the generation G, W, each parameter's
+//                                       full shape ("shape.<name>"), tied names ("tied.<alias>"),
+//                                       the optimizer's type and group hyper-parameters
+//
+// Saving: every rank writes its shard file (atomically, engine/serialization.h), a barrier
+// waits for all of them, then rank 0 writes the index (atomically, hence last and whole) and
+// removes the shard files of older generations. G counts the saves into the folder, so a
+// save killed at any point leaves the previous index pointing at the previous files, which
+// are still there: the previous checkpoint stays loadable, and a half-written one is never
+// found, as no index names it.
+//
+// Loading at world size W': rank r' needs rows shard_rows(n, W', r') of each parameter; they
+// come from the saved ranks whose rows overlap (shard_rows(n, W, r)), copied row range by row
+// range, for the parameters and the optimizer buffers alike. Each rank reads only the shard
+// files that hold its rows.
+#pragma once
+
+#include <string>
+
+#include "../layers/optim/optimizer.h"
+#include "fsdp.h"
+
+namespace loom::dist {
+
+// Writes `fsdp`'s shards (and `optimizer`'s state, when given) into the folder `dir` (created
+// if missing). Every rank of the group calls it.
+void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
+                             const optim::Optimizer* optimizer = nullptr);
+
+// Loads a checkpoint saved at any world size into `fsdp`'s shards (and `optimizer`, which must
+// be built on fsdp.parameters(), when given). Every rank of the group calls it; no
+// communication.
+void load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
+                             optim::Optimizer* optimizer = nullptr);
+
+// Writes the full parameters (tied ones under every name) and buffers of the checkpoint in
+// `dir` to one safetensors file, as a plain model's state_dict() would be saved: PyTorch loads
+// it as a state dict. One process, no group.
+void export_consolidated_safetensors(const std::string& dir, const std::string& path);
+
+}  // namespace loom::dist
