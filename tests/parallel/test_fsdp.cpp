@@ -3,7 +3,8 @@
 // follow one process trained on the whole batch (losses, clipped gradient norms and weights
 // after 20 steps within 1e-5 relative), on 2, 3 and 4 ranks (uneven and empty shards), in
 // ZeRO-2 and ZeRO-3, for SimpleCNN (units chosen by size) and a GPT with tied embeddings
-// (units by hand). Also: ZeRO-3 holds at most the two largest units in full while ZeRO-2
+// (units by hand; also with activation recomputation), and ResNet with units chosen by size
+// (eval mode, two SGD steps). Also: ZeRO-3 holds at most the two largest units in full while ZeRO-2
 // holds them all, and the allocator gets the full parameters' bytes back; accumulation under
 // no_sync communicates nothing and equals the large batch; a parameter without gradient is
 // named; parameters read outside a step are refused; full state dicts go out and back in.
@@ -135,7 +136,7 @@ void require_close(const nn::NamedTensors& got, const std::map<std::string, Tens
 
 // ---- models and data -------------------------------------------------------------------------
 
-enum class Model { cnn, gpt };
+enum class Model { cnn, gpt, gpt_recompute };
 constexpr int64_t kBatch = 12;  // divisible by 2, 3 and 4: every rank's mean has the same weight
 constexpr int64_t kSeq = 16;
 
@@ -173,7 +174,9 @@ nn::GPTConfig tiny_gpt(int layers) {
 std::shared_ptr<nn::Module> make_model(Model model, uint64_t seed, int gpt_layers = 2) {
   manual_seed(seed);
   if (model == Model::cnn) return std::make_shared<nn::SimpleCNN>(1, 28, 10);
-  return std::make_shared<nn::GPT>(tiny_gpt(gpt_layers));
+  nn::GPTConfig config = tiny_gpt(gpt_layers);
+  config.recompute = model == Model::gpt_recompute;
+  return std::make_shared<nn::GPT>(config);
 }
 
 Tensor loss_of(nn::Module& model, Model kind, const Batch& b) {
@@ -238,7 +241,8 @@ struct TrainingCase {
 };
 
 std::string case_name(const TrainingCase& c) {
-  return std::string(c.model == Model::cnn ? "SimpleCNN" : "TinyGPT") + "World" + std::to_string(c.world) +
+  const char* model = c.model == Model::cnn ? "SimpleCNN" : c.model == Model::gpt ? "TinyGPT" : "TinyGPTRecompute";
+  return std::string(model) + "World" + std::to_string(c.world) +
          (c.reshard == ReshardAfterForward::yes ? "ZeRO3" : "ZeRO2");
 }
 
@@ -286,7 +290,8 @@ INSTANTIATE_TEST_SUITE_P(
                       TrainingCase{Model::cnn, 4, ReshardAfterForward::yes},
                       TrainingCase{Model::gpt, 2, ReshardAfterForward::no},
                       TrainingCase{Model::gpt, 3, ReshardAfterForward::yes},
-                      TrainingCase{Model::gpt, 4, ReshardAfterForward::no}),
+                      TrainingCase{Model::gpt, 4, ReshardAfterForward::no},
+                      TrainingCase{Model::gpt_recompute, 2, ReshardAfterForward::yes}),
     [](const auto& info) { return case_name(info.param); });
 
 TEST(FsdpShards, UnevenAndEmptyShardsCoverEveryRowOnce) {
@@ -451,6 +456,60 @@ TEST(FsdpStateDict, AFullStateDictLoadsBackIntoShardsOnAnotherWorldSize) {
       require(relative_difference(t, saved.at(name)) == 0, name, " differs after the load");
   });
   std::filesystem::remove(path);
+}
+
+TEST(FsdpPolicy, ResNetUnitsBySizeTrainLikeOneProcess) {
+  // ResNet with one block per stage. min_num_params 100000, bottom-up: every convolution of at
+  // least 100k weights becomes a unit (layer2.0.conv2, 147k, ...); what is left below, never
+  // 100k together in one subtree, goes to the root. In eval mode BatchNorm normalises with its
+  // running statistics, so each rank's rows are treated as in the whole batch.
+  constexpr int kSteps = 2;
+  auto make = [] {
+    manual_seed(11);
+    auto m = std::make_shared<nn::ResNet>(std::array<int, 4>{1, 1, 1, 1}, 10, 3);
+    m->eval();
+    return m;
+  };
+  auto batch = [](int step) {
+    manual_seed(2000 + step);
+    std::vector<int64_t> labels{1, 3, 5, 7};
+    return Batch{randn({4, 3, 32, 32}), from_vector(labels, {4})};
+  };
+  optim::SGDOptions sgd;
+  sgd.lr = 0.1;
+  sgd.momentum = 0.9;
+  std::string reference = temp_path("fsdp_resnet") + ".safetensors";
+  run_alone([&] {
+    auto model = make();
+    optim::SGD opt(model->parameters(), sgd);
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      Batch b = batch(step);
+      cross_entropy(model->forward(b.x), b.y).backward();
+      opt.step();
+    }
+    save_safetensors(reference, model->state_dict());
+  });
+  run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto model = make();
+    FSDPOptions options;
+    options.min_num_params = 100000;
+    FullyShardedDataParallel fsdp(model, group, options);
+    std::string units;
+    for (const auto& name : fsdp.unit_names()) units += "[" + name + "]";
+    require(units == "[layer2.0.conv2][layer3.0.conv1][layer3.0.conv2][layer4.0.conv1][layer4.0.conv2]"
+                     "[layer4.0.downsample.0][]",
+            "units ", units);
+    optim::SGD opt(fsdp.parameters(), sgd);
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      Batch mine = rows(batch(step), rank, 2);
+      cross_entropy(fsdp.forward(mine.x), mine.y).backward();
+      opt.step();
+    }
+    require_close(fsdp.full_state_dict(), load_safetensors_map(reference), 1e-5);
+  });
+  std::filesystem::remove(reference);
 }
 
 // ---- sharded checkpoints ---------------------------------------------------------------------
