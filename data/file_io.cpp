@@ -136,6 +136,7 @@ size_t InputFile::read_some(void* dst, size_t n) {
       const unsigned chunk = static_cast<unsigned>(std::min<size_t>(n - done, 1u << 30));
       const int got = gzread(gz, out + done, chunk);
       if (got < 0) fail_inflate();
+      crc_ = crc32(crc_, out + done, static_cast<unsigned>(got));
       done += static_cast<size_t>(got);
       if (static_cast<unsigned>(got) < chunk) break;
     }
@@ -163,18 +164,23 @@ void InputFile::read(void* dst, size_t n, std::string_view what) {
             " (needed ", n, " bytes at offset ", start, "): truncated download?");
 }
 
+void InputFile::check_gzip_trailer() {
+  uint8_t t[8] = {};
+  std::FILE* f = std::fopen(path_.c_str(), "rb");
+  LOOM_CHECK(f != nullptr, path_, ": cannot open again to read its gzip trailer (", std::strerror(errno), ")");
+  const bool read = file_bytes_ >= 18 && std::fseek(f, -8, SEEK_END) == 0 && std::fread(t, 1, 8, f) == 8;
+  std::fclose(f);
+  const uint32_t crc = uint32_t(t[0]) | uint32_t(t[1]) << 8 | uint32_t(t[2]) << 16 | uint32_t(t[3]) << 24;
+  const uint32_t length = uint32_t(t[4]) | uint32_t(t[5]) << 8 | uint32_t(t[6]) << 16 | uint32_t(t[7]) << 24;
+  LOOM_CHECK(read && crc == uint32_t(crc_) && length == uint32_t(offset_), path_,
+             ": the gzip trailer (CRC-32 and length, its last 8 bytes) does not match the ", offset_,
+             " bytes it inflates to: the file is truncated or corrupt (gzip -t rejects it too); download it again");
+}
+
 void InputFile::expect_end(std::string_view expected) {
   uint8_t probe[64];
   const size_t got = read_some(probe, sizeof probe);
-  if (got == 0 && gz_) {
-    // zlib checks the trailer (CRC-32 and length) as the stream ends and says Z_BUF_ERROR
-    // when the file stops before the trailer does: every byte of data was there, but the
-    // file is still cut short, and its contents are unverified.
-    int err = Z_OK;
-    gzerror(static_cast<gzFile>(gz_), &err);
-    LOOM_CHECK(err == Z_OK, path_, ": gzip stream ends without its complete trailer (CRC-32 and length, the last 8 "
-               "bytes of a gzip file): the file is truncated (gzip -t says so too); download it again");
-  }
+  if (got == 0 && gz_) check_gzip_trailer();
   if (got == 0) return;
   if (plain_) {
     LOOM_FAIL(path_, ": holds ", file_bytes_, " bytes, more than expected (", expected,

@@ -52,18 +52,23 @@ class InputFile {
   // Reads exactly n bytes; throws naming the file and `what` when the stream ends first or
   // fails to inflate.
   void read(void* dst, size_t n, std::string_view what);
-  // Throws unless the stream is exhausted; for gzip this also makes zlib verify the trailer
-  // (CRC-32 and length), and a trailer cut short is an error too.
+  // Throws unless the stream is exhausted. For gzip it also compares the file's last 8 bytes,
+  // the trailer (CRC-32 and length), with the data read: zlib checks a trailer that is there,
+  // but says nothing when the file ends before it, so a file cut short by a few bytes would
+  // otherwise read as whole. (A file of several concatenated gzip members fails this check:
+  // recompress it as one.)
   // `expected` describes what the file should have held, for the message.
   void expect_end(std::string_view expected);
 
  private:
   size_t read_some(void* dst, size_t n);
   [[noreturn]] void fail_inflate();
+  void check_gzip_trailer();
 
   std::string path_;
   uint64_t file_bytes_ = 0;
   uint64_t offset_ = 0;
+  unsigned long crc_ = 0;  // CRC-32 of the inflated bytes so far
   std::FILE* plain_ = nullptr;
   void* gz_ = nullptr;  // gzFile; kept opaque so this header does not pull in zlib.h
 };

@@ -513,7 +513,9 @@ void check_output_path(const std::string& path, const std::string& flag) {
   if (fd.fd < 0) {
     const int err = errno;
     const std::string dir = parent_dir(target);
-    if (err == ENOENT) LOOM_FAIL(named, ": the directory '", dir, "' does not exist: create it first");
+    struct stat dir_st {};
+    if (err == ENOENT && ::stat(dir.c_str(), &dir_st) != 0)
+      LOOM_FAIL(named, ": the directory '", dir, "' does not exist: create it first");
     fail_os(err, named, ": cannot create a file in '", dir, "' (tried '", probe,
             "'): choose a directory this user can write to");
   }

@@ -78,7 +78,8 @@ void check_resume(const Options& o, const std::map<std::string, std::string>& sa
   if (!entry("model").empty() || (!entry("program").empty() && entry("program") != "train_gpt"))
     flags.fail("--resume " + o.resume + " was written by " +
                (entry("program").empty() ? std::string("train_cnn") : entry("program")) +
-               (entry("model").empty() ? "" : " and holds a " + entry("model") + " trained on " + entry("data")) +
+               (entry("model").empty() ? "" : " and holds a " + entry("model")) +
+               (entry("data").empty() ? "" : " trained on " + entry("data")) +
                "; train_gpt resumes its own checkpoints");
   if (!entry("config").empty() && entry("config") != o.config)
     flags.fail("--resume " + o.resume + " holds a GPT of config " + entry("config") + "; this run is --config " +

@@ -165,6 +165,28 @@ TEST(IdxErrors, GzipChecksumMismatch) {
   EXPECT_LOOM_ERROR(load_idx_images(t.file("crc.gz")), t.file("crc.gz"), "fails to inflate", "incorrect data check");
 }
 
+// A file cut short by 1 to 9 bytes still inflates to every byte of data (the cut falls in
+// the 8-byte trailer, or in the deflate end marker): gzip -t rejects it, and so must the
+// reader, for small payloads (read in one piece) and large ones alike. A trailer whose
+// length is wrong is a corrupt file too.
+TEST(IdxErrors, GzipTrailerCutShortOrWrongIsRejected) {
+  TempDir t;
+  for (int64_t count : {3, 300}) {
+    write_gzip(t.file("ok.gz"), idx_bytes({uint32_t(count), 40, 50}, pattern(size_t(count) * 40 * 50, 13, 5)));
+    const std::vector<uint8_t> whole = read_bytes(t.file("ok.gz"));
+    EXPECT_EQ(load_idx_images(t.file("ok.gz")).count, count);
+    for (size_t cut = 1; cut <= 9; ++cut) {
+      SCOPED_TRACE("images " + std::to_string(count) + ", cut " + std::to_string(cut));
+      write_bytes(t.file("cut.gz"), std::vector<uint8_t>(whole.begin(), whole.end() - int64_t(cut)));
+      EXPECT_LOOM_ERROR(load_idx_images(t.file("cut.gz")), t.file("cut.gz"), "truncated");
+    }
+    std::vector<uint8_t> wrong_length = whole;
+    wrong_length[wrong_length.size() - 4] ^= 0x01;  // ISIZE, the length in the trailer
+    write_bytes(t.file("len.gz"), wrong_length);
+    EXPECT_LOOM_ERROR(load_idx_images(t.file("len.gz")), t.file("len.gz"), "fails to inflate");
+  }
+}
+
 TEST(IdxErrors, MissingDirectory) {
   TempDir t;
   EXPECT_LOOM_ERROR(load_fashion_mnist(t.file("absent")), t.file("absent"), "no such directory",
