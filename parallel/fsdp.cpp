@@ -47,7 +47,9 @@ struct Unit {
   std::string name;
   std::vector<ShardedParam> params;
   int64_t flat_numel = 0;  // S: elements of one rank's flat shard
-  DType dtype = DType::f32;
+  DType dtype = DType::f32;          // of the shards (the master weights)
+  DType compute_dtype = DType::f32;  // of the full parameters and the gathers (step 7)
+  DType reduce_dtype = DType::f32;   // of the reduce-scatters
   Device device = Device::cpu();
   size_t full_bytes = 0;
   bool gathered = false;
@@ -96,6 +98,16 @@ struct FSDPState {
     while (!held.empty()) release(held.front());
   }
 
+  // Every rank's flat shard of `unit`, in `dtype`, one after the other (W S elements).
+  Tensor gather_flat(const Unit& unit, DType dtype) {
+    Tensor flat = Tensor::empty({unit.flat_numel}, dtype, unit.device);
+    for (const ShardedParam& p : unit.params)
+      if (p.rows_on(rank()) > 0) copy_(p.in_shard(flat, rank()), p.shard.reshape({p.rows_on(rank()), p.row_numel}));
+    Tensor gathered = Tensor::empty({world() * unit.flat_numel}, dtype, unit.device);
+    group->all_gather(gathered, flat)->wait();
+    return gathered;
+  }
+
   // fsdp.h, step 3: one all_gather of the flat shards, then the rows copied out.
   void gather(size_t u) {
     Unit& unit = units[u];
@@ -106,11 +118,7 @@ struct FSDPState {
     if (options.reshard_after_forward == ReshardAfterForward::yes)
       while (held.size() >= 2) release(held.front());
     NoGradGuard no_grad;
-    Tensor flat = Tensor::empty({unit.flat_numel}, unit.dtype, unit.device);
-    for (const ShardedParam& p : unit.params)
-      if (p.rows_on(rank()) > 0) copy_(p.in_shard(flat, rank()), p.shard.reshape({p.rows_on(rank()), p.row_numel}));
-    Tensor gathered = Tensor::empty({world() * unit.flat_numel}, unit.dtype, unit.device);
-    group->all_gather(gathered, flat)->wait();
+    Tensor gathered = gather_flat(unit, unit.compute_dtype);
     for (ShardedParam& p : unit.params) {
       p.full.storage()->acquire();
       for (int r = 0; r < world(); ++r)
@@ -127,7 +135,7 @@ struct FSDPState {
     Unit& unit = units[u];
     if (sync_gradients) {
       NoGradGuard no_grad;
-      Tensor input = zeros({world() * unit.flat_numel}, unit.dtype, unit.device);
+      Tensor input = zeros({world() * unit.flat_numel}, unit.reduce_dtype, unit.device);
       for (ShardedParam& p : unit.params) {
         Tensor g = p.full.grad();
         if (!g.defined()) continue;
@@ -135,7 +143,7 @@ struct FSDPState {
           if (p.rows_on(r) > 0) copy_(p.in_gathered(input, r, unit.flat_numel), p.rows_of(g, r));
         p.full.zero_grad();
       }
-      Tensor output = Tensor::empty({unit.flat_numel}, unit.dtype, unit.device);
+      Tensor output = Tensor::empty({unit.flat_numel}, unit.reduce_dtype, unit.device);
       WorkPtr work = group->reduce_scatter(output, input, ReduceOp::avg);
       reductions.push_back({u, output, input, work});
     }
@@ -149,7 +157,7 @@ struct FSDPState {
       r.work->wait();
       for (ShardedParam& p : units[r.unit].params) {
         if (!p.shard.requires_grad()) continue;
-        Tensor g = p.in_shard(r.output, rank()).view(p.shard.shape());
+        Tensor g = p.in_shard(r.output, rank()).view(p.shard.shape()).to(p.shard.dtype());
         if (p.shard.grad().defined()) add_(p.shard.grad(), g);
         else p.shard.set_grad(g.clone());
       }
@@ -288,6 +296,10 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
     Unit unit;
     unit.name = unit_name.empty() ? "(root)" : unit_name;
     unit.dtype = params.front().second.dtype();
+    unit.compute_dtype = options.param_dtype.value_or(unit.dtype);
+    unit.reduce_dtype = options.reduce_dtype.value_or(unit.dtype);
+    LOOM_CHECK(is_floating(unit.compute_dtype) && is_floating(unit.reduce_dtype),
+               "FSDP: param_dtype and reduce_dtype must be floating-point dtypes");
     unit.device = device;
     for (auto& [name, t] : params) {
       LOOM_CHECK(t.dtype() == unit.dtype, "FSDP: unit '", unit.name, "' mixes ", dtype_name(unit.dtype), " and ",
@@ -302,6 +314,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
         p.shard.set_requires_grad(true);
         ++unit.trainable;
       }
+      // Step 7: the module computes in compute_dtype; these bytes are released below.
+      if (t.dtype() != unit.compute_dtype) t.set_data(Tensor::empty(t.shape(), unit.compute_dtype, device));
       unit.full_bytes += t.nbytes();
       state_->memory.shard_parameter_bytes += p.shard.nbytes();
       unit.params.push_back(std::move(p));
@@ -394,15 +408,18 @@ double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
 nn::NamedTensors FullyShardedDataParallel::full_state_dict() {
   LOOM_CHECK(state_->phase == Phase::idle, "FSDP: full_state_dict() inside a step; call it between steps");
   NoGradGuard no_grad;
+  // The shards' values (the master weights under mixed precision), gathered unit by unit;
   // state_dict() detaches, so its parameters are found by their storage.
   std::unordered_map<const Storage*, Tensor> full;
-  state_->phase = Phase::forward;
-  for (size_t u = 0; u < state_->units.size(); ++u) {
-    state_->gather(u);
-    for (const ShardedParam& p : state_->units[u].params) full.emplace(p.full.storage().get(), p.full.detach().clone());
-    state_->release(u);
+  for (const Unit& unit : state_->units) {
+    Tensor gathered = state_->gather_flat(unit, unit.dtype);
+    for (const ShardedParam& p : unit.params) {
+      Tensor value = Tensor::empty(p.full.shape(), unit.dtype, unit.device);
+      for (int r = 0; r < group_->size(); ++r)
+        if (p.rows_on(r) > 0) copy_(p.rows_of(value, r), p.in_gathered(gathered, r, unit.flat_numel));
+      full.emplace(p.full.storage().get(), value);
+    }
   }
-  state_->phase = Phase::idle;
   nn::NamedTensors out;
   for (auto& [name, t] : module_->state_dict()) {
     auto it = full.find(t.storage().get());

@@ -62,6 +62,13 @@
 //    (the next backward adds to them) and communicates nothing; the first synchronised
 //    backward reduce-scatters the sums.
 //
+// 7. Mixed precision (options.param_dtype = bf16, reduce_dtype = f32). The module's parameters
+//    are turned into bf16 tensors (released at once); a gather casts each shard to bf16 into
+//    the flat buffer, so the all_gather moves half the bytes and the model computes in bf16.
+//    Their gradients arrive in bf16, are laid out in f32 and reduce-scattered in f32, and the
+//    f32 shards (the master weights) with their f32 optimizer state take the step. A full
+//    state dict gathers the f32 shards. This is PyTorch's MixedPrecisionPolicy.
+//
 // One unit's life through a ZeRO-3 step (S: elements of its flat shard, W ranks):
 //
 //   forward   a weight read -> all_gather -> [full, W S]  compute  .. released when the unit
@@ -79,13 +86,13 @@
 // block in a step; the all_gather is issued when its unit is first read, not prefetched.
 //
 // Buffers (BatchNorm's running statistics) are replicated, broadcast from rank 0 at
-// construction only. Not offered: prefetching the next unit on a communication stream,
-// mixed precision (bf16 gathers), HSDP, and using the module on its own after wrapping
+// construction only. Not offered: prefetching the next unit on a communication stream, HSDP, and using the module on its own after wrapping
 // (its parameters' storages stay released; load full_state_dict() into a fresh model).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -106,6 +113,11 @@ struct FSDPOptions {
   std::vector<std::vector<std::shared_ptr<nn::Module>>> units;
   // The size policy (see the header comment, step 1); 0 makes the whole model one unit.
   int64_t min_num_params = 0;
+  // Mixed precision (step 7): the dtype the full parameters are gathered in and compute in
+  // (bf16), and the dtype gradients are reduce-scattered in (f32); unset, both are the
+  // parameters' own. The shards and their optimizer state keep the parameters' dtype.
+  std::optional<DType> param_dtype;
+  std::optional<DType> reduce_dtype;
 };
 
 // Bytes of full (gathered) parameters this rank holds, now and at most since the last reset;
