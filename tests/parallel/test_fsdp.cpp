@@ -349,6 +349,10 @@ TEST(FsdpMemory, ZeRO3HoldsAtMostTheTwoLargestUnitsAndZeRO2HoldsThemAll) {
         opt.step();
       }
       const FSDPMemory m = fsdp.memory();
+      if (rank == 0)
+        std::fprintf(stderr, "%s: parameters %zu bytes, shards %zu bytes per rank, full parameters at most %zu bytes "
+                     "(two largest units %zu)\n", reshard == ReshardAfterForward::yes ? "ZeRO-3" : "ZeRO-2", total,
+                     m.shard_parameter_bytes, m.peak_full_parameter_bytes, unit_bytes[0] + unit_bytes[1]);
       require(m.full_parameter_bytes == 0, "full parameters held after the step: ", m.full_parameter_bytes);
       if (reshard == ReshardAfterForward::yes)
         require(m.peak_full_parameter_bytes <= unit_bytes[0] + unit_bytes[1], "ZeRO-3 held ",
