@@ -1,5 +1,8 @@
 #include "samples/common/metrics.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -40,8 +43,19 @@ std::string to_json(const MetricRecord& record) {
 
 MetricsLog::MetricsLog(const std::string& path) : path_(path) {
   if (path.empty()) return;
-  file_ = std::fopen(path.c_str(), "a");
-  LOOM_CHECK(file_ != nullptr, path, ": cannot open the metrics file for appending: ", std::strerror(errno));
+  // Non-blocking, so a fifo nobody reads fails now (ENXIO) instead of hanging the run; a pipe
+  // with a reader (--metrics /dev/stdout under a pipe) and devices still work.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0666);
+  if (fd < 0 && errno == ENXIO)
+    LOOM_FAIL(path, ": is a fifo that nothing reads: give a file for the metrics (or start its reader first)");
+  LOOM_CHECK(fd >= 0, path, ": cannot open the metrics file for appending: ", std::strerror(errno));
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  file_ = ::fdopen(fd, "a");
+  if (file_ == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    LOOM_FAIL(path, ": cannot open the metrics file for appending: ", std::strerror(err));
+  }
 }
 
 MetricsLog::~MetricsLog() {

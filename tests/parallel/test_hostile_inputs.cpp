@@ -190,6 +190,8 @@ TEST(HostileInputs, TrainCnnCorpus) {
       {quick + " --plot a_fifo", {"--plot", "a_fifo", "fifo"}},
       {q + " --save link_to_fifo", {"--save", "link_to_fifo", "fifo"}},
       {q + " --save missing/ck.safetensors", {"--save", "missing", "does not exist"}},
+      {quick + " --plot '' --metrics a_fifo", {"a_fifo", "fifo that nothing reads"}},
+      {quick + " --plot '' --metrics a_dir", {"a_dir", "Is a directory"}},
       {quick + " --plot missing/deeper/p.svg", {"--plot", "missing/deeper", "does not exist"}},
       {q + " --save plain/ck.safetensors", {"--save", "plain/ck.safetensors", "Not a directory"}},
       {q + " --save /proc/ck.safetensors", {"--save", "/proc"}},
