@@ -170,6 +170,22 @@ TEST(CollectiveBench, ToleranceIsZeroWhereTheArithmeticIsExact) {
   EXPECT_EQ(tolerance(Collective::all_gather, ReduceOp::avg, DType::bf16, 8), 0);
 }
 
+// What a row costs in memory, checked before the first row (bench_collectives -e 64G on a
+// small machine is an error naming the size, not std::bad_alloc).
+TEST(CollectiveBench, MemoryNeedCountsBothPairsOfBuffersAndTheFloat64Copies) {
+  const CollectiveShape all_reduce = collective_shape(Collective::all_reduce, 1 << 20, 4, 2);
+  const MemoryNeed on_cpu = memory_need(Collective::all_reduce, all_reduce, 4, true);
+  EXPECT_EQ(on_cpu.host_bytes, 2 * (1 << 20) + 16 * (1 << 18));  // in place: two inputs, and the copies
+  EXPECT_EQ(on_cpu.device_bytes, 0);
+  const MemoryNeed on_gpu = memory_need(Collective::all_reduce, all_reduce, 4, false);
+  EXPECT_EQ(on_gpu.host_bytes, 16 * (1 << 18));
+  EXPECT_EQ(on_gpu.device_bytes, 2 * (1 << 20));
+  const CollectiveShape gather = collective_shape(Collective::all_gather, 1 << 20, 4, 4);  // in 1/4 of out
+  EXPECT_EQ(memory_need(Collective::all_gather, gather, 4, true).host_bytes,
+            2 * ((1 << 16) + (1 << 18)) * 4 + 16 * (1 << 18));
+  EXPECT_GT(available_host_memory(), 0);
+}
+
 TEST(CollectiveBench, FlagsTakeNcclTestsShortForms) {
   std::string minbytes = "8", maxbytes = "128M";
   int64_t factor = 2, iters = 20;

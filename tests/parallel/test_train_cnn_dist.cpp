@@ -99,6 +99,32 @@ TEST(TrainGptDist, TinyGptLearnsFortunesOnTwoCpuRanks) {
   EXPECT_NE(r.output.find("--- sample"), std::string::npos) << r.output;
 }
 
+// The most common distributed bug: ranks that would run different numbers of steps (here
+// another --subset on rank 1, as another copy of the data would give). They stop before
+// the first step, naming both ranks and values, instead of aborting inside Gloo.
+TEST(TrainCnnDist, RanksThatDisagreeOnTheirStepsStopBeforeTheFirstNamingBoth) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)";
+  for (const char* differing : {"--subset", "--batch-size"}) {
+    SCOPED_TRACE(differing);
+    const std::string script = (std::filesystem::path(::testing::TempDir()) / "disagreeing_rank.sh").string();
+    const bool subset = std::string(differing) == "--subset";
+    std::ofstream(script) << "#!/bin/sh\nif [ \"$RANK\" = 1 ]; then A=" << (subset ? "'--subset 600'" : "'--batch-size 40'")
+                          << "; else A=''; fi\nexec '" << std::getenv("TRAIN_CNN")
+                          << "' --device cpu --subset 1200 --test-subset 100 --batch-size 50 --epochs 1 --workers 1 "
+                             "--quiet --metrics '' --plot '' --timeout-s 60 $A\n";
+    std::filesystem::permissions(script, std::filesystem::perms::owner_all);
+    RunResult r = run(std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 " + script, 120);
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.code, 134) << r.output;
+    EXPECT_NE(r.output.find("ranks 1 and 0 disagree before the first step"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(subset ? "training images: rank 1 has 600, rank 0 has 1200"
+                                   : "batch size: rank 1 has 40, rank 0 has 50"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("preamble"), std::string::npos) << r.output;
+  }
+}
+
 TEST(TrainCnnDist, AskingForMoreGpusThanVisibleSaysSo) {
   RunResult r = run("env CUDA_VISIBLE_DEVICES= " + std::string(std::getenv("TRAIN_CNN")) + " --gpus 2", 60);
   EXPECT_EQ(r.code, 2) << r.output;
