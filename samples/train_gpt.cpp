@@ -159,202 +159,200 @@ int run(int argc, char** argv) {
                  " GPU(s) are visible");
     return dist::relaunch(argc, argv, int(o.gpus), "gpus");
   }
-  {
-    // A checkpoint to resume is looked at (its header alone) before any data is read.
-    const std::map<std::string, std::string> saved =
-        o.resume.empty() ? std::map<std::string, std::string>{} : samples::checkpoint_entries(flags, o.resume, "train_gpt");
-    dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
-    const Device device = ctx.device;
-    const bool main_rank = ctx.is_main();
-    if (main_rank) samples::check_output_paths(flags, {{"--save", o.save}, {"--plot", o.plot}});
-    // With no flags: on a GPU the guide's model in bf16 for 3 epochs (about 20 s on an H200,
-    // enough to write text with words in it); on the CPU the tiny one for an epoch.
-    const bool on_gpu = device.is_cuda();
-    if (o.config == "auto") o.config = on_gpu ? "guide" : "tiny";
-    if (o.precision == "auto") o.precision = on_gpu ? "bf16" : "f32";
-    if (o.epochs == 0) {
-      o.epochs = on_gpu ? 3 : 1;
-      if (!on_gpu && main_rank)
-        std::printf("no GPU: training the %s config for %lld epoch on the CPU (--config guide --epochs N for more)\n",
-                    o.config.c_str(), (long long)o.epochs);
-    }
-    nn::GPTConfig config = nn::GPTConfig::named(o.config);
-    config.recompute = o.recompute;
-    if (o.context > config.context) flags.fail("--context " + std::to_string(o.context) + " is longer than the " +
-                                               o.config + " config's " + std::to_string(config.context));
-    if (!o.resume.empty()) check_resume(o, saved, flags);
-
-    // ---- data: a token stream, split 90/10 into training and validation ----------------
-    data::TokenShard all;
-    if (!o.shards.empty()) {
-      for (const std::string& path : data::glob_shards(o.shards)) {
-        data::TokenShard s = data::load_token_shard(path, config.vocab_size);
-        all.tokens.insert(all.tokens.end(), s.tokens.begin(), s.tokens.end());
-      }
-    } else {
-      if (config.vocab_size < data::kByteVocab)
-        flags.fail("--config " + o.config + " has a vocabulary of " + std::to_string(config.vocab_size) +
-                   ", fewer than the 256 byte values of text input");
-      if (!std::filesystem::exists(o.data))
-        flags.fail("--data " + o.data + " does not exist (install Debian's fortunes package for the default corpus)");
-      all = data::load_text(o.data);
-    }
-    const size_t split = all.tokens.size() * 9 / 10;
-    data::TokenShard train_tokens{{all.tokens.begin(), all.tokens.begin() + int64_t(split)}};
-    data::TokenShard val_tokens{{all.tokens.begin() + int64_t(split), all.tokens.end()}};
-    auto train_set = std::make_shared<data::TokenWindowDataset>(train_tokens, o.context);
-    auto val_set = std::make_shared<data::TokenWindowDataset>(val_tokens, o.context);
-    if (train_set->size() < o.batch_size * ctx.size)
-      flags.fail("the corpus gives " + std::to_string(train_set->size()) + " training windows of " +
-                 std::to_string(o.context) + " tokens, fewer than one batch on every rank");
-    std::shared_ptr<data::Sampler> sampler;
-    if (ctx.active)
-      sampler = std::make_shared<data::DistributedSampler>(train_set->size(), ctx.rank, ctx.size, data::Shuffle::yes,
-                                                           uint64_t(o.seed), data::DropLast::no);
-    else
-      sampler = std::make_shared<data::RandomSampler>(train_set->size(), uint64_t(o.seed));
-    data::LoaderOptions lo;
-    lo.batch_size = o.batch_size;
-    lo.num_workers = int(o.workers);
-    lo.device = device;
-    lo.drop_last = data::DropLast::yes;
-    data::DataLoader train_loader(train_set, sampler, lo);
-    data::LoaderOptions vo = lo;
-    vo.drop_last = data::DropLast::no;
-    data::DataLoader val_loader(val_set, std::make_shared<data::SequentialSampler>(val_set->size()), vo);
-    const int64_t steps_per_epoch = train_loader.num_batches();
-    const int64_t total_steps = o.max_steps > 0 ? std::min(o.max_steps, steps_per_epoch * o.epochs)
-                                                : steps_per_epoch * o.epochs;
-    dist::check_same_on_every_rank(ctx,
-                                   {{"tokens", int64_t(all.tokens.size())},
-                                    {"training windows", train_set->size()},
-                                    {"batch size", o.batch_size},
-                                    {"steps per epoch", steps_per_epoch},
-                                    {"steps in all", total_steps}},
-                                   "start every rank with the same --data or --shards, --context, --batch-size, "
-                                   "--epochs and --max-steps, and the same copy of the data");
-    if (!o.resume.empty())
-      samples::check_saved_settings(
-          flags, o.resume, saved,
-          {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
-           {"context", "--context", std::to_string(o.context), "its data position counts windows of that length"},
-           {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
-           {"world_size", "the rank count", std::to_string(ctx.size),
-            "each rank's shard of the data depends on the rank count"},
-           {"train_windows", "the training window count", std::to_string(train_set->size()),
-            "its data position is a place in that many windows (the same data)"}});
-
-    // ---- model and optimizer -------------------------------------------------------------
-    manual_seed(uint64_t(o.seed));
-    auto model = std::make_shared<nn::GPT>(config);
-    model->to(device);
-    std::shared_ptr<dist::DistributedDataParallel> ddp;
-    if (ctx.active) {
-      dist::DDPOptions options;
-      options.gradient_as_bucket_view = true;
-      ddp = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, options);
-    }
-    optim::AdamW opt(model->parameters(), {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
-    optim::LRScheduler sched(opt, optim::cosine_annealing(std::max<int64_t>(total_steps, 1), o.lr * 0.1));
-    const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
-    int64_t epoch = 0, batch = 0, step = 0;
-    if (!o.resume.empty()) {
-      auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched});
-      epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
-      batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
-      step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");
-      if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--resume " + o.resume);
-    }
-    if (main_rank)
-      std::printf("train_gpt: GPT %s (%lld parameters; %lld layers, width %lld, %lld heads) on %lld tokens "
-                  "(%lld training windows of %lld), batch %lld, %s on %s%s\n",
-                  o.config.c_str(), (long long)model->num_parameters(), (long long)config.layers,
-                  (long long)config.width, (long long)config.heads, (long long)all.tokens.size(),
-                  (long long)train_set->size(), (long long)o.context, (long long)o.batch_size, o.precision.c_str(),
-                  device.str().c_str(), ctx.active ? (", " + std::to_string(ctx.size) + " ranks").c_str() : "");
-
-    samples::MetricsLog metrics(main_rank ? o.metrics : "");
-    std::vector<std::pair<double, double>> train_curve, val_curve;
-    for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
-      samples::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o.epochs),
-                                 steps_per_epoch, "tok");
-      const auto start = std::chrono::steady_clock::now();
-      Tensor loss_sum;
-      int64_t steps = 0;
-      data::Epoch batches = train_loader.epoch(epoch, batch);
-      for (data::Batch& b : batches) {
-        opt.zero_grad();
-        Tensor loss;
-        {
-          AutocastGuard cast(autocast);
-          loss = ddp ? ddp->call([&] { return model->loss(b.inputs, b.targets); }) : model->loss(b.inputs, b.targets);
-        }
-        loss.backward();
-        if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
-        opt.step();
-        sched.step();
-        ++step, ++batch, ++steps;
-        Tensor l = loss.detach();
-        loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
-        // Reading the loss waits for the GPU: it is checked where the progress line reads it
-        // (on the CPU, every step).
-        if (!o.allow_nonfinite && (!device.is_cuda() || batch % 10 == 0 || batch == steps_per_epoch))
-          samples::check_finite_loss(l.item(), step, !device.is_cuda());
-        if (main_rank && (batch % 10 == 0 || batch == steps_per_epoch))
-          progress.update(batch, batch * o.batch_size * o.context, l.item(),
-                          samples::device_note(device, batches.stall_seconds()));
-        if (step >= total_steps) break;
-      }
-      if (main_rank) progress.finish();
-      const double train_loss = dist::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      // Summed on the device and read once, so validation does not wait for the GPU per batch.
-      Tensor val_sum;
-      int64_t val_batches = 0;
-      {
-        NoGradGuard no_grad;
-        AutocastGuard cast(autocast);
-        data::Epoch val = val_loader.epoch(0);
-        for (data::Batch& b : val) {
-          Tensor l = model->loss(b.inputs, b.targets);
-          val_sum = val_sum.defined() ? add(val_sum, l) : l;
-          ++val_batches;
-        }
-      }
-      const double val_loss = val_batches ? val_sum.item() / double(val_batches) : NAN;
-      const double tokens_per_s = double(steps * o.batch_size * o.context * ctx.size) / seconds;
-      if (main_rank) {
-        std::printf("epoch %lld: train loss %.4f  validation loss %.4f  %.0f tok/s\n", (long long)epoch + 1,
-                    train_loss, val_loss, tokens_per_s);
-        std::fflush(stdout);
-      }
-      metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss},
-                     {"tokens_per_s", tokens_per_s}, {"config", o.config}, {"precision", o.precision},
-                     {"device", device.str()}});
-      train_curve.emplace_back(double(epoch + 1), train_loss);
-      val_curve.emplace_back(double(epoch + 1), val_loss);
-      if (main_rank && !o.plot.empty())
-        samples::write_svg_chart(o.plot, "GPT " + o.config,
-                                 {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"validation", val_curve}}}});
-      const bool finished = batch >= steps_per_epoch;
-      if (main_rank && !o.save.empty())
-        nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched,
-                                     .user = {{"epoch", std::to_string(finished ? epoch + 1 : epoch)},
-                                              {"batch", std::to_string(finished ? 0 : batch)},
-                                              {"step", std::to_string(step)},
-                                              {"program", "train_gpt"},
-                                              {"config", o.config},
-                                              {"context", std::to_string(o.context)},
-                                              {"batch_size", std::to_string(o.batch_size)},
-                                              {"seed", std::to_string(o.seed)},
-                                              {"world_size", std::to_string(ctx.size)},
-                                              {"train_windows", std::to_string(train_set->size())}}});
-    }
-    if (main_rank && o.generate > 0 && o.shards.empty())
-      std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s\n", o.temperature, (long long)o.top_k,
-                  generate(*model, o.prompt, o.generate, o.temperature, o.top_k, device, uint64_t(o.seed)).c_str());
-    return 0;
+  // A checkpoint to resume is looked at (its header alone) before any data is read.
+  const std::map<std::string, std::string> saved =
+      o.resume.empty() ? std::map<std::string, std::string>{} : samples::checkpoint_entries(flags, o.resume, "train_gpt");
+  dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
+  const Device device = ctx.device;
+  const bool main_rank = ctx.is_main();
+  if (main_rank) samples::check_output_paths(flags, {{"--save", o.save}, {"--plot", o.plot}});
+  // With no flags: on a GPU the guide's model in bf16 for 3 epochs (about 20 s on an H200,
+  // enough to write text with words in it); on the CPU the tiny one for an epoch.
+  const bool on_gpu = device.is_cuda();
+  if (o.config == "auto") o.config = on_gpu ? "guide" : "tiny";
+  if (o.precision == "auto") o.precision = on_gpu ? "bf16" : "f32";
+  if (o.epochs == 0) {
+    o.epochs = on_gpu ? 3 : 1;
+    if (!on_gpu && main_rank)
+      std::printf("no GPU: training the %s config for %lld epoch on the CPU (--config guide --epochs N for more)\n",
+                  o.config.c_str(), (long long)o.epochs);
   }
+  nn::GPTConfig config = nn::GPTConfig::named(o.config);
+  config.recompute = o.recompute;
+  if (o.context > config.context) flags.fail("--context " + std::to_string(o.context) + " is longer than the " +
+                                             o.config + " config's " + std::to_string(config.context));
+  if (!o.resume.empty()) check_resume(o, saved, flags);
+
+  // ---- data: a token stream, split 90/10 into training and validation ----------------
+  data::TokenShard all;
+  if (!o.shards.empty()) {
+    for (const std::string& path : data::glob_shards(o.shards)) {
+      data::TokenShard s = data::load_token_shard(path, config.vocab_size);
+      all.tokens.insert(all.tokens.end(), s.tokens.begin(), s.tokens.end());
+    }
+  } else {
+    if (config.vocab_size < data::kByteVocab)
+      flags.fail("--config " + o.config + " has a vocabulary of " + std::to_string(config.vocab_size) +
+                 ", fewer than the 256 byte values of text input");
+    if (!std::filesystem::exists(o.data))
+      flags.fail("--data " + o.data + " does not exist (install Debian's fortunes package for the default corpus)");
+    all = data::load_text(o.data);
+  }
+  const size_t split = all.tokens.size() * 9 / 10;
+  data::TokenShard train_tokens{{all.tokens.begin(), all.tokens.begin() + int64_t(split)}};
+  data::TokenShard val_tokens{{all.tokens.begin() + int64_t(split), all.tokens.end()}};
+  auto train_set = std::make_shared<data::TokenWindowDataset>(train_tokens, o.context);
+  auto val_set = std::make_shared<data::TokenWindowDataset>(val_tokens, o.context);
+  if (train_set->size() < o.batch_size * ctx.size)
+    flags.fail("the corpus gives " + std::to_string(train_set->size()) + " training windows of " +
+               std::to_string(o.context) + " tokens, fewer than one batch on every rank");
+  std::shared_ptr<data::Sampler> sampler;
+  if (ctx.active)
+    sampler = std::make_shared<data::DistributedSampler>(train_set->size(), ctx.rank, ctx.size, data::Shuffle::yes,
+                                                         uint64_t(o.seed), data::DropLast::no);
+  else
+    sampler = std::make_shared<data::RandomSampler>(train_set->size(), uint64_t(o.seed));
+  data::LoaderOptions lo;
+  lo.batch_size = o.batch_size;
+  lo.num_workers = int(o.workers);
+  lo.device = device;
+  lo.drop_last = data::DropLast::yes;
+  data::DataLoader train_loader(train_set, sampler, lo);
+  data::LoaderOptions vo = lo;
+  vo.drop_last = data::DropLast::no;
+  data::DataLoader val_loader(val_set, std::make_shared<data::SequentialSampler>(val_set->size()), vo);
+  const int64_t steps_per_epoch = train_loader.num_batches();
+  const int64_t total_steps = o.max_steps > 0 ? std::min(o.max_steps, steps_per_epoch * o.epochs)
+                                              : steps_per_epoch * o.epochs;
+  dist::check_same_on_every_rank(ctx,
+                                 {{"tokens", int64_t(all.tokens.size())},
+                                  {"training windows", train_set->size()},
+                                  {"batch size", o.batch_size},
+                                  {"steps per epoch", steps_per_epoch},
+                                  {"steps in all", total_steps}},
+                                 "start every rank with the same --data or --shards, --context, --batch-size, "
+                                 "--epochs and --max-steps, and the same copy of the data");
+  if (!o.resume.empty())
+    samples::check_saved_settings(
+        flags, o.resume, saved,
+        {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
+         {"context", "--context", std::to_string(o.context), "its data position counts windows of that length"},
+         {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
+         {"world_size", "the rank count", std::to_string(ctx.size),
+          "each rank's shard of the data depends on the rank count"},
+         {"train_windows", "the training window count", std::to_string(train_set->size()),
+          "its data position is a place in that many windows (the same data)"}});
+
+  // ---- model and optimizer -------------------------------------------------------------
+  manual_seed(uint64_t(o.seed));
+  auto model = std::make_shared<nn::GPT>(config);
+  model->to(device);
+  std::shared_ptr<dist::DistributedDataParallel> ddp;
+  if (ctx.active) {
+    dist::DDPOptions options;
+    options.gradient_as_bucket_view = true;
+    ddp = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, options);
+  }
+  optim::AdamW opt(model->parameters(), {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
+  optim::LRScheduler sched(opt, optim::cosine_annealing(std::max<int64_t>(total_steps, 1), o.lr * 0.1));
+  const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+  int64_t epoch = 0, batch = 0, step = 0;
+  if (!o.resume.empty()) {
+    auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched});
+    epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
+    batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
+    step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");
+    if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--resume " + o.resume);
+  }
+  if (main_rank)
+    std::printf("train_gpt: GPT %s (%lld parameters; %lld layers, width %lld, %lld heads) on %lld tokens "
+                "(%lld training windows of %lld), batch %lld, %s on %s%s\n",
+                o.config.c_str(), (long long)model->num_parameters(), (long long)config.layers,
+                (long long)config.width, (long long)config.heads, (long long)all.tokens.size(),
+                (long long)train_set->size(), (long long)o.context, (long long)o.batch_size, o.precision.c_str(),
+                device.str().c_str(), ctx.active ? (", " + std::to_string(ctx.size) + " ranks").c_str() : "");
+
+  samples::MetricsLog metrics(main_rank ? o.metrics : "");
+  std::vector<std::pair<double, double>> train_curve, val_curve;
+  for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
+    samples::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o.epochs),
+                               steps_per_epoch, "tok");
+    const auto start = std::chrono::steady_clock::now();
+    Tensor loss_sum;
+    int64_t steps = 0;
+    data::Epoch batches = train_loader.epoch(epoch, batch);
+    for (data::Batch& b : batches) {
+      opt.zero_grad();
+      Tensor loss;
+      {
+        AutocastGuard cast(autocast);
+        loss = ddp ? ddp->call([&] { return model->loss(b.inputs, b.targets); }) : model->loss(b.inputs, b.targets);
+      }
+      loss.backward();
+      if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
+      opt.step();
+      sched.step();
+      ++step, ++batch, ++steps;
+      Tensor l = loss.detach();
+      loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
+      // Reading the loss waits for the GPU: it is checked where the progress line reads it
+      // (on the CPU, every step).
+      if (!o.allow_nonfinite && (!device.is_cuda() || batch % 10 == 0 || batch == steps_per_epoch))
+        samples::check_finite_loss(l.item(), step, !device.is_cuda());
+      if (main_rank && (batch % 10 == 0 || batch == steps_per_epoch))
+        progress.update(batch, batch * o.batch_size * o.context, l.item(),
+                        samples::device_note(device, batches.stall_seconds()));
+      if (step >= total_steps) break;
+    }
+    if (main_rank) progress.finish();
+    const double train_loss = dist::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Summed on the device and read once, so validation does not wait for the GPU per batch.
+    Tensor val_sum;
+    int64_t val_batches = 0;
+    {
+      NoGradGuard no_grad;
+      AutocastGuard cast(autocast);
+      data::Epoch val = val_loader.epoch(0);
+      for (data::Batch& b : val) {
+        Tensor l = model->loss(b.inputs, b.targets);
+        val_sum = val_sum.defined() ? add(val_sum, l) : l;
+        ++val_batches;
+      }
+    }
+    const double val_loss = val_batches ? val_sum.item() / double(val_batches) : NAN;
+    const double tokens_per_s = double(steps * o.batch_size * o.context * ctx.size) / seconds;
+    if (main_rank) {
+      std::printf("epoch %lld: train loss %.4f  validation loss %.4f  %.0f tok/s\n", (long long)epoch + 1,
+                  train_loss, val_loss, tokens_per_s);
+      std::fflush(stdout);
+    }
+    metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss},
+                   {"tokens_per_s", tokens_per_s}, {"config", o.config}, {"precision", o.precision},
+                   {"device", device.str()}});
+    train_curve.emplace_back(double(epoch + 1), train_loss);
+    val_curve.emplace_back(double(epoch + 1), val_loss);
+    if (main_rank && !o.plot.empty())
+      samples::write_svg_chart(o.plot, "GPT " + o.config,
+                               {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"validation", val_curve}}}});
+    const bool finished = batch >= steps_per_epoch;
+    if (main_rank && !o.save.empty())
+      nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched,
+                                   .user = {{"epoch", std::to_string(finished ? epoch + 1 : epoch)},
+                                            {"batch", std::to_string(finished ? 0 : batch)},
+                                            {"step", std::to_string(step)},
+                                            {"program", "train_gpt"},
+                                            {"config", o.config},
+                                            {"context", std::to_string(o.context)},
+                                            {"batch_size", std::to_string(o.batch_size)},
+                                            {"seed", std::to_string(o.seed)},
+                                            {"world_size", std::to_string(ctx.size)},
+                                            {"train_windows", std::to_string(train_set->size())}}});
+  }
+  if (main_rank && o.generate > 0 && o.shards.empty())
+    std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s\n", o.temperature, (long long)o.top_k,
+                generate(*model, o.prompt, o.generate, o.temperature, o.top_k, device, uint64_t(o.seed)).c_str());
+  return 0;
 }
 
 }  // namespace
