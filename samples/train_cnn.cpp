@@ -12,11 +12,14 @@
 // Data parallel: under loomrun (or torchrun --no-python, mpirun, srun) every rank trains on
 // its shard with DistributedDataParallel over NCCL (GPUs) or Gloo (--device cpu); `--gpus N`
 // starts the N ranks itself. Rank 0 prints, logs and checkpoints; the batch size is per rank.
+// With --fsdp the ranks hold only their shards of the parameters, gradients and optimizer state
+// (FullyShardedDataParallel, units chosen by --min-params).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -30,6 +33,7 @@
 #include "engine/ops.h"
 #include "layers/layers.h"
 #include "parallel/ddp.h"
+#include "parallel/fsdp.h"
 #include "parallel/init.h"
 #include "parallel/rendezvous.h"
 #include "parallel/trace.h"
@@ -47,11 +51,11 @@ struct Options {
   std::string model = "simplecnn", data = "fashion-mnist", data_dir, optimizer = "auto", schedule = "cosine";
   std::string precision = "f32", device = "auto", augment = "auto";
   std::string init, save, resume, metrics = "train_cnn.jsonl", plot = "train_cnn.svg";
-  std::string trace;
+  std::string trace, reshard_after_forward = "yes";
   int64_t epochs = 0, batch_size = 128, seed = 0, workers = 4, subset = 0, test_subset = 0, save_every = 0;
-  int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600, scaling = 0;
+  int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600, scaling = 0, min_params = 100000;
   double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
-  bool gpu_resident = false, quiet = false, sync_bn_stats = false, allow_nonfinite = false;
+  bool gpu_resident = false, quiet = false, sync_bn_stats = false, allow_nonfinite = false, fsdp = false;
 };
 
 struct Datasets {
@@ -194,7 +198,9 @@ struct EvalResult {
   double loss = 0, accuracy = 0;
 };
 
-EvalResult evaluate(nn::Module& model, const data::DataLoader& loader, std::optional<DType> autocast) {
+// `forward` runs the model (through FSDP when its parameters are sharded).
+EvalResult evaluate(nn::Module& model, const std::function<Tensor(const Tensor&)>& forward,
+                    const data::DataLoader& loader, std::optional<DType> autocast) {
   NoGradGuard no_grad;
   AutocastGuard cast(autocast);
   model.eval();
@@ -202,7 +208,7 @@ EvalResult evaluate(nn::Module& model, const data::DataLoader& loader, std::opti
   int64_t seen = 0;
   data::Epoch batches = loader.epoch(0);
   for (data::Batch& b : batches) {
-    Tensor logits = model.forward(b.inputs).to(DType::f32);
+    Tensor logits = forward(b.inputs).to(DType::f32);
     Tensor l = mul(cross_entropy(logits, b.targets), double(b.targets.size(0)));
     Tensor c = sum(eq(argmax(logits, 1), b.targets).to(DType::f32));
     loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
@@ -258,6 +264,14 @@ int run(int argc, char** argv) {
   flags.add("gpus", &o.gpus, "data-parallel over N GPUs of this node: starts N ranks (as loomrun would)", 0, 1024);
   flags.add("bucket-mb", &o.bucket_mb, "data parallel: gradient bucket size in MiB", 1);
   flags.add_switch("sync-bn-stats", &o.sync_bn_stats, "data parallel: average BatchNorm running statistics over ranks");
+  flags.add_switch("fsdp", &o.fsdp,
+                   "data parallel: shard parameters, gradients and optimizer state over the ranks (parallel/fsdp.h) "
+                   "instead of replicating them (DDP)");
+  flags.add("reshard-after-forward", &o.reshard_after_forward,
+            "FSDP: free a unit's full parameters after its forward (yes: ZeRO-3) or keep them until its backward "
+            "(no: ZeRO-2)",
+            {"yes", "no"});
+  flags.add("min-params", &o.min_params, "FSDP: a module with at least this many parameters becomes a unit", 1);
   flags.add("timeout-s", &o.timeout_s, "data parallel: seconds before a stuck collective ends the run", 1);
   flags.add("scaling", &o.scaling,
             "run the same training on 1, 2, 4, ... N ranks and report speedup and efficiency (table, "
@@ -303,6 +317,12 @@ int run(int argc, char** argv) {
     }
     if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
     if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
+    if (o.fsdp && (!o.save.empty() || !o.resume.empty()))
+      flags.fail("--fsdp writes no single-file training checkpoint: drop --save/--resume (parallel/sharded_checkpoint.h "
+                 "saves a sharded model from a program of one's own)");
+    if (o.fsdp && o.sync_bn_stats) flags.fail("--sync-bn-stats is DDP's; --fsdp keeps BatchNorm statistics per rank");
+    if (!o.fsdp && (flags.given("reshard-after-forward") || flags.given("min-params")))
+      flags.fail("--reshard-after-forward and --min-params are FSDP's: add --fsdp");
     if (o.gpu_resident && o.augment != "none")
       flags.fail("--gpu-resident keeps batches on the GPU without augmentation; add --augment none");
     if (o.device != "auto") {
@@ -395,14 +415,31 @@ int run(int argc, char** argv) {
     // weights and averages the gradients during backward; checkpoints and evaluation use the
     // model itself, so their names carry no "module." prefix.
     std::shared_ptr<nn::Module> trained = model;
-    if (ctx.active) {
+    std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
+    if (o.fsdp && !ctx.active)
+      flags.fail("--fsdp shards over several ranks: start them with loomrun --nproc-per-node N (or --gpus N)");
+    if (o.fsdp) {
+      dist::FSDPOptions fsdp_options;
+      fsdp_options.min_num_params = o.min_params;
+      fsdp_options.reshard_after_forward =
+          o.reshard_after_forward == "yes" ? dist::ReshardAfterForward::yes : dist::ReshardAfterForward::no;
+      fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, ctx.group, fsdp_options);
+      if (main_rank) {
+        size_t bytes = 0;
+        for (const Tensor& p : model->parameters()) bytes += p.nbytes();
+        std::printf("FSDP (%s): %zu units; parameters %.3f MB in all, %.3f MB of shards on rank 0\n",
+                    o.reshard_after_forward == "yes" ? "ZeRO-3" : "ZeRO-2", fsdp->unit_names().size(),
+                    double(bytes) / 1e6, double(fsdp->memory().shard_parameter_bytes) / 1e6);
+      }
+    } else if (ctx.active) {
       dist::DDPOptions ddp_options;
       ddp_options.bucket_cap_mb = o.bucket_mb;
       ddp_options.sync_buffers_average = o.sync_bn_stats;
       ddp_options.gradient_as_bucket_view = true;  // no copy of the averaged gradients back
       trained = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, ddp_options);
     }
-    std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, model->parameters());
+    std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, fsdp ? fsdp->parameters() : model->parameters());
+    auto forward = [&](const Tensor& x) { return fsdp ? fsdp->forward(x) : trained->forward(x); };
     optim::LRScheduler sched(*opt, make_schedule(o, total_steps));
 
     int64_t epoch = 0, batch = 0, step = 0;
@@ -466,7 +503,7 @@ int run(int argc, char** argv) {
         {
           dist::trace::Span forward_span("forward", dist::trace::Category::forward);
           AutocastGuard cast(autocast);
-          Tensor logits = trained->forward(b.inputs);
+          Tensor logits = forward(b.inputs);
           loss = cross_entropy(logits.to(DType::f32), b.targets, -100, o.label_smoothing);
         }
         {
@@ -474,7 +511,7 @@ int run(int argc, char** argv) {
           loss.backward();
         }
         dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
-        if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
+        if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
         opt->step();
         optimizer_span.end();
         sched.step();
@@ -497,10 +534,13 @@ int run(int argc, char** argv) {
       const double epoch_seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
       const double images_per_s = double(epoch_steps * o.batch_size * ctx.size) / epoch_seconds;
-      EvalResult test = evaluate(*model, test_loader, autocast);
+      EvalResult test = evaluate(*model, forward, test_loader, autocast);
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
       if (main_rank) std::printf("epoch %lld: train loss %.4f  test loss %.4f  test accuracy %.2f%%  (%.1f s)\n",
                   (long long)epoch + 1, train_loss, test.loss, test.accuracy * 100, elapsed);
+      if (fsdp && main_rank)
+        std::printf("FSDP: at most %.3f MB of full parameters held at once on rank 0\n",
+                    double(fsdp->memory().peak_full_parameter_bytes) / 1e6);
       std::fflush(stdout);
       const bool finished_epoch = batch >= steps_per_epoch;
       if (!o.save.empty()) save(finished_epoch ? epoch + 1 : epoch, finished_epoch ? 0 : batch);

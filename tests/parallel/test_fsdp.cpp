@@ -11,7 +11,8 @@
 // Sharded checkpoints: training saved and resumed across world sizes 4 -> 2 -> 1 -> 3 follows
 // the run that never stopped; the export is the full state dict; a save that never got its
 // index leaves the previous checkpoint in force. Mixed precision (bf16 parameters, f32 reduction
-// and master shards) follows the same mixed precision done by hand in one process.
+// and master shards) follows the same mixed precision done by hand in one process. train_cnn
+// --fsdp on two ranks prints the losses and accuracy of its DDP run.
 //
 // Ranks and the single-process reference are forked children meeting through a FileStore, as
 // in test_ddp.cpp; a child reports through its exit code and prints what failed.
@@ -22,6 +23,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -679,6 +682,35 @@ TEST(FsdpShardedCheckpoint, TheExportIsTheFullStateDictAndAnUnindexedSaveIsIgnor
   std::filesystem::remove_all(dir);
   std::filesystem::remove(exported);
   std::filesystem::remove(full);
+}
+
+// ---- train_cnn --fsdp ------------------------------------------------------------------------
+
+// The epoch lines ("epoch 1: train loss ...") of train_cnn on two CPU ranks under loomrun.
+std::string train_cnn_epochs(const std::string& extra) {
+  const char* loomrun = std::getenv("LOOMRUN");
+  const char* train_cnn = std::getenv("TRAIN_CNN");
+  if (!loomrun || !train_cnn) return "";
+  std::string command = std::string(loomrun) + " --nproc-per-node 2 " + train_cnn +
+                        " --device cpu --epochs 1 --max-steps 12 --subset 1024 --test-subset 200 --quiet "
+                        "--metrics '' --plot '' " + extra + " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  std::string out, lines;
+  char buf[4096];
+  while (pipe && std::fgets(buf, sizeof buf, pipe)) out += buf;
+  EXPECT_EQ(pipe ? ::pclose(pipe) : -1, 0) << out;
+  std::stringstream in(out);
+  for (std::string line; std::getline(in, line);)
+    if (line.find("epoch 1:") != std::string::npos) lines += line.substr(0, line.find(" (")) + "\n";
+  EXPECT_FALSE(lines.empty()) << out;
+  return lines;
+}
+
+TEST(FsdpTrainCnn, FsdpFlagTrainsAsDdpDoes) {
+  if (!std::getenv("LOOMRUN") || !std::getenv("TRAIN_CNN")) GTEST_SKIP() << "LOOMRUN and TRAIN_CNN are not set";
+  const std::string ddp = train_cnn_epochs("");
+  EXPECT_EQ(train_cnn_epochs("--fsdp --min-params 1000"), ddp);
+  EXPECT_EQ(train_cnn_epochs("--fsdp --reshard-after-forward no"), ddp);
 }
 
 }  // namespace
