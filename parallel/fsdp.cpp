@@ -1,6 +1,7 @@
 // FullyShardedDataParallel: units and shards (fsdp.h, steps 1-2), gathering on first use
 // (step 3), releasing (step 4), reduce-scattering gradients (step 5), the shards' optimizer
-// support (step 6) and full state dicts.
+// support (step 6), mixed precision (step 7) and full state dicts. rows_on(r) below is
+// shard_rows(rows, W, r).count, kept per parameter with its chunk size.
 #include "parallel/fsdp.h"
 
 #include <algorithm>
