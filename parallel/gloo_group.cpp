@@ -18,7 +18,7 @@
 // simplicity since CPU ranks are for correctness runs and tests.
 //
 // Rendezvous. Gloo's full-mesh connection runs over Loom's Store, its keys under "gloo/",
-// so one Gloo group per store. Each rank listens on one address: the interface named by
+// so one Gloo group per store (a sub-group has a store of its own: new_group). Each rank listens on one address: the interface named by
 // GLOO_SOCKET_IFNAME (PyTorch's variable), else the address or host name in
 // LOOM_GLOO_IFADDR, else the local address that routes to MASTER_ADDR (127.0.0.1 when
 // MASTER_ADDR is unset or local), so single-node jobs stay on the loopback and multi-node
@@ -415,6 +415,11 @@ class ProcessGroupGloo final : public ProcessGroup {
   std::string backend() const override { return "gloo"; }
 
  protected:
+  std::shared_ptr<ProcessGroup> make_subgroup(std::shared_ptr<Store> store, int rank, int size,
+                                              ProcessGroupOptions options) override {
+    return new_gloo_group(std::move(store), rank, size, options);
+  }
+
   WorkPtr all_reduce_impl(const Tensor& t, ReduceOp op) override {
     std::string call = describe_call("all_reduce", t, reduce_op_name(op));
     if (size() > 1 && t.numel() > 0) all_reduce_raw(call, t.data_ptr(), t.numel(), t.dtype(), op);

@@ -3,9 +3,10 @@
 // communicators, ncclCommFinalize, ncclAvg).
 //
 // Bootstrap. Rank 0 asks NCCL for a unique id and sets it in the store under
-// "nccl/<n>/id", n counting the NCCL groups this process has made (every rank makes its
-// groups in the same order, so the numbers agree); the others get it, and every rank
-// calls ncclCommInitRankConfig on its device.
+// "nccl/<n>/id", n counting the NCCL groups this process has made on that store (every
+// rank makes its groups in the same order, so the numbers agree; a sub-group has a store of
+// its own, new_group); the others get it, and every rank calls ncclCommInitRankConfig on
+// its device.
 //
 // Streams. Each group owns a stream. A collective records an event on the device's compute
 // stream and makes the group's stream wait for it, so NCCL reads what the compute stream
@@ -19,7 +20,8 @@
 // Point to point. NCCL has no tags: the sends from one rank to another are matched with
 // that rank's receives in the order both were issued, and `tag` only reaches the debug
 // ledger. A send finishes once the peer has posted the matching receive, so two ranks that
-// exchange must not both send first: one sends then receives, the other the reverse.
+// exchange must not both send first: one sends then receives, the other the reverse; or
+// both post the pair in one batch_isend_irecv, one NCCL group call.
 //
 // Failure. The communicator is non-blocking (ncclConfig_t::blocking = 0): no NCCL call holds
 // the host, so initialisation, connection set-up and teardown all run against the deadline
@@ -249,12 +251,17 @@ class NcclGroup final : public ProcessGroup {
   WorkPtr send_impl(const Tensor& t, int dst, int tag) override;
   WorkPtr recv_impl(const Tensor& t, int src, int tag) override;
   WorkPtr barrier_impl() override;
+  std::vector<WorkPtr> batch_impl(const std::vector<P2POp>& ops) override;
+  std::shared_ptr<ProcessGroup> make_subgroup(std::shared_ptr<Store> store, int rank, int size,
+                                              ProcessGroupOptions options) override {
+    return new_nccl_group(std::move(store), rank, size, device_, options);
+  }
 
  private:
   void init_communicator(const ncclUniqueId& id);
   CallInfo collective(const char* op, const Tensor& t, const std::string& detail = "") const;
   template <class Call>
-  WorkPtr enqueue(CallInfo info, std::initializer_list<Tensor> tensors, size_t count, Call call);
+  WorkPtr enqueue(CallInfo info, const std::vector<Tensor>& tensors, size_t count, Call call);
   ncclResult_t settle(Clock::time_point deadline);
   std::string error_text(ncclResult_t result);
   void reap_locked();
@@ -406,7 +413,7 @@ std::string NcclGroup::error_text(ncclResult_t result) {
 
 // Issues one NCCL call on the group's stream, ordered after the compute stream's work.
 template <class Call>
-WorkPtr NcclGroup::enqueue(CallInfo info, std::initializer_list<Tensor> tensors, size_t count, Call call) {
+WorkPtr NcclGroup::enqueue(CallInfo info, const std::vector<Tensor>& tensors, size_t count, Call call) {
   std::lock_guard issue(issue_mutex_);
   auto compute = static_cast<cudaStream_t>(compute_stream(device_));  // also makes device_ current
   auto pending = std::make_shared<Pending>();
@@ -695,6 +702,35 @@ WorkPtr NcclGroup::recv_impl(const Tensor& t, int src, int tag) {
                  [&](cudaStream_t s) { return ncclRecv(b.data, b.count, b.type, src, comm_, s); });
 }
 
+// The sends and receives issued as one NCCL group call, so that NCCL may run them in any
+// order: one Work (the group's end event) serves them all.
+std::vector<WorkPtr> NcclGroup::batch_impl(const std::vector<P2POp>& ops) {
+  std::vector<Tensor> tensors;
+  std::string what;
+  size_t count = 0;
+  for (const P2POp& op : ops) {
+    bool sending = op.kind == P2POp::Kind::send;
+    check_device(sending ? "send" : "recv", op.tensor);
+    tensors.push_back(op.tensor);
+    count += size_t(op.tensor.numel());
+    what += (what.empty() ? "" : ", ") + std::string(sending ? "send to rank " : "recv from rank ") +
+            std::to_string(op.peer) + " (tag " + std::to_string(op.tag) + ", " + shape_str(op.tensor.shape()) + ")";
+  }
+  CallInfo info{"batch_isend_irecv [" + what + "]", 0, "the peers to issue the matching transfers"};
+  WorkPtr work = enqueue(std::move(info), tensors, count, [&](cudaStream_t s) {
+    ncclResult_t result = ncclGroupStart();
+    for (const P2POp& op : ops) {
+      if (result != ncclSuccess) break;
+      Buffer b = buffer(op.tensor);
+      result = op.kind == P2POp::Kind::send ? ncclSend(b.data, b.count, b.type, op.peer, comm_, s)
+                                            : ncclRecv(b.data, b.count, b.type, op.peer, comm_, s);
+    }
+    ncclResult_t ended = ncclGroupEnd();
+    return result != ncclSuccess ? result : ended;
+  });
+  return std::vector<WorkPtr>(ops.size(), work);
+}
+
 // An all-reduce of one element that the host waits for: it completes only once every rank
 // has issued it, and after all the work this rank queued on the compute stream before it.
 WorkPtr NcclGroup::barrier_impl() {
@@ -720,9 +756,10 @@ void check_nccl_version() {
 
 std::shared_ptr<ProcessGroup> new_nccl_group(std::shared_ptr<Store> store, int rank, int size, Device device,
                                              ProcessGroupOptions options) {
-  check_nccl_version();               // the rest is checked by ProcessGroup's constructor
-  static std::atomic<int> groups{0};  // every rank makes its groups in the same order
-  return std::make_shared<NcclGroup>(std::move(store), rank, size, device, options, groups++);
+  check_nccl_version();  // the rest is checked by ProcessGroup's constructor
+  LOOM_CHECK(store != nullptr, "new_nccl_group: the store is null; pass the store the ranks met through");
+  int number = store->take_group_number("nccl");  // every rank makes its groups in the same order
+  return std::make_shared<NcclGroup>(std::move(store), rank, size, device, options, number);
 }
 
 #else  // built without NCCL

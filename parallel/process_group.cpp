@@ -67,6 +67,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
   LOOM_CHECK(options_.timeout > Duration::zero(), "ProcessGroup: the timeout must be positive, got ",
              options_.timeout.count(), " ms");
   if (env_is("LOOM_DIST_DEBUG", "1")) options_.debug = true;
+  for (int r = 0; r < size_; ++r) world_ranks_.push_back(r);
 }
 
 // ---- argument checks ---------------------------------------------------------------------
@@ -159,6 +160,70 @@ WorkPtr ProcessGroup::recv(const Tensor& t, int src, int tag) {
   check_peer("recv", "src", src, rank_, size_);
   t.bump_version();
   return recv_impl(t, src, tag);
+}
+
+std::vector<WorkPtr> ProcessGroup::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  for (const P2POp& op : ops) {
+    bool sending = op.kind == P2POp::Kind::send;
+    const char* name = sending ? "batch_isend_irecv (send)" : "batch_isend_irecv (recv)";
+    check_tensor(name, "tensor", op.tensor, AllowBytes::yes, backend());
+    LOOM_CHECK(op.tag >= 0, name, ": `tag` = ", op.tag, " must be >= 0");
+    check_peer(name, "peer", op.peer, rank_, size_);
+    if (!sending) op.tensor.bump_version();
+  }
+  if (ops.empty()) return {};
+  return batch_impl(ops);
+}
+
+std::vector<WorkPtr> ProcessGroup::batch_impl(const std::vector<P2POp>& ops) {
+  std::vector<WorkPtr> works;
+  works.reserve(ops.size());
+  for (const P2POp& op : ops)
+    works.push_back(op.kind == P2POp::Kind::send ? send_impl(op.tensor, op.peer, op.tag)
+                                                 : recv_impl(op.tensor, op.peer, op.tag));
+  return works;
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
+  return new_group(ranks, options_);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks, ProcessGroupOptions options) {
+  std::string listed;
+  for (int r : ranks) listed += (listed.empty() ? "" : ",") + std::to_string(r);
+  listed = "[" + listed + "]";
+  LOOM_CHECK(!ranks.empty(), "new_group: the list of ranks is empty; expected the ranks of the new group");
+  std::vector<bool> seen(size_, false);
+  int mine = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    int r = ranks[i];
+    LOOM_CHECK(r >= 0 && r < size_, "new_group: rank ", r, " in ", listed, " is out of range for a group of size ",
+               size_, " (expected 0 <= rank < ", size_, ")");
+    LOOM_CHECK(!seen[r], "new_group: rank ", r, " appears twice in ", listed);
+    seen[r] = true;
+    if (r == rank_) mine = int(i);
+  }
+  const int number = subgroups_made_++;  // counted on every rank, member or not
+  if (mine < 0) return nullptr;
+  auto sub_store = std::make_shared<PrefixStore>(store_, "group/" + std::to_string(number) + "/");
+  // Every member must have passed the same list, or the members would wait for each other
+  // in different groups: the first member publishes its list, the others compare.
+  if (mine == 0) {
+    sub_store->set("ranks", listed);
+  } else {
+    std::string first;
+    try {
+      first = text(sub_store->get("ranks", options.timeout));
+    } catch (const StoreTimeout&) {
+      LOOM_FAIL("new_group #", number, ": rank ", ranks[0], " (the first of ", listed, ") did not make the group within ",
+                options.timeout.count(), " ms: every rank must call new_group in the same order");
+    }
+    LOOM_CHECK(first == listed, "new_group #", number, ": rank ", rank_, " asked for ranks ", listed, " but rank ",
+               ranks[0], " asked for ", first, ": every rank must call new_group in the same order with the same list");
+  }
+  auto group = make_subgroup(sub_store, mine, int(ranks.size()), options);
+  for (size_t i = 0; i < ranks.size(); ++i) group->world_ranks_[i] = world_ranks_[ranks[i]];
+  return group;
 }
 
 WorkPtr ProcessGroup::barrier() {

@@ -8,7 +8,22 @@
 //   all_gather      out = cat over ranks r of in_r               (out: size * in.numel())
 //   reduce_scatter  out = slice `rank` of op over ranks of in    (in: size * out.numel())
 //   send / recv     point to point, matched by (peer, tag)
+//   batch_isend_irecv  several sends and receives posted together (see below)
 //   barrier         returns when every rank has reached it
+//
+// Sub-groups. new_group(ranks) makes a group of some of this group's ranks, as c10d's
+// dist.new_group: every rank of the parent calls it, in the same order, with the same list;
+// members get the new group (their rank in it is their index in the list), the others get
+// null. The new group keeps all its store keys under "group/<n>/" (a PrefixStore; n counts
+// the parent's new_group calls), so its bootstrap, its debug ledger and its watchdog entries
+// never meet another group's, and several groups run collectives at once on one store. The
+// NCCL backend makes one communicator per group; Gloo one context per group. A DeviceMesh
+// (parallel/device_mesh.h) builds the groups of a pp x dp layout from these.
+//
+// Batched point to point. batch_isend_irecv({P2POp::send(t, 1), P2POp::recv(u, 1)}) posts
+// every transfer before any is waited for, so two neighbours can each send to the other
+// at once. On NCCL the transfers are issued as one group call (ncclGroupStart/End); on Gloo
+// sends and receives are posted without blocking anyway. It returns one Work per op.
 //
 // Backends: NCCL for CUDA tensors (one process per GPU; collectives run on the group's own
 // stream, ordered after the work already queued on the compute stream by an event), Gloo for
@@ -34,6 +49,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../engine/tensor.h"
 #include "store.h"
@@ -55,6 +71,17 @@ using WorkPtr = std::shared_ptr<Work>;
 struct ProcessGroupOptions {
   Duration timeout = std::chrono::minutes(10);
   bool debug = false;  // also turned on by LOOM_DIST_DEBUG=1 in the environment
+};
+
+// One transfer of a batch_isend_irecv.
+struct P2POp {
+  enum class Kind { send, recv };
+  Kind kind;
+  Tensor tensor;
+  int peer;
+  int tag = 0;
+  static P2POp send(Tensor t, int dst, int tag = 0) { return {Kind::send, std::move(t), dst, tag}; }
+  static P2POp recv(Tensor t, int src, int tag = 0) { return {Kind::recv, std::move(t), src, tag}; }
 };
 
 class ProcessGroup {
@@ -81,6 +108,19 @@ class ProcessGroup {
   WorkPtr recv(const Tensor& t, int src, int tag = 0);
   WorkPtr barrier();
 
+  // The transfers posted together (see the header comment); one Work per op, in order.
+  std::vector<WorkPtr> batch_isend_irecv(const std::vector<P2POp>& ops);
+
+  // A group of the ranks listed (see the header comment): called by every rank of this
+  // group, with the same list; null on the ranks not in it. `options` default to this
+  // group's.
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, ProcessGroupOptions options);
+
+  // The ranks of the world group that make up this group, in this group's rank order (the
+  // world group's own are 0..size-1): what messages use to name a member.
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+
   // How many collectives this rank has issued (the ledger's sequence number).
   int64_t sequence_number() const { return seq_; }
 
@@ -94,6 +134,12 @@ class ProcessGroup {
   virtual WorkPtr send_impl(const Tensor& t, int dst, int tag) = 0;
   virtual WorkPtr recv_impl(const Tensor& t, int src, int tag) = 0;
   virtual WorkPtr barrier_impl() = 0;
+  // Posts every op before waiting for any. The default posts them one by one through
+  // send_impl and recv_impl, which is right for backends whose sends never block the host.
+  virtual std::vector<WorkPtr> batch_impl(const std::vector<P2POp>& ops);
+  // The same backend over `store` (a PrefixStore of this group's), for new_group.
+  virtual std::shared_ptr<ProcessGroup> make_subgroup(std::shared_ptr<Store> store, int rank, int size,
+                                                      ProcessGroupOptions options) = 0;
 
   // "all_reduce #12 (sum, f32, (1024,))": what messages name.
   std::string describe_call(const char* op, const Tensor& t, const std::string& detail = "") const;
@@ -108,6 +154,8 @@ class ProcessGroup {
   int rank_, size_;
   ProcessGroupOptions options_;
   int64_t seq_ = 0;
+  int subgroups_made_ = 0;
+  std::vector<int> world_ranks_;
 };
 
 // A Gloo group over CPU tensors, bootstrapped through `store` (keys under "gloo/"). Throws

@@ -96,4 +96,35 @@ Bytes counter_bytes(int64_t value) {
 
 }  // namespace detail
 
+int Store::take_group_number(const std::string& backend) {
+  std::lock_guard lock(groups_mutex_);
+  return groups_made_[backend]++;
+}
+
+// ---- PrefixStore ---------------------------------------------------------------------------
+
+PrefixStore::PrefixStore(std::shared_ptr<Store> base, std::string prefix)
+    : Store(base ? base->timeout() : kDefaultTimeout), base_(std::move(base)), prefix_(std::move(prefix)) {
+  LOOM_CHECK(base_ != nullptr, "PrefixStore: the base store is null");
+  LOOM_CHECK(!prefix_.empty(), "PrefixStore: the prefix must not be empty");
+}
+
+std::string PrefixStore::describe() const { return base_->describe() + " (keys under '" + prefix_ + "')"; }
+
+std::vector<std::string> PrefixStore::prefixed(const std::vector<std::string>& keys) const {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const auto& key : keys) out.push_back(prefix_ + key);
+  return out;
+}
+
+void PrefixStore::set_impl(const std::string& key, const Bytes& value) { base_->set(prefix_ + key, value); }
+Bytes PrefixStore::get_impl(const std::string& key, Duration timeout) { return base_->get(prefix_ + key, timeout); }
+int64_t PrefixStore::add_impl(const std::string& key, int64_t delta) { return base_->add(prefix_ + key, delta); }
+void PrefixStore::wait_impl(const std::vector<std::string>& keys, Duration timeout) {
+  base_->wait(prefixed(keys), timeout);
+}
+bool PrefixStore::check_impl(const std::vector<std::string>& keys) { return base_->check(prefixed(keys)); }
+bool PrefixStore::delete_key_impl(const std::string& key) { return base_->delete_key(prefix_ + key); }
+
 }  // namespace loom::dist

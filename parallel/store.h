@@ -18,7 +18,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -73,6 +75,11 @@ class Store {
   // "TcpStore at 10.0.0.1:29500", "FileStore at /tmp/x": for messages.
   virtual std::string describe() const = 0;
 
+  // How many groups of `backend` ("nccl", ...) this process has made on this store before,
+  // counted up by the call. Every rank makes its groups on a store in the same order, so the
+  // numbers agree across ranks and key each group's bootstrap entries apart.
+  int take_group_number(const std::string& backend);
+
  protected:
   virtual void set_impl(const std::string& key, const Bytes& value) = 0;
   virtual Bytes get_impl(const std::string& key, Duration timeout) = 0;
@@ -87,6 +94,8 @@ class Store {
 
  private:
   Duration timeout_;
+  std::mutex groups_mutex_;
+  std::map<std::string, int> groups_made_;
 };
 
 class TcpStoreServer;
@@ -146,6 +155,31 @@ class FileStore final : public Store {
   std::string path_;
   int world_size_;
   std::unique_ptr<FileStoreState> state_;
+};
+
+// A view of another store with every key under `prefix`, as c10d's PrefixStore: a process
+// sub-group (ProcessGroup::new_group) bootstraps and keeps its ledger through one, so
+// groups that share the world's store never read each other's keys.
+class PrefixStore final : public Store {
+ public:
+  PrefixStore(std::shared_ptr<Store> base, std::string prefix);
+
+  const std::string& prefix() const { return prefix_; }
+  std::string describe() const override;
+
+ protected:
+  void set_impl(const std::string& key, const Bytes& value) override;
+  Bytes get_impl(const std::string& key, Duration timeout) override;
+  int64_t add_impl(const std::string& key, int64_t delta) override;
+  void wait_impl(const std::vector<std::string>& keys, Duration timeout) override;
+  bool check_impl(const std::vector<std::string>& keys) override;
+  bool delete_key_impl(const std::string& key) override;
+
+ private:
+  std::vector<std::string> prefixed(const std::vector<std::string>& keys) const;
+
+  std::shared_ptr<Store> base_;
+  std::string prefix_;
 };
 
 namespace detail {
