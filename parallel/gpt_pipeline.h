@@ -1,0 +1,28 @@
+// A GPT as a pipeline (parallel/pipeline.h): this rank builds only its stages (GPTStage,
+// layers/models/gpt_stage.h), the blocks cut by `cuts`, and the token embedding of stage 0
+// is tied to the output layer of the last stage without the caller doing anything.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "../layers/models/gpt_stage.h"
+#include "pipeline.h"
+
+namespace loom::dist::pipeline {
+
+struct GPTPipeline {
+  std::vector<std::shared_ptr<nn::GPTStage>> modules;  // this rank's stages, in order
+  std::unique_ptr<Pipeline> pipeline;
+
+  // Every parameter of this rank's stages, each once: what its optimizer steps.
+  TensorList parameters() const;
+};
+
+// `cuts`: where each of the schedule's stages begins, stages + 1 indices from 0 to
+// config.layers (nn::even_cuts when empty). `sequence_length`: the T of every batch (the
+// activations between stages are (rows, T, width)). The modules are moved to options.device.
+GPTPipeline make_gpt_pipeline(std::shared_ptr<ProcessGroup> group, const nn::GPTConfig& config,
+                              int64_t sequence_length, PipelineOptions options, std::vector<int64_t> cuts = {});
+
+}  // namespace loom::dist::pipeline

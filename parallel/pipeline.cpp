@@ -1,0 +1,489 @@
+// The pipeline executor: walks this rank's row of the schedule (see pipeline.h for the
+// schedules and what each action does).
+#include "parallel/pipeline.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <sstream>
+
+#include "engine/allocator.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "parallel/trace.h"
+
+namespace loom::dist::pipeline {
+
+// What one (local stage, micro-batch) holds between its actions.
+struct Pipeline::MicrobatchState {
+  Tensor input;        // stage 0: the data; else the activation, a leaf requiring its gradient
+  Tensor output;       // the activation sent on, or the last stage's loss
+  Tensor output_grad;  // received from the next stage (or handed over by it on this rank)
+  Tensor input_grad;   // to send to the stage before
+  DeferredGradients weight_half;  // ZB-H1: what backward-input left for backward-weight
+};
+
+namespace {
+
+int64_t bytes_in_use(Device device) { return int64_t(memory::stats(device).allocated); }
+
+// A shape as text, "(2, 16, 64)".
+std::string shape_text(const Shape& s) { return shape_str(s); }
+
+// The tag of a transfer: who sends it (stage), which micro-batch, activation or gradient.
+int tag_of(int sending_stage, int microbatch, int microbatches, bool gradient) {
+  return (sending_stage * microbatches + microbatch) * 2 + (gradient ? 1 : 0);
+}
+
+}  // namespace
+
+Pipeline::Pipeline(std::shared_ptr<ProcessGroup> group, std::vector<Stage> stages, PipelineOptions options)
+    : group_(std::move(group)), stages_(std::move(stages)), options_(std::move(options)) {
+  LOOM_CHECK(group_ != nullptr, "Pipeline: no process group");
+  // NCCL runs a group's transfers one call after another on its stream, so a send holds what
+  // follows it until its partner is posted: the paired placement. Gloo's sends go on their
+  // own: eager.
+  const Transfers transfers = group_->backend() == "nccl" ? Transfers::paired : Transfers::eager;
+  LOOM_CHECK(!(transfers == Transfers::paired && options_.schedule == ScheduleKind::interleaved && group_->size() > 1),
+             "Pipeline: the interleaved schedule needs eager sends, which the NCCL group does not offer yet; use "
+             "1f1b, gpipe or zb1 on GPUs");
+  schedule_ = build_schedule(options_.schedule, group_->size(), options_.microbatches,
+                             options_.schedule == ScheduleKind::interleaved ? options_.stages_per_rank : 1, transfers);
+  LOOM_CHECK(options_.schedule == ScheduleKind::interleaved || options_.stages_per_rank == 1, "Pipeline: the ",
+             schedule_name(options_.schedule), " schedule runs one stage per rank, not ", options_.stages_per_rank,
+             " (virtual stages are the interleaved schedule's)");
+  check_schedule(schedule_);
+  const std::vector<int> mine = schedule_.stages_of(group_->rank());
+  std::vector<int> given;
+  for (const Stage& s : stages_) given.push_back(s.index);
+  auto list = [](const std::vector<int>& v) {
+    std::string out;
+    for (int x : v) out += (out.empty() ? "" : ", ") + std::to_string(x);
+    return "[" + out + "]";
+  };
+  LOOM_CHECK(given == mine, "Pipeline: rank ", group_->rank(), " of ", group_->size(), " holds stages ", list(mine),
+             " of ", schedule_.stages, " under the ", schedule_name(options_.schedule), " schedule, but was given ",
+             list(given));
+  for (const Stage& s : stages_) {
+    LOOM_CHECK(s.module != nullptr && s.forward, "Pipeline: stage ", s.index, " has no module or no forward");
+    LOOM_CHECK(s.index == 0 || s.input_shape, "Pipeline: stage ", s.index, " does not declare its input shape");
+    LOOM_CHECK(s.index == schedule_.stages - 1 || s.output_shape, "Pipeline: stage ", s.index,
+               " does not declare its output shape");
+  }
+  state_.resize(stages_.size() * size_t(options_.microbatches));
+}
+
+Pipeline::~Pipeline() = default;
+
+Stage& Pipeline::local_stage(int stage) {
+  for (Stage& s : stages_)
+    if (s.index == stage) return s;
+  LOOM_FAIL("Pipeline: stage ", stage, " is not on rank ", group_->rank());
+}
+
+std::string Pipeline::where(const Action& a) const {
+  std::ostringstream out;
+  out << "pipeline stage " << a.stage << " (rank " << group_->world_ranks()[size_t(group_->rank())] << "), micro-batch "
+      << a.microbatch;
+  return out.str();
+}
+
+// ---- tied parameters ---------------------------------------------------------------------
+
+void Pipeline::tie(const Tensor& on_first_stage, const Tensor& on_last_stage) {
+  const int first_rank = schedule_.rank_of(0), last_rank = schedule_.rank_of(schedule_.stages - 1);
+  const int me = group_->rank();
+  LOOM_CHECK((me == first_rank) == on_first_stage.defined() && (me == last_rank) == on_last_stage.defined(),
+             "Pipeline::tie: rank ", me, " passes ", on_first_stage.defined() ? "a" : "no", " first-stage copy and ",
+             on_last_stage.defined() ? "a" : "no", " last-stage copy; stage 0 lives on rank ", first_rank,
+             " and the last stage on rank ", last_rank);
+  tied_ = true;
+  tied_first_ = on_first_stage;
+  tied_last_ = on_last_stage;
+  if (first_rank == last_rank) {
+    if (on_first_stage.impl() == on_last_stage.impl()) return;
+    NoGradGuard no_grad;
+    copy_(on_last_stage, on_first_stage);
+    return;
+  }
+  if (me == first_rank) group_->send(on_first_stage, last_rank, 0)->wait();
+  if (me == last_rank) {
+    NoGradGuard no_grad;
+    Tensor incoming = Tensor::empty(on_last_stage.shape(), on_last_stage.dtype(), on_last_stage.device());
+    group_->recv(incoming, first_rank, 0)->wait();
+    copy_(on_last_stage, incoming);
+  }
+}
+
+void Pipeline::sum_tied_gradients() {
+  if (!tied_) return;
+  const int first_rank = schedule_.rank_of(0), last_rank = schedule_.rank_of(schedule_.stages - 1);
+  if (first_rank == last_rank) {
+    if (tied_first_.impl() == tied_last_.impl()) return;
+    NoGradGuard no_grad;
+    Tensor sum_grad = add(tied_first_.grad(), tied_last_.grad());
+    copy_(tied_first_.grad(), sum_grad);
+    copy_(tied_last_.grad(), sum_grad);
+    return;
+  }
+  const bool first = group_->rank() == first_rank;
+  Tensor mine = first ? tied_first_ : tied_last_;
+  if (!mine.defined()) return;
+  LOOM_CHECK(mine.grad().defined(), "Pipeline: the tied parameter on stage ", first ? 0 : schedule_.stages - 1,
+             " got no gradient this step");
+  trace::Span span("tied gradient", trace::Category::allreduce);
+  NoGradGuard no_grad;
+  Tensor theirs = empty_like(mine.grad());
+  const int peer = first ? last_rank : first_rank;
+  auto works = group_->batch_isend_irecv({P2POp::send(mine.grad(), peer, 1), P2POp::recv(theirs, peer, 1)});
+  for (auto& w : works) w->wait();
+  // a + b on one side, b + a on the other: the same sum, bit for bit.
+  add_(mine.grad(), theirs);
+}
+
+// ---- data parallel -----------------------------------------------------------------------
+
+void Pipeline::average_over_data_parallel() {
+  if (!options_.data_parallel || options_.data_parallel->size() == 1) return;
+  trace::Span span("data-parallel all_reduce", trace::Category::allreduce);
+  NoGradGuard no_grad;
+  // One flat buffer per dtype, all_reduce(avg), copied back.
+  std::map<DType, TensorList> by_dtype;
+  for (const Stage& s : stages_)
+    for (const Tensor& p : s.module->parameters())
+      if (p.grad().defined()) by_dtype[p.grad().dtype()].push_back(p.grad());
+  for (auto& [dtype, grads] : by_dtype) {
+    TensorList flat;
+    for (const Tensor& g : grads) flat.push_back(g.contiguous().reshape({-1}));
+    Tensor buffer = cat(flat, 0);
+    options_.data_parallel->all_reduce(buffer, ReduceOp::avg)->wait();
+    int64_t offset = 0;
+    for (const Tensor& g : grads) {
+      copy_(g, buffer.slice(0, offset, offset + g.numel()).reshape(g.shape()));
+      offset += g.numel();
+    }
+  }
+}
+
+double Pipeline::clip_grad_norm(double max_norm) {
+  LOOM_CHECK(max_norm >= 0, "Pipeline::clip_grad_norm: max_norm must not be negative, got ", max_norm);
+  NoGradGuard no_grad;
+  // The sum of squares over this rank's stages, the last stage's tied copy left out (stage 0's
+  // copy holds the same gradient), then the sum over the pipeline.
+  double local = 0;
+  TensorList grads;
+  for (const Stage& s : stages_)
+    for (const Tensor& p : s.module->parameters()) {
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      grads.push_back(g);
+      if (tied_ && tied_last_.defined() && p.impl() == tied_last_.impl() && tied_first_.impl() != p.impl()) continue;
+      Tensor wide = g.to(DType::f64);
+      local += sum(mul(wide, wide)).item();
+    }
+  Tensor total = full({1}, local, DType::f64, Device::cpu());
+  if (options_.device.is_cuda()) total = total.to(options_.device);
+  group_->all_reduce(total)->wait();
+  const double norm = std::sqrt(total.to(Device::cpu()).item());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1)
+    for (const Tensor& g : grads) mul_(g, coef);
+  return norm;
+}
+
+// ---- shapes ------------------------------------------------------------------------------
+
+void Pipeline::agree_on_shapes(int64_t rows) {
+  // Each rank lists, per stage it holds: stage, input shape, output shape (8 slots each, -1
+  // for none), as f64; all_gather; every rank checks every boundary the same way.
+  constexpr int kSlots = 1 + 2 * 9;
+  const int v = schedule_.stages_per_rank();
+  std::vector<double> mine(size_t(kSlots * v), -1.0);
+  auto put = [](std::vector<double>& out, size_t at, const Shape& s) {
+    LOOM_CHECK(s.size() <= 8, "Pipeline: activations of more than 8 dimensions");
+    out[at] = double(s.size());
+    for (size_t i = 0; i < s.size(); ++i) out[at + 1 + i] = double(s[i]);
+  };
+  for (size_t i = 0; i < stages_.size(); ++i) {
+    const Stage& s = stages_[i];
+    const size_t base = i * kSlots;
+    mine[base] = s.index;
+    if (s.index > 0) put(mine, base + 1, s.input_shape(rows));
+    if (s.index < schedule_.stages - 1) put(mine, base + 10, s.output_shape(rows));
+  }
+  Tensor in = Tensor::empty({int64_t(mine.size())}, DType::f64, Device::cpu());
+  std::copy(mine.begin(), mine.end(), in.data<double>());
+  Tensor out = Tensor::empty({int64_t(mine.size()) * group_->size()}, DType::f64, Device::cpu());
+  if (options_.device.is_cuda()) {
+    Tensor din = in.to(options_.device), dout = out.to(options_.device);
+    group_->all_gather(dout, din)->wait();
+    out = dout.to(Device::cpu());
+  } else {
+    group_->all_gather(out, in)->wait();
+  }
+  std::map<int, std::pair<Shape, Shape>> declared;  // stage -> (input, output)
+  const double* all = out.data<double>();
+  auto get = [&](size_t at) {
+    Shape s;
+    if (all[at] < 0) return s;
+    for (int i = 0; i < int(all[at]); ++i) s.push_back(int64_t(all[at + 1 + size_t(i)]));
+    return s;
+  };
+  for (int r = 0; r < group_->size(); ++r)
+    for (int i = 0; i < v; ++i) {
+      size_t base = size_t(r * kSlots * v + i * kSlots);
+      declared[int(all[base])] = {get(base + 1), get(base + 10)};
+    }
+  for (int s = 0; s + 1 < schedule_.stages; ++s) {
+    const Shape& gives = declared[s].second;
+    const Shape& takes = declared[s + 1].first;
+    LOOM_CHECK(gives == takes, "pipeline: stage ", s, " (rank ", group_->world_ranks()[size_t(schedule_.rank_of(s))],
+               ") sends activations of shape ", shape_text(gives), " but stage ", s + 1, " (rank ",
+               group_->world_ranks()[size_t(schedule_.rank_of(s + 1))], ") expects ", shape_text(takes),
+               " for micro-batches of ", rows, " rows");
+  }
+  agreed_rows_ = rows;
+}
+
+// ---- the step ----------------------------------------------------------------------------
+
+double Pipeline::step(const Tensor& inputs, const Tensor& targets) {
+  const int m = options_.microbatches;
+  LOOM_CHECK(inputs.dim() >= 1 && inputs.size(0) % m == 0, "Pipeline::step: a batch of ",
+             inputs.dim() ? inputs.size(0) : 0, " rows does not cut into ", m, " equal micro-batches");
+  LOOM_CHECK(targets.size(0) == inputs.size(0), "Pipeline::step: ", inputs.size(0), " input rows but ",
+             targets.size(0), " target rows");
+  const int64_t rows = inputs.size(0) / m;
+  if (agreed_rows_ != rows) agree_on_shapes(rows);
+  std::vector<Tensor> in_parts, target_parts;
+  for (int i = 0; i < m; ++i) {
+    in_parts.push_back(inputs.slice(0, i * rows, (i + 1) * rows));
+    target_parts.push_back(targets.slice(0, i * rows, (i + 1) * rows));
+  }
+  for (auto& s : state_) s = std::make_unique<MicrobatchState>();
+  loss_sum_ = 0;
+  Tensor loss_total;
+  const int64_t base_bytes = bytes_in_use(options_.device);
+  peak_bytes_ = 0;
+  step_start_ns_ = trace::now_ns();
+  {
+    trace::Span step_span("pipeline schedule", trace::Category::step);
+    const auto& row = schedule_.actions[size_t(group_->rank())];
+    for (size_t i = 0; i < row.size();) {
+      if (is_compute(row[i].op)) {
+        run_compute(row[i], in_parts, target_parts);
+        const Action& a = row[i];
+        if (a.op == Op::forward && a.stage == schedule_.stages - 1) {
+          Tensor l = state_[size_t(&local_stage(a.stage) - stages_.data()) * size_t(m) + size_t(a.microbatch)]
+                         ->output.detach();
+          loss_total = loss_total.defined() ? add(loss_total, l) : l;
+        }
+        peak_bytes_ = std::max(peak_bytes_, bytes_in_use(options_.device) - base_bytes);
+        ++i;
+        continue;
+      }
+      size_t end = i;
+      while (end < row.size() && !is_compute(row[end].op) && row[end].batch == row[i].batch) ++end;
+      run_batch(std::vector<Action>(row.begin() + long(i), row.begin() + long(end)));
+      peak_bytes_ = std::max(peak_bytes_, bytes_in_use(options_.device) - base_bytes);
+      i = end;
+    }
+  }
+  finish_sends(true);
+  step_end_ns_ = trace::now_ns();
+  for (auto& s : state_) s.reset();
+  sum_tied_gradients();
+  average_over_data_parallel();
+  // The loss: the last stage's sum over micro-batches, shared with the pipeline (and
+  // averaged over the data-parallel replicas).
+  Tensor loss = full({1}, 0.0, DType::f64, Device::cpu());
+  if (loss_total.defined()) loss = full({1}, loss_total.to(Device::cpu()).item() / m, DType::f64, Device::cpu());
+  if (options_.device.is_cuda()) loss = loss.to(options_.device);
+  group_->all_reduce(loss)->wait();
+  if (options_.data_parallel && options_.data_parallel->size() > 1)
+    options_.data_parallel->all_reduce(loss, ReduceOp::avg)->wait();
+  return loss.to(Device::cpu()).item();
+}
+
+void Pipeline::run_compute(const Action& a, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
+  const int m = options_.microbatches;
+  Stage& stage = local_stage(a.stage);
+  const size_t local = size_t(&stage - stages_.data());
+  auto state = [&](size_t stage_slot, int mb) -> MicrobatchState& { return *state_[stage_slot * size_t(m) + size_t(mb)]; };
+  MicrobatchState& st = state(local, a.microbatch);
+  const bool last = a.stage == schedule_.stages - 1;
+  // The neighbouring stage's slot when it is on this rank (one rank, or virtual stages).
+  auto local_slot = [&](int other) -> int {
+    if (other < 0 || other >= schedule_.stages || schedule_.rank_of(other) != group_->rank()) return -1;
+    return int(&local_stage(other) - stages_.data());
+  };
+  const trace::Args args{.microbatch = a.microbatch, .stage = a.stage};
+  switch (a.op) {
+    case Op::forward: {
+      trace::Span span("forward", trace::Category::forward, args);
+      if (a.stage == 0) {
+        st.input = inputs[size_t(a.microbatch)];
+      } else {
+        const int before = local_slot(a.stage - 1);
+        if (before >= 0) st.input = state(size_t(before), a.microbatch).output.detach();
+        LOOM_CHECK(st.input.defined(), where(a), ": forward without its input");
+        st.input.set_requires_grad(true);
+      }
+      Tensor out = stage.forward(st.input, targets[size_t(a.microbatch)]);
+      if (last) {
+        LOOM_CHECK(out.numel() == 1, where(a), ": the last stage returned ", shape_text(out.shape()),
+                   "; expected the micro-batch's loss, one value");
+      } else {
+        const Shape want = stage.output_shape(inputs[size_t(a.microbatch)].size(0));
+        LOOM_CHECK(out.shape() == want && out.dtype() == options_.activation_dtype, where(a), ": stage ", a.stage,
+                   " produced an activation of shape ", shape_text(out.shape()), " ", dtype_name(out.dtype()),
+                   " but declared ", shape_text(want), " ", dtype_name(options_.activation_dtype));
+        LOOM_CHECK(out.requires_grad(), where(a), ": the stage's output does not depend on anything trained");
+      }
+      st.output = out;
+      break;
+    }
+    case Op::backward:
+    case Op::backward_input: {
+      trace::Span span(a.op == Op::backward ? "backward" : "backward-input", trace::Category::backward, args);
+      Tensor grad = last ? full(st.output.shape(), 1.0 / m, st.output.dtype(), st.output.device()) : st.output_grad;
+      if (!last && !grad.defined()) {
+        const int after = local_slot(a.stage + 1);
+        if (after >= 0) grad = state(size_t(after), a.microbatch).input_grad;
+      }
+      LOOM_CHECK(grad.defined(), where(a), ": backward without the gradient of its output");
+      if (a.op == Op::backward) {
+        run_backward({st.output}, {grad});
+      } else {
+        st.weight_half = run_backward_split({st.output}, {grad}, a.stage > 0 ? TensorList{st.input} : TensorList{});
+      }
+      if (a.stage > 0) {
+        st.input_grad = st.input.grad();
+        LOOM_CHECK(st.input_grad.defined(), where(a), ": the stage's input got no gradient");
+      }
+      st.output = Tensor();
+      st.output_grad = Tensor();
+      st.input = Tensor();
+      // The stage after, on this rank, handed its input gradient over: it can go.
+      if (const int after = local_slot(a.stage + 1); after >= 0) state(size_t(after), a.microbatch).input_grad = Tensor();
+      break;
+    }
+    case Op::backward_weight: {
+      trace::Span span("backward-weight", trace::Category::backward_weight, args);
+      st.weight_half.run();
+      break;
+    }
+    default: LOOM_FAIL("Pipeline: ", a.str(), " is not a compute action");
+  }
+}
+
+void Pipeline::run_batch(const std::vector<Action>& batch) {
+  const int m = options_.microbatches;
+  finish_sends(false);
+  std::vector<P2POp> ops;
+  for (const Action& a : batch) {
+    Stage& stage = local_stage(a.stage);
+    MicrobatchState& st = *state_[size_t(&stage - stages_.data()) * size_t(m) + size_t(a.microbatch)];
+    const int64_t rows = agreed_rows_;
+    switch (a.op) {
+      case Op::send_activation:
+        ops.push_back(P2POp::send(st.output, schedule_.rank_of(a.stage + 1), tag_of(a.stage, a.microbatch, m, false)));
+        break;
+      case Op::recv_activation:
+        st.input = Tensor::empty(stage.input_shape(rows), options_.activation_dtype, options_.device);
+        ops.push_back(P2POp::recv(st.input, schedule_.rank_of(a.stage - 1), tag_of(a.stage - 1, a.microbatch, m, false)));
+        break;
+      case Op::send_gradient:
+        ops.push_back(P2POp::send(st.input_grad.contiguous(), schedule_.rank_of(a.stage - 1),
+                                  tag_of(a.stage, a.microbatch, m, true)));
+        break;
+      case Op::recv_gradient:
+        st.output_grad = Tensor::empty(stage.output_shape(rows), options_.activation_dtype, options_.device);
+        ops.push_back(P2POp::recv(st.output_grad, schedule_.rank_of(a.stage + 1), tag_of(a.stage + 1, a.microbatch, m, true)));
+        break;
+      default: LOOM_FAIL("Pipeline: ", a.str(), " is not a transfer");
+    }
+  }
+  const bool sending = std::all_of(batch.begin(), batch.end(), [](const Action& a) { return is_send(a.op); });
+  trace::Span span(sending ? "send" : "send/recv", sending ? trace::Category::send : trace::Category::recv,
+                   {.microbatch = batch.front().microbatch, .stage = batch.front().stage});
+  std::vector<WorkPtr> works;
+  try {
+    works = group_->batch_isend_irecv(ops);
+  } catch (const loom::Error& e) {
+    std::string listed;
+    for (const Action& a : batch) listed += " " + a.str();
+    LOOM_FAIL(where(batch.front()), ": posting the transfers", listed, " (with ", peer_text(batch.front()),
+              ") failed: ", e.what());
+  }
+  // Paired transfers are all waited for here; eager sends are left running and finished by
+  // finish_sends (at the next batch, or at the end of the step).
+  const bool eager = schedule_.transfers == Transfers::eager;
+  for (size_t i = 0; i < works.size(); ++i) {
+    const Action& a = batch[i];
+    if (eager && is_send(a.op)) {
+      pending_sends_.push_back({works[i], ops[i].tensor, a});
+      continue;
+    }
+    wait_for(works[i], a);
+    if (a.op == Op::send_activation) release_if_unshared(ops[i].tensor);
+  }
+  // Input gradients handed to a send are held by it from now on.
+  for (const Action& a : batch)
+    if (a.op == Op::send_gradient)
+      state_[size_t(&local_stage(a.stage) - stages_.data()) * size_t(m) + size_t(a.microbatch)]->input_grad = Tensor();
+}
+
+void Pipeline::wait_for(const WorkPtr& work, const Action& a) {
+  try {
+    work->wait();
+  } catch (const loom::Error& e) {
+    const bool recv = !is_send(a.op);
+    LOOM_FAIL(where(a), ": waiting to ", recv ? "receive " : "send ",
+              a.op == Op::send_activation || a.op == Op::recv_activation ? "the activation" : "the gradient",
+              recv ? " from " : " to ", peer_text(a), ": ", e.what());
+  }
+}
+
+std::string Pipeline::peer_text(const Action& a) const {
+  const int peer_stage = (a.op == Op::send_activation || a.op == Op::recv_gradient) ? a.stage + 1 : a.stage - 1;
+  return "stage " + std::to_string(peer_stage) + " (rank " +
+         std::to_string(group_->world_ranks()[size_t(schedule_.rank_of(peer_stage))]) + ")";
+}
+
+// A sent activation's storage goes, unless backward saved it (then others share it).
+void Pipeline::release_if_unshared(const Tensor& t) {
+  if (t.storage().use_count() == 1) t.storage()->release();
+}
+
+void Pipeline::finish_sends(bool all) {
+  auto done = [&](PendingSend& s) {
+    if (!all && !s.work->is_completed()) return false;
+    wait_for(s.work, s.action);
+    if (s.action.op == Op::send_activation) release_if_unshared(s.tensor);
+    return true;
+  };
+  std::erase_if(pending_sends_, done);
+}
+
+double Pipeline::measured_bubble() {
+  LOOM_CHECK(trace::enabled(), "Pipeline::measured_bubble: tracing was off during the step; turn it on with "
+             "trace::set_enabled(true) before the step");
+  auto events = trace::events();
+  auto util = trace::utilization(events, step_start_ns_, step_end_ns_);
+  double idle = 0, window = 0;
+  for (const auto& u : util) {
+    idle += double(u.idle_ns());
+    window += double(u.window_ns);
+  }
+  if (util.empty()) window = double(step_end_ns_ - step_start_ns_), idle = window;
+  Tensor t = full({2}, 0.0, DType::f64, Device::cpu());
+  t.data<double>()[0] = idle;
+  t.data<double>()[1] = window;
+  if (options_.device.is_cuda()) t = t.to(options_.device);
+  group_->all_reduce(t)->wait();
+  t = t.to(Device::cpu());
+  return t.data<double>()[1] > 0 ? t.data<double>()[0] / t.data<double>()[1] : 0.0;
+}
+
+}  // namespace loom::dist::pipeline

@@ -1,0 +1,192 @@
+// Pipeline parallelism: a model cut into stages, one process (one GPU) per stage, each
+// micro-batch flowing through the stages forward and back. When a model does not fit on one
+// GPU, or its layers are better spread than replicated, its layers are split by index (for a
+// GPT: the embeddings and the first blocks on stage 0, ..., the last blocks, ln_f, the output
+// layer and the loss on the last stage) and each rank builds only its own stage. What the
+// ranks exchange is small: each stage sends its output activation to the next and receives
+// its output's gradient back. What it costs is idle time, the bubble: stage 3 cannot start
+// before stages 0-2 have passed it the first micro-batch. Cutting the batch into m
+// micro-batches shrinks the bubble; the schedule decides in which order each rank runs its
+// forwards (F) and backwards (B), and so how long the bubble is and how many micro-batches'
+// activations a rank holds at once.
+//
+// The schedules, drawn for p = 4 ranks and m = 4 micro-batches, F and B one slot each (B
+// really costs about 2 F), time to the right, micro-batch numbers in the slots:
+//
+//   GPipe: every forward, then every backward.
+//     rank 0  F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3
+//     rank 1  .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 .
+//     rank 2  .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .  .
+//     rank 3  .  .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .
+//   Bubble (p - 1) / (m + p - 1) of the time; every rank holds all m micro-batches'
+//   activations at the turn: memory grows with m.
+//
+//   1F1B: rank r runs p - 1 - r forwards to fill the pipe, then alternates one forward and one
+//   backward, then drains the backwards left.
+//     rank 0  F0 F1 F2 F3 .  .  B0 .  B1 .  B2 .  B3
+//     rank 1  .  F0 F1 F2 .  B0 F3 B1 .  B2 .  B3 .
+//     rank 2  .  .  F0 F1 B0 F2 B1 F3 B2 .  B3 .  .
+//     rank 3  .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
+//   The same bubble as GPipe, but rank r never holds more than p - r micro-batches: memory no
+//   longer grows with m, so m can grow and the bubble shrink.
+//
+//   Interleaved 1F1B (Megatron-LM): each rank holds v stages, not one (rank r holds stages r,
+//   r + p, ...), so a micro-batch crosses the ranks v times, each time doing 1/v of the work.
+//   The fill and drain are made of shorter slots: bubble (p - 1) / (v m + p - 1), for v times
+//   the transfers. Micro-batches go through in groups of p (m must be a multiple of p).
+//
+//   ZB-H1 (zero bubble, Qi et al. 2023): backward split into I, the gradient of the stage's
+//   input (what the rank before waits for), and W, the weights' gradients (what nobody waits
+//   for). I is sent on at once; W fills the slots that were bubbles in 1F1B:
+//     rank 0  F0 F1 F2 F3 .  .  I0 W0 I1 W1 I2 W2 I3 W3
+//     rank 3  .  .  .  F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 W2 W3
+//   with the same limit of p - r micro-batches in flight as 1F1B, so the same memory, and, at
+//   F = I = W, a third of its bubble. Loom's builder orders the actions by simulating unit
+//   costs with priorities I, then F, then W (parallel/pipeline_schedule.cpp).
+//
+// How the code follows the drawings. parallel/pipeline_schedule.h turns each drawing into a
+// table: per rank, the compute actions in order, and between them the transfers (receive an
+// activation before a forward that needs it, send it after; the same for gradients), those
+// between two computes posted together with batch_isend_irecv. The table is checked before
+// the first step: every send meets its receive, in the same order on both ranks, and no
+// arrangement of waits can hang. Pipeline::step() then walks its rank's row:
+//
+//   F  forward of (stage, micro-batch): the input is the micro-batch's data on stage 0, else
+//      the activation received (a leaf requiring its gradient); the last stage returns the
+//      micro-batch's loss.
+//   B  backward from the stage's output, seeded with the gradient received (on the last
+//      stage, 1/m: the step's loss is the mean of the micro-batches'); the input's gradient is
+//      what is sent back. For ZB-H1, I is engine/autograd.h's run_backward_split with the
+//      input as the only gradient wanted now, and W runs what it left.
+//   sends, receives: one batch_isend_irecv per batch; its receives are waited for before the
+//      next compute; its sends too on NCCL, while on Gloo they finish on their own and are
+//      collected at the next batch (see "eager" and "paired" in pipeline_schedule.h). Once an
+//      activation is sent, its storage is freed unless the backward saved it: the stage keeps
+//      only the graph it needs.
+//
+// Then, once per step: the gradients of parameters tied across stages (GPT's token embedding,
+// used by stage 0 and by the output layer on the last stage) are summed between their holders,
+// so the copies, equal at the start, stay equal; with a data-parallel group, every gradient is
+// averaged over it (one bucketed all_reduce per step, not one per micro-batch: the stage's
+// replicas in the other pipelines); and the caller's optimizer steps. A step on p ranks and m
+// micro-batches computes the gradients of one process on the whole batch.
+//
+// Shapes between stages are agreed once, at the first step: every rank gathers every stage's
+// declared input and output shapes, and a boundary whose two sides disagree stops all the
+// ranks with both stages, their ranks and both shapes named. An activation of another shape
+// is an error on its sender. A wait that fails (a stage died, or did not answer within the
+// group's timeout) is rethrown with this rank's stage, the micro-batch and the action named.
+//
+// With tracing on (parallel/trace.h), every action is a span: forward, backward,
+// backward-weight on the compute lane, send and receive on the communication lane, so the
+// bubbles show in the merged timeline, and measured_bubble() gives their share of the step.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../layers/module.h"
+#include "pipeline_schedule.h"
+#include "process_group.h"
+
+namespace loom::dist::pipeline {
+
+// One stage of the model, as this rank builds it.
+struct Stage {
+  int index = 0;                       // 0 .. stages - 1
+  std::shared_ptr<nn::Module> module;  // its parameters
+  // Stage 0 gets the micro-batch's inputs, the others the activation from the stage before.
+  // The last stage returns the micro-batch's mean loss (a scalar), the others their output.
+  // `targets` is the micro-batch's targets (used by the last stage).
+  std::function<Tensor(const Tensor& input, const Tensor& targets)> forward;
+  // The activation shapes for a micro-batch of `rows` rows: what the stage takes (not asked of
+  // stage 0) and gives (not asked of the last stage).
+  std::function<Shape(int64_t rows)> input_shape, output_shape;
+};
+
+struct PipelineOptions {
+  ScheduleKind schedule = ScheduleKind::one_f_one_b;
+  int microbatches = 4;
+  int stages_per_rank = 1;  // virtual stages per rank: 2 or more for the interleaved schedule
+  Device device = Device::cpu();
+  DType activation_dtype = DType::f32;
+  // When set, the replicas of this rank's stages in the other pipelines: gradients are
+  // averaged over it once per step.
+  std::shared_ptr<ProcessGroup> data_parallel;
+};
+
+class Pipeline {
+ public:
+  // `group`: the ranks of one pipeline, stage s on group rank s % size. `stages`: this rank's,
+  // as schedule().stages_of(rank) lists them. Builds and checks the schedule.
+  Pipeline(std::shared_ptr<ProcessGroup> group, std::vector<Stage> stages, PipelineOptions options);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // A parameter that stage 0 and the last stage both hold (each rank passes its copies:
+  // undefined where it holds none, the same tensor twice where it holds both). The last
+  // stage's copy is set to stage 0's now, and their gradients are summed every step. Every
+  // rank of the group calls it.
+  void tie(const Tensor& on_first_stage, const Tensor& on_last_stage);
+
+  // One training step's forward and backward over `inputs` and `targets` (rows along dim 0,
+  // cut into microbatches equal parts; each rank passes the same batch, the ranks that do not
+  // use one may pass it all the same). Gradients are added into the stages' parameters (the
+  // caller zeroes them before and steps after). Returns the batch's mean loss, on every rank.
+  double step(const Tensor& inputs, const Tensor& targets);
+
+  // The global gradient norm over every stage of the pipeline (tied parameters counted once),
+  // then every gradient scaled so the norm is at most max_norm, as nn::clip_grad_norm_ does
+  // for one process. Every rank of the group calls it. Returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
+
+  const Schedule& schedule() const { return schedule_; }
+  const std::vector<Stage>& stages() const { return stages_; }
+  int rank() const { return group_->rank(); }
+
+  // The share of the last step's schedule window this rank spent outside forward, backward
+  // and backward-weight spans, averaged over the pipeline's ranks (every rank calls it).
+  // Needs tracing on (parallel/trace.h) during the step; throws otherwise.
+  double measured_bubble();
+  // Bytes of memory in use on the pipeline's device at the most, during the last step, above
+  // what was in use when it started: the activations and gradients the schedule held.
+  int64_t last_step_peak_bytes() const { return peak_bytes_; }
+
+ private:
+  struct MicrobatchState;
+  Stage& local_stage(int stage);
+  void agree_on_shapes(int64_t rows);
+  void run_compute(const Action& a, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
+  void run_batch(const std::vector<Action>& batch);
+  void wait_for(const WorkPtr& work, const Action& a);
+  void release_if_unshared(const Tensor& t);
+  // Waits for the eager sends that are done (all of them when `all`), freeing what they sent.
+  void finish_sends(bool all);
+  void sum_tied_gradients();
+  void average_over_data_parallel();
+  std::string where(const Action& a) const;
+  std::string peer_text(const Action& a) const;  // "stage 2 (rank 2)": the other end of a transfer
+
+  std::shared_ptr<ProcessGroup> group_;
+  std::vector<Stage> stages_;
+  PipelineOptions options_;
+  Schedule schedule_;
+  int64_t agreed_rows_ = -1;
+  Tensor tied_first_, tied_last_;
+  bool tied_ = false;
+  std::vector<std::unique_ptr<MicrobatchState>> state_;  // per (local stage, micro-batch)
+  struct PendingSend {
+    WorkPtr work;
+    Tensor tensor;
+    Action action;
+  };
+  std::vector<PendingSend> pending_sends_;
+  int64_t peak_bytes_ = 0;
+  int64_t step_start_ns_ = 0, step_end_ns_ = 0;
+  double loss_sum_ = 0;
+};
+
+}  // namespace loom::dist::pipeline

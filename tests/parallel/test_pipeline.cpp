@@ -1,0 +1,198 @@
+// Pipelines of GPT stages on forked CPU ranks over Gloo, against one process training the
+// whole model on the whole batch: every schedule on 2, 3 and 4 stages, and a 2 x 2 mesh of
+// pipelines and data-parallel replicas, give the same losses and weights after 10 AdamW steps
+// (relative 1e-5, in f64), with the tied token embedding kept equal across its two stages.
+// Also: a shape disagreement between stages names both; a stage that dies ends the others
+// with the stage and the micro-batch named, within the timeout.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <random>
+
+#include "engine/ops.h"
+#include "engine/autograd.h"
+#include "layers/linear.h"
+#include "layers/models/gpt.h"
+#include "layers/optim/adam.h"
+#include "parallel/device_mesh.h"
+#include "parallel/gpt_pipeline.h"
+#include "ranks.h"
+
+namespace loom::dist::pipeline {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::require;
+using testing::require_error;
+using testing::run_ranks;
+
+nn::GPTConfig small_config() {
+  return {.vocab_size = 32, .context = 8, .layers = 8, .heads = 2, .width = 8};
+}
+
+// Token ids and next-token targets (rows, T), the same on every rank for a seed.
+std::pair<Tensor, Tensor> batch(int64_t rows, int64_t T, int step) {
+  std::mt19937 rng(1234 + step);
+  Tensor ids = Tensor::empty({rows, T}, DType::i64), targets = Tensor::empty({rows, T}, DType::i64);
+  for (int64_t i = 0; i < rows * T; ++i) {
+    ids.data<int64_t>()[i] = int64_t(rng() % 32);
+    targets.data<int64_t>()[i] = int64_t(rng() % 32);
+  }
+  return {ids, targets};
+}
+
+double relative(const Tensor& a, const Tensor& b) {
+  Tensor d = sub(a, b);
+  double num = std::sqrt(sum(mul(d, d)).item()), den = std::sqrt(sum(mul(b, b)).item());
+  return num / std::max(den, 1e-30);
+}
+
+struct Reference {
+  std::vector<double> losses;
+  std::map<std::string, Tensor> weights;  // after the last step
+};
+
+constexpr int kSteps = 10;
+const nn::GPTConfig kConfig = small_config();
+constexpr int64_t kT = 8;
+
+// One process, the whole model, the whole batch.
+Reference train_alone(int64_t rows) {
+  manual_seed(7);
+  nn::GPT gpt(kConfig);
+  gpt.to(DType::f64);
+  optim::AdamW opt(gpt.parameters(), {.lr = 1e-2});
+  Reference ref;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [ids, targets] = batch(rows, kT, step);
+    opt.zero_grad();
+    Tensor loss = gpt.loss(ids, targets);
+    loss.backward();
+    opt.step();
+    ref.losses.push_back(loss.item());
+  }
+  for (auto& [name, p] : gpt.named_parameters()) ref.weights[name] = p;
+  ref.weights["lm_head.weight"] = gpt.lm_head;
+  return ref;
+}
+
+// Builds this rank's stages, sets them to the reference's initial weights, trains kSteps on
+// `rows_here` rows of each batch starting at `row0`, and compares with `ref`.
+void train_pipeline(std::shared_ptr<ProcessGroup> pp, std::shared_ptr<ProcessGroup> dp, ScheduleKind kind,
+                    int microbatches, int64_t rows, int64_t row0, int64_t rows_here, const Reference& ref) {
+  PipelineOptions options{.schedule = kind, .microbatches = microbatches,
+                          .stages_per_rank = kind == ScheduleKind::interleaved ? 2 : 1,
+                          .activation_dtype = DType::f64, .data_parallel = dp};
+  auto gp = make_gpt_pipeline(pp, kConfig, kT, options);
+  // The reference's starting weights, by name.
+  manual_seed(7);
+  nn::GPT start(kConfig);
+  start.to(DType::f64);
+  std::map<std::string, Tensor> initial;
+  for (auto& [name, p] : start.named_parameters()) initial[name] = p;
+  initial["lm_head.weight"] = start.lm_head;
+  for (auto& m : gp.modules) {
+    m->to(DType::f64);
+    NoGradGuard no_grad;
+    for (auto& [name, p] : m->named_parameters()) {
+      require(initial.count(name), "stage parameter ", name, " is not the model's");
+      copy_(p, initial[name]);
+    }
+  }
+  optim::AdamW opt(gp.parameters(), {.lr = 1e-2});
+  const std::string what = std::string(schedule_name(kind)) + " on " + std::to_string(pp->size()) + " stages";
+  for (int step = 0; step < kSteps; ++step) {
+    auto [ids, targets] = batch(rows, kT, step);
+    opt.zero_grad();
+    double loss = gp.pipeline->step(ids.slice(0, row0, row0 + rows_here), targets.slice(0, row0, row0 + rows_here));
+    opt.step();
+    require(std::abs(loss - ref.losses[size_t(step)]) <= 1e-5 * std::abs(ref.losses[size_t(step)]), what, ": step ",
+            step, " loss ", loss, " but one process had ", ref.losses[size_t(step)]);
+  }
+  for (auto& m : gp.modules)
+    for (auto& [name, p] : m->named_parameters()) {
+      double r = relative(p, ref.weights.at(name));
+      require(r <= 1e-5, what, ": ", name, " differs from one process's by ", r, " (relative)");
+    }
+}
+
+TEST(Pipeline, EverySchedulesTrainsLikeOneProcess) {
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved,
+                    ScheduleKind::zero_bubble_h1})
+    for (int p : {2, 3, 4}) {
+      const int m = 2 * p;        // a multiple of p, as the interleaved schedule needs
+      const int64_t rows = 2 * m;  // two rows a micro-batch
+      const Reference ref = train_alone(rows);
+      SCOPED_TRACE(std::string(schedule_name(kind)) + " p=" + std::to_string(p));
+      run_ranks(p, [&](int, std::shared_ptr<ProcessGroup> world) {
+        train_pipeline(world, nullptr, kind, m, rows, 0, rows, ref);
+      });
+    }
+}
+
+TEST(Pipeline, OneStageIsOneProcess) {
+  const Reference ref = train_alone(8);
+  run_ranks(1, [&](int, std::shared_ptr<ProcessGroup> world) {
+    train_pipeline(world, nullptr, ScheduleKind::one_f_one_b, 4, 8, 0, 8, ref);
+  });
+}
+
+TEST(Pipeline, PipelinesTimesDataParallelTrainLikeOneProcess) {
+  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::zero_bubble_h1}) {
+    const int64_t rows = 16;
+    const Reference ref = train_alone(rows);
+    run_ranks(4, [&](int, std::shared_ptr<ProcessGroup> world) {
+      DeviceMesh mesh(world, {2, 2}, {"pp", "dp"});
+      const int d = mesh.coordinate("dp");
+      train_pipeline(mesh.group("pp"), mesh.group("dp"), kind, 4, rows, d * rows / 2, rows / 2, ref);
+    });
+  }
+}
+
+// Two stages of one Linear each, with declared shapes that may disagree.
+std::vector<Stage> linear_stages(int rank, int last, int64_t declared_in, std::function<void(int)> on_forward = nullptr) {
+  auto lin = std::make_shared<nn::Linear>(4, 4);
+  Stage s;
+  s.index = rank;
+  s.module = lin;
+  s.input_shape = [declared_in](int64_t rows) { return Shape{rows, declared_in}; };
+  s.output_shape = [](int64_t rows) { return Shape{rows, 4}; };
+  s.forward = [lin, on_forward, rank, last](const Tensor& x, const Tensor&) {
+    if (on_forward) on_forward(rank);
+    Tensor y = lin->forward(x);
+    return rank == last ? sum(mul(y, y)) : y;
+  };
+  return {s};
+}
+
+TEST(Pipeline, StagesThatDisagreeOnAShapeAreBothNamed) {
+  run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> world) {
+    Pipeline pipe(world, linear_stages(rank, 1, rank == 1 ? 5 : 4), {.schedule = ScheduleKind::gpipe, .microbatches = 2});
+    require_error([&] { pipe.step(randn({4, 4}), zeros({4})); },
+                  {"stage 0 (rank 0) sends activations of shape (2, 4)", "stage 1 (rank 1) expects (2, 5)"});
+  });
+}
+
+TEST(Pipeline, AStageThatDiesEndsTheOthersNamingIt) {
+  // Three stages; the middle one exits during its third forward. The others must stop within
+  // the timeout (5 s) and 5 s more, naming the stage they were waiting on.
+  auto codes = testing::run_ranks_codes(3, [](int rank, std::shared_ptr<ProcessGroup> world) {
+    int forwards = 0;
+    Pipeline pipe(world, linear_stages(rank, 2, 4, [&](int r) {
+                    if (r == 1 && ++forwards == 3) ::_exit(3);
+                  }),
+                  {.schedule = ScheduleKind::one_f_one_b, .microbatches = 4});
+    auto start = std::chrono::steady_clock::now();
+    std::string msg = require_error([&] { pipe.step(randn({8, 4}), zeros({8})); },
+                                    {"pipeline stage " + std::to_string(rank), "micro-batch", "stage 1 (rank 1)"});
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    require(waited < 10.0, "rank ", rank, " took ", waited, " s to notice: ", msg);
+    std::fprintf(stderr, "rank %d noticed in %.2f s: %s\n", rank, waited, msg.c_str());
+  }, {.timeout = 5s}, 60);
+  EXPECT_EQ(codes, (std::vector<int>{0, 3, 0}));
+}
+
+}  // namespace
+}  // namespace loom::dist::pipeline

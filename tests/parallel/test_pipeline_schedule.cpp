@@ -1,0 +1,144 @@
+// Pipeline schedules as data: every built-in schedule passes the checker on 1 to 8 ranks and
+// 1 to 16 micro-batches, with the bubble of the formula at unit costs; hand-made tables that
+// would hang, that pair the wrong micro-batches or that compute before their input are
+// rejected naming what is wrong; ZB-H1 keeps 1F1B's memory and at most half its bubble.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "kernels/core/error.h"
+#include "parallel/pipeline_schedule.h"
+
+namespace loom::dist::pipeline {
+namespace {
+
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning " << parts.front();
+  } catch (const loom::Error& e) {
+    std::string what = e.what();
+    for (const auto& part : parts) EXPECT_NE(what.find(part), std::string::npos) << "'" << part << "' not in: " << what;
+  }
+}
+
+Action F(int s, int m) { return {Op::forward, s, m, -1}; }
+Action B(int s, int m) { return {Op::backward, s, m, -1}; }
+
+TEST(PipelineSchedule, EveryBuiltInScheduleChecks) {
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved,
+                    ScheduleKind::zero_bubble_h1})
+    for (int p = 1; p <= 8; ++p)
+      for (int m = 1; m <= 16; ++m)
+        for (int v : {2, 3}) {
+          if (kind == ScheduleKind::interleaved && m % p != 0) continue;
+          if (kind != ScheduleKind::interleaved && v != 2) continue;
+          for (auto transfers : {Transfers::eager, Transfers::paired}) {
+          // Paired transfers (NCCL's) deadlock the interleaved order: Pipeline refuses it there.
+          if (kind == ScheduleKind::interleaved && transfers == Transfers::paired && p > 1) continue;
+          Schedule s = build_schedule(kind, p, m, v, transfers);
+          SCOPED_TRACE(s.table());
+          Simulation sim;
+          ASSERT_NO_THROW(sim = check_schedule(s, {.forward = 1, .backward = 2, .backward_input = 1,
+                                                   .backward_weight = 1}));
+          if (kind == ScheduleKind::zero_bubble_h1 || transfers == Transfers::paired) continue;
+          // Equal stages, B = 2F: the bubble of the formula exactly.
+          EXPECT_NEAR(sim.bubble(), formula_bubble(kind, p, m, v), 1e-12) << schedule_name(kind) << " p=" << p
+                                                                          << " m=" << m << " v=" << v;
+          }
+        }
+}
+
+TEST(PipelineSchedule, OneFOneBHoldsFewerMicrobatchesThanGPipe) {
+  Simulation gpipe = check_schedule(build_schedule(ScheduleKind::gpipe, 4, 16));
+  Simulation ofob = check_schedule(build_schedule(ScheduleKind::one_f_one_b, 4, 16));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(gpipe.peak_in_flight[size_t(r)], 16);
+    EXPECT_EQ(ofob.peak_in_flight[size_t(r)], 4 - r);
+  }
+}
+
+TEST(PipelineSchedule, ZeroBubbleH1HalvesTheBubbleAtOneFOneBsMemory) {
+  for (int p : {2, 3, 4})
+    for (int m : {4, 8, 16}) {
+      Costs unit{.forward = 1, .backward = 2, .backward_input = 1, .backward_weight = 1};
+      Simulation zb = check_schedule(build_schedule(ScheduleKind::zero_bubble_h1, p, m), unit);
+      Simulation ofob = check_schedule(build_schedule(ScheduleKind::one_f_one_b, p, m), unit);
+      EXPECT_LE(zb.bubble(), 0.5 * ofob.bubble() + 1e-12) << "p=" << p << " m=" << m << " makespan " << zb.makespan
+                                                           << " busy " << zb.busy[0] << "\n"
+                                                           << build_schedule(ScheduleKind::zero_bubble_h1, p, m).table();
+      // The most micro-batches any rank holds: 1F1B's (rank 0's p).
+      EXPECT_EQ(*std::max_element(zb.peak_in_flight.begin(), zb.peak_in_flight.end()),
+                *std::max_element(ofob.peak_in_flight.begin(), ofob.peak_in_flight.end()));
+      if (m >= p) EXPECT_NEAR(zb.bubble(), (p - 1.0) / (3.0 * m + p - 1), 1e-12) << "p=" << p << " m=" << m;
+    }
+}
+
+TEST(PipelineSchedule, TransfersAreDerivedAndBatched) {
+  Schedule s = build_schedule(ScheduleKind::one_f_one_b, 2, 3);
+  // Rank 0: one warm-up forward, then sends and receives paired around each compute.
+  EXPECT_EQ(s.table(),
+            "1f1b: 2 ranks, 2 stages, 3 micro-batches (F forward, B backward, I input gradient, W weight gradient, "
+            "sA/rA send/receive activation, sG/rG gradient; micro-batch.stage)\n"
+            "rank 0 | F0.0 [ sA0.0 ] F1.0 [ sA1.0 rG0.0 ] B0.0 F2.0 [ sA2.0 rG1.0 ] B1.0 [ rG2.0 ] B2.0\n"
+            "rank 1 | [ rA0.1 ] F0.1 B0.1 [ sG0.1 rA1.1 ] F1.1 B1.1 [ sG1.1 rA2.1 ] F2.1 B2.1 [ sG2.1 ]\n");
+}
+
+TEST(PipelineSchedule, AHandMadeTableThatWouldHangIsRejected) {
+  // Rank 0 runs backward first: it waits for a gradient rank 1 can only send after the
+  // activation rank 0 never sends.
+  Schedule s;
+  s.kind = ScheduleKind::gpipe;
+  s.ranks = 2;
+  s.stages = 2;
+  s.microbatches = 1;
+  s.actions = {{B(0, 0), F(0, 0)}, {F(1, 0), B(1, 0)}};
+  expect_error([&] {
+    add_transfers(s);
+    check_schedule(s);
+  }, {"would deadlock", "rank 0 waits in batch 0", "rank 1 waits in batch 0"});
+
+  // The last stage's backward before its forward.
+  Schedule early;
+  early.kind = ScheduleKind::gpipe;
+  early.ranks = 2;
+  early.stages = 2;
+  early.microbatches = 1;
+  early.actions = {{F(0, 0), B(0, 0)}, {B(1, 0), F(1, 0)}};
+  add_transfers(early);
+  expect_error([&] { check_schedule(early); }, {"rank 1 reaches B0.1", "before its input is there"});
+
+  // Two micro-batches where rank 1 runs them in the other order: the pairs do not match.
+  Schedule t;
+  t.kind = ScheduleKind::gpipe;
+  t.ranks = 2;
+  t.stages = 2;
+  t.microbatches = 2;
+  t.actions = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)}, {F(1, 1), F(1, 0), B(1, 0), B(1, 1)}};
+  add_transfers(t);
+  expect_error([&] { check_schedule(t); }, {"micro-batch 1", "micro-batch 0", "same order on both"});
+
+  // A deadlock proper: each rank receives before it sends, in separate batches.
+  Schedule u;
+  u.kind = ScheduleKind::gpipe;
+  u.ranks = 2;
+  u.stages = 2;
+  u.microbatches = 1;
+  u.actions = {{F(0, 0), {Op::recv_gradient, 0, 0, 0}, {Op::send_activation, 0, 0, 1}, B(0, 0)},
+               {{Op::recv_activation, 1, 0, 0}, F(1, 0), B(1, 0), {Op::send_gradient, 1, 0, 1}}};
+  expect_error([&] { check_schedule(u); }, {"would deadlock", "rank 0 waits in batch 0", "rank 1 waits in batch 0",
+                                             "receive the output gradient of micro-batch 0 for stage 0"});
+}
+
+TEST(PipelineSchedule, BadArgumentsAreNamed) {
+  expect_error([] { parse_schedule("pipedream"); }, {"'pipedream'", "gpipe, 1f1b, interleaved or zb1"});
+  expect_error([] { build_schedule(ScheduleKind::interleaved, 4, 6); }, {"micro-batches (6)", "ranks (4)"});
+  expect_error([] { build_schedule(ScheduleKind::interleaved, 2, 4, 1); }, {"at least 2 stages per rank"});
+  expect_error([] { build_schedule(ScheduleKind::one_f_one_b, 2, 0); }, {"0 micro-batches"});
+  Schedule s = build_schedule(ScheduleKind::one_f_one_b, 2, 2);
+  std::erase(s.actions[1], Action{Op::backward, 1, 1, -1});
+  expect_error([&] { check_schedule(s); }, {"B1.1", "appears 0 times", "rank 1"});
+}
+
+}  // namespace
+}  // namespace loom::dist::pipeline
