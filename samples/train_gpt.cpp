@@ -21,7 +21,10 @@
 #include "engine/ops.h"
 #include "layers/layers.h"
 #include "parallel/ddp.h"
+#include "parallel/device_mesh.h"
+#include "parallel/gpt_pipeline.h"
 #include "parallel/init.h"
+#include "parallel/trace.h"
 #include "parallel/rendezvous.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
@@ -36,6 +39,8 @@ namespace {
 struct Options {
   std::string config = "auto", data = data::kFortunesDir, shards, precision = "auto", device = "auto";
   std::string save, resume, metrics = "train_gpt.jsonl", plot = "train_gpt.svg", prompt = "Q: ";
+  std::string schedule = "1f1b", trace;
+  int64_t pp = 1, dp = 0, microbatches = 0, stages_per_rank = 2;
   int64_t epochs = 0, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
   int64_t generate = 300, top_k = 40, timeout_s = 600, scaling = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
@@ -86,6 +91,95 @@ void check_resume(const Options& o, const std::map<std::string, std::string>& sa
                o.config + ": resume with --config " + entry("config"));
 }
 
+// --pp N: the model cut into stages over a pp x dp mesh of ranks (parallel/pipeline.h);
+// each rank builds only its stages, trains with the schedule chosen, and the loss and
+// throughput are reported per epoch. Validation and generation need the whole model on one
+// rank, so a pipelined run does neither.
+int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& config, const samples::Flags& flags,
+                    data::DataLoader& train_loader, int64_t steps_per_epoch, int64_t total_steps) {
+  using namespace dist::pipeline;
+  const bool main_rank = ctx.is_main();
+  dist::DeviceMesh mesh(ctx.group, {int(o.pp), int(o.dp)}, {"pp", "dp"});
+  PipelineOptions options;
+  options.schedule = parse_schedule(o.schedule);
+  options.microbatches = int(o.microbatches);
+  options.stages_per_rank = options.schedule == ScheduleKind::interleaved ? int(o.stages_per_rank) : 1;
+  options.device = ctx.device;
+  options.data_parallel = o.dp > 1 ? mesh.group("dp") : nullptr;
+  const int stages = int(o.pp) * options.stages_per_rank;
+  if (config.layers < stages)
+    flags.fail("--pp " + std::to_string(o.pp) + (options.stages_per_rank > 1 ? " x --stages-per-rank " +
+               std::to_string(options.stages_per_rank) : std::string()) + " asks for " + std::to_string(stages) +
+               " stages, but the " + o.config + " config has " + std::to_string(config.layers) + " blocks");
+  // The same seed on a stage's replicas, so they start equal.
+  manual_seed(uint64_t(o.seed) * 1000 + uint64_t(mesh.coordinate("pp")));
+  GPTPipeline gp = make_gpt_pipeline(mesh.group("pp"), config, o.context, options);
+  int64_t held = 0;
+  for (const Tensor& p : gp.parameters()) held += p.numel();
+  optim::AdamW opt(gp.parameters(), {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
+  optim::LRScheduler sched(opt, optim::cosine_annealing(std::max<int64_t>(total_steps, 1), o.lr * 0.1));
+  const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+  if (main_rank) {
+    std::printf("train_gpt: GPT %s (%lld layers, width %lld) as a pipeline of %d stages on %lld x %lld ranks "
+                "(pp x dp), %s schedule, %lld micro-batches of %lld, %s on %s; rank 0 holds %lld parameters\n%s",
+                o.config.c_str(), (long long)config.layers, (long long)config.width, stages, (long long)o.pp,
+                (long long)o.dp, o.schedule.c_str(), (long long)o.microbatches,
+                (long long)(o.batch_size / o.microbatches), o.precision.c_str(), ctx.device.str().c_str(),
+                (long long)held, mesh.table().c_str());
+    if (o.microbatches <= 8) std::printf("%s", gp.pipeline->schedule().table().c_str());
+    std::fflush(stdout);
+  }
+  if (!o.trace.empty()) {
+    if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
+    dist::trace::set_enabled(true, ctx.device);
+  }
+  const Simulation theory = check_schedule(gp.pipeline->schedule());
+  int64_t step = 0;
+  for (int64_t epoch = 0; epoch < o.epochs && step < total_steps; ++epoch) {
+    samples::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o.epochs),
+                               steps_per_epoch, "tok");
+    const auto start = std::chrono::steady_clock::now();
+    double loss_sum = 0, bubble_sum = 0;
+    int64_t steps = 0, batch = 0;
+    data::Epoch batches = train_loader.epoch(epoch, 0);
+    for (data::Batch& b : batches) {
+      opt.zero_grad();
+      double loss = 0;
+      {
+        AutocastGuard cast(autocast);
+        loss = gp.pipeline->step(b.inputs, b.targets);
+      }
+      if (o.clip > 0) gp.pipeline->clip_grad_norm(o.clip);
+      opt.step();
+      sched.step();
+      ++step, ++batch, ++steps;
+      loss_sum += loss;
+      if (!o.trace.empty()) bubble_sum += gp.pipeline->measured_bubble();
+      if (!o.allow_nonfinite) samples::check_finite_loss(loss, step, true);
+      if (main_rank && (batch % 10 == 0 || batch == steps_per_epoch))
+        progress.update(batch, batch * o.batch_size * o.context, loss, samples::device_note(ctx.device, 0));
+      if (step >= total_steps) break;
+    }
+    if (main_rank) progress.finish();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double tokens_per_s = double(steps * o.batch_size * o.context * o.dp) / seconds;
+    if (main_rank) {
+      std::printf("epoch %lld: train loss %.4f  %.0f tok/s", (long long)epoch + 1, steps ? loss_sum / double(steps) : NAN,
+                  tokens_per_s);
+      if (!o.trace.empty() && steps)
+        std::printf("  bubble: measured %.1f%%, schedule %.1f%% at equal stages", 100.0 * bubble_sum / double(steps),
+                    100.0 * theory.bubble());
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  if (!o.trace.empty()) {
+    dist::trace::write_merged_trace(ctx.group.get(), ctx.device, o.trace);
+    if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   Options o;
   samples::Flags flags("train_gpt",
@@ -125,6 +219,15 @@ int run(int argc, char** argv) {
             "run the same training on 1, 2, 4, ... N ranks and report speedup and efficiency (table, "
             "--metrics JSON lines, --plot SVG); add --device cpu for CPU ranks",
             0, 1024);
+  flags.add("pp", &o.pp, "pipeline stages: the model's blocks cut over this many ranks (under a launcher)", 1, 1024);
+  flags.add("dp", &o.dp, "with --pp: data-parallel pipelines (0: ranks / pp)", 0, 1024);
+  flags.add("schedule", &o.schedule, "with --pp: the pipeline schedule", {"gpipe", "1f1b", "interleaved", "zb1"});
+  flags.add("microbatches", &o.microbatches, "with --pp: micro-batches per step (0: 2 x pp)", 0, 4096);
+  flags.add("stages-per-rank", &o.stages_per_rank, "with --schedule interleaved: virtual stages per rank", 2, 64);
+  flags.add("trace", &o.trace,
+            "with --pp: write every rank's step timeline here as Chrome-trace JSON (ui.perfetto.dev) and print the "
+            "measured bubble",
+            {}, "FILE");
   flags.add_switch("allow-nonfinite", &o.allow_nonfinite,
                    "train on even when the resumed weights or the loss hold NaN or infinity (default: stop, naming "
                    "the parameter or the step)");
@@ -140,6 +243,19 @@ int run(int argc, char** argv) {
     if (!o.shards.empty())
       flags.fail(std::string("--") + unused + " shapes the generated text, and a run on --shards generates none "
                  "(its tokens are not bytes)");
+  }
+  const bool pipelined = o.pp > 1;
+  if (!pipelined)
+    for (const char* flag : {"dp", "schedule", "microbatches", "stages-per-rank", "trace"})
+      if (flags.given(flag)) flags.fail(std::string("--") + flag + " sets up a pipeline, and --pp is 1 (give --pp N)");
+  if (pipelined) {
+    for (const char* flag : {"save", "resume", "scaling", "gpus"})
+      if (flags.given(flag))
+        flags.fail(std::string("--") + flag + " is not available with --pp yet (pipelined runs train and report; "
+                   "checkpoints, scaling runs and --gpus are data-parallel features)");
+    if (flags.given("stages-per-rank") && o.schedule != "interleaved")
+      flags.fail("--stages-per-rank " + std::to_string(o.stages_per_rank) + " is for --schedule interleaved, not " +
+                 o.schedule);
   }
   if (o.scaling > 0 && !dist::launched_with_rank()) {
     samples::ScalingOptions so;
@@ -203,12 +319,28 @@ int run(int argc, char** argv) {
   data::TokenShard val_tokens{{all.tokens.begin() + int64_t(split), all.tokens.end()}};
   auto train_set = std::make_shared<data::TokenWindowDataset>(train_tokens, o.context);
   auto val_set = std::make_shared<data::TokenWindowDataset>(val_tokens, o.context);
-  if (train_set->size() < o.batch_size * ctx.size)
+  if (train_set->size() < o.batch_size * (pipelined ? o.dp : ctx.size))
     flags.fail("the corpus gives " + std::to_string(train_set->size()) + " training windows of " +
                std::to_string(o.context) + " tokens, fewer than one batch on every rank");
+  // A pipeline's ranks all read their pipeline's batches: the data is sharded over the
+  // pipelines (ranks laid out as a pp x dp mesh, dp the faster dimension).
+  if (pipelined) {
+    if (!ctx.active) flags.fail("--pp " + std::to_string(o.pp) + " needs " + std::to_string(o.pp) +
+                                " or more ranks: start it under loomrun, torchrun, mpirun or srun");
+    if (o.dp == 0) o.dp = ctx.size / o.pp;
+    if (o.pp * o.dp != ctx.size)
+      flags.fail("--pp " + std::to_string(o.pp) + " x --dp " + std::to_string(o.dp) + " is " +
+                 std::to_string(o.pp * o.dp) + " ranks, but " + std::to_string(ctx.size) + " were started");
+    if (o.microbatches == 0) o.microbatches = 2 * o.pp;
+    if (o.batch_size % o.microbatches != 0)
+      flags.fail("--batch-size " + std::to_string(o.batch_size) + " does not cut into --microbatches " +
+                 std::to_string(o.microbatches) + " equal parts");
+  }
+  const int data_rank = pipelined ? int(ctx.rank % o.dp) : ctx.rank;
+  const int data_ranks = pipelined ? int(o.dp) : ctx.size;
   std::shared_ptr<data::Sampler> sampler;
   if (ctx.active)
-    sampler = std::make_shared<data::DistributedSampler>(train_set->size(), ctx.rank, ctx.size, data::Shuffle::yes,
+    sampler = std::make_shared<data::DistributedSampler>(train_set->size(), data_rank, data_ranks, data::Shuffle::yes,
                                                          uint64_t(o.seed), data::DropLast::no);
   else
     sampler = std::make_shared<data::RandomSampler>(train_set->size(), uint64_t(o.seed));
@@ -242,6 +374,8 @@ int run(int argc, char** argv) {
           "each rank's shard of the data depends on the rank count"},
          {"train_windows", "the training window count", std::to_string(train_set->size()),
           "its data position is a place in that many windows (the same data)"}});
+
+  if (pipelined) return train_pipelined(o, ctx, config, flags, train_loader, steps_per_epoch, total_steps);
 
   // ---- model and optimizer -------------------------------------------------------------
   manual_seed(uint64_t(o.seed));
