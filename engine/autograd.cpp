@@ -48,7 +48,7 @@ Edge gradient_edge(const Tensor& t) {
 
 // Adds g into the leaf's gradient and fires its hooks. The first gradient is adopted
 // when nothing else can see it, copied otherwise; later ones are added in place.
-void accumulate(Node& node, const Tensor& g) {
+void accumulate(const Node& node, const Tensor& g) {
   Tensor leaf(node.leaf);
   Tensor grad = g;
   if (grad.dtype() != leaf.dtype()) grad = grad.to(leaf.dtype());
@@ -123,59 +123,96 @@ void queue_callback(std::function<void()> callback) {
   g_callbacks->push_back(std::move(callback));
 }
 
-void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting) {
-  LOOM_ASSERT(roots.size() == grads.size(), "one gradient per root");
-  NoGradGuard no_grad;
-  // A joined pass queues into the enclosing pass's list, so its own stays empty and the loop
-  // at the end runs nothing: the enclosing pass runs those callbacks when it ends.
-  std::vector<std::function<void()>> callbacks;
-  const bool joined = nesting == Nesting::joined && g_callbacks != nullptr;
-  CallbackScope callback_scope(joined ? g_callbacks : &callbacks);
+namespace {
+// What a split pass asks of the node it is running (gradient_wanted); null on this thread
+// otherwise, including inside a pass nested in that node's backward.
+struct WantedInputs {
+  std::vector<bool> wanted;    // per input
+  std::vector<bool> declined;  // per input: asked about through gradient_wanted, answered false
+};
+thread_local WantedInputs* g_wanted = nullptr;
 
-  struct Pending {
-    TensorList grads;
-  };
-  std::unordered_map<Node*, Pending> buffers;
-  std::unordered_map<Node*, int> dependencies;
-  std::unordered_map<Node*, std::shared_ptr<Node>> keep;
+class WantedScope {
+ public:
+  explicit WantedScope(WantedInputs* wanted) : previous_(g_wanted) { g_wanted = wanted; }
+  ~WantedScope() { g_wanted = previous_; }
+  WantedScope(const WantedScope&) = delete;
+  WantedScope& operator=(const WantedScope&) = delete;
 
-  auto add_grad = [&](const Edge& edge, const Tensor& g) {
-    auto& buf = buffers[edge.node.get()].grads;
+ private:
+  WantedInputs* previous_;
+};
+
+// The gradients a pass has sent to nodes that have not run yet, one slot per node output.
+class GradientBuffers {
+ public:
+  void add(const Edge& edge, Tensor g) {
+    TensorList& buf = grads_[edge.node.get()];
     if (buf.size() < edge.node->outputs.size()) buf.resize(edge.node->outputs.size());
-    Tensor& slot = buf[edge.input_nr];
-    slot = slot.defined() ? add(slot, g) : g;
-  };
+    Tensor& slot = buf[size_t(edge.input_nr)];
+    slot = slot.defined() ? loom::add(slot, g) : std::move(g);
+  }
 
-  // For an accumulating node: per input, the gradient already sent there when nothing but
-  // this pass holds it (record_accumulating may then add into it in place).
-  auto gradients_so_far = [&](const Node& node) {
+  // The node's output gradients, zeros for an output that received none; they leave the buffers.
+  TensorList take(const Node& node) {
+    TensorList grads;
+    if (auto it = grads_.find(&node); it != grads_.end()) {
+      grads = std::move(it->second);
+      grads_.erase(it);
+    }
+    grads.resize(node.outputs.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (grads[i].defined()) continue;
+      const OutputMeta& m = node.outputs[i];
+      grads[i] = zeros(m.shape, m.dtype, m.device);
+    }
+    return grads;
+  }
+
+  // For an accumulating node: per input (of those `wanted` asks for, if set), the gradient
+  // already sent there when nothing but these buffers hold it (record_accumulating may then
+  // add into it in place).
+  TensorList offered(const Node& node, const WantedInputs* wanted) const {
     TensorList into(node.next_edges.size());
     for (size_t i = 0; i < into.size(); ++i) {
       const Edge& e = node.next_edges[i];
-      if (!e.node) continue;
-      auto it = buffers.find(e.node.get());
-      if (it == buffers.end() || it->second.grads.size() <= size_t(e.input_nr)) continue;
-      const Tensor& slot = it->second.grads[size_t(e.input_nr)];
+      if (!e.node || (wanted && !wanted->wanted[i])) continue;
+      auto it = grads_.find(e.node.get());
+      if (it == grads_.end() || it->second.size() <= size_t(e.input_nr)) continue;
+      const Tensor& slot = it->second[size_t(e.input_nr)];
       const OutputMeta& m = e.node->outputs[size_t(e.input_nr)];
       const bool alone = slot.defined() && slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1;
       const bool fits = slot.is_contiguous() && slot.shape() == m.shape && slot.dtype() == m.dtype;
       if (alone && fits && slot.device() == m.device) into[i] = slot;
     }
     return into;
-  };
+  }
 
-  std::vector<Node*> stack;
-  for (size_t i = 0; i < roots.size(); ++i) {
-    LOOM_CHECK(roots[i].requires_grad(),
+ private:
+  std::unordered_map<const Node*, TensorList> grads_;
+};
+
+// The root tensors' edges, one per root.
+std::vector<Edge> root_edges(const TensorList& roots) {
+  std::vector<Edge> edges;
+  for (const Tensor& root : roots) {
+    LOOM_CHECK(root.requires_grad(),
                "backward() on a tensor that does not require a gradient: nothing it depends on has "
                "requires_grad set (or it was computed under NoGradGuard)");
-    Edge e = gradient_edge(roots[i]);
-    if (!keep.count(e.node.get())) {
-      keep[e.node.get()] = e.node;
-      stack.push_back(e.node.get());
-    }
-    add_grad(e, grads[i]);
+    edges.push_back(gradient_edge(root));
   }
+  return edges;
+}
+
+// The nodes reachable from the roots, in the order a pass runs them: a node once every edge
+// into it has been followed, the most recently created ready node first (so every node comes
+// before the nodes its edges lead to). The order depends on the graph alone, not on values.
+std::vector<std::shared_ptr<Node>> schedule(const std::vector<Edge>& roots) {
+  std::unordered_map<Node*, int> dependencies;
+  std::unordered_map<Node*, std::shared_ptr<Node>> reached;
+  std::vector<Node*> stack;
+  for (const Edge& e : roots)
+    if (reached.emplace(e.node.get(), e.node).second) stack.push_back(e.node.get());
   // Count, for every reachable node, how many edges lead into it.
   while (!stack.empty()) {
     Node* n = stack.back();
@@ -183,47 +220,247 @@ void run_backward(const TensorList& roots, const TensorList& grads, Nesting nest
     for (const Edge& e : n->next_edges) {
       if (!e.node) continue;
       dependencies[e.node.get()]++;
-      if (keep.emplace(e.node.get(), e.node).second) stack.push_back(e.node.get());
+      if (reached.emplace(e.node.get(), e.node).second) stack.push_back(e.node.get());
     }
   }
-
   auto later_first = [](Node* a, Node* b) { return a->sequence_nr < b->sequence_nr; };
   std::priority_queue<Node*, std::vector<Node*>, decltype(later_first)> ready(later_first);
-  for (auto& [n, _] : keep)
+  for (auto& [n, _] : reached)
     if (dependencies[n] == 0) ready.push(n);
-
+  std::vector<std::shared_ptr<Node>> order;
+  order.reserve(reached.size());
   while (!ready.empty()) {
     Node* node = ready.top();
     ready.pop();
-    TensorList grads_in = std::move(buffers[node].grads);
-    buffers.erase(node);
-    grads_in.resize(node->outputs.size());
-    for (size_t i = 0; i < grads_in.size(); ++i) {
-      if (!grads_in[i].defined()) {
-        const OutputMeta& m = node->outputs[i];
-        grads_in[i] = zeros(m.shape, m.dtype, m.device);
-      }
-    }
-    if (node->leaf) {
-      accumulate(*node, grads_in[0]);
-      continue;
-    }
-    TensorList grads_out =
-        node->backward_into ? node->backward_into(grads_in, gradients_so_far(*node)) : node->backward(grads_in);
-    LOOM_ASSERT(grads_out.size() == node->next_edges.size(), node->name, " returned ", grads_out.size(),
-                " gradients for ", node->next_edges.size(), " inputs");
-    for (size_t i = 0; i < grads_out.size(); ++i) {
-      const Edge& e = node->next_edges[i];
-      if (!e.node) continue;
-      if (grads_out[i].defined()) add_grad(e, grads_out[i]);
-      if (--dependencies[e.node.get()] == 0) ready.push(e.node.get());
-    }
+    order.push_back(reached.at(node));
+    for (const Edge& e : node->next_edges)
+      if (e.node && --dependencies[e.node.get()] == 0) ready.push(e.node.get());
   }
-  // By index: a callback may queue another, which reallocates the list.
+  return order;
+}
+
+// Calls node's backward on its output gradients, asking for the inputs `wanted` names (null:
+// all), and returns one gradient per input.
+TensorList call_backward(const Node& node, const TensorList& grads_in, const GradientBuffers& buffers,
+                         WantedInputs* wanted) {
+  TensorList grads_out;
+  if (node.backward_into) {
+    const TensorList into = buffers.offered(node, wanted);
+    WantedScope scope(wanted);
+    grads_out = node.backward_into(grads_in, into);
+  } else {
+    WantedScope scope(wanted);
+    grads_out = node.backward(grads_in);
+  }
+  LOOM_ASSERT(grads_out.size() == node.next_edges.size(), node.name, " returned ", grads_out.size(),
+              " gradients for ", node.next_edges.size(), " inputs");
+  return grads_out;
+}
+
+// Runs a node as run_backward does: accumulates a leaf's gradient, or sends every input its own.
+void run_node(const Node& node, GradientBuffers& buffers) {
+  TensorList grads_in = buffers.take(node);
+  if (node.leaf) {
+    accumulate(node, grads_in[0]);
+    return;
+  }
+  const TensorList grads_out = call_backward(node, grads_in, buffers, nullptr);
+  for (size_t i = 0; i < grads_out.size(); ++i) {
+    const Edge& e = node.next_edges[i];
+    if (e.node && grads_out[i].defined()) buffers.add(e, grads_out[i]);
+  }
+}
+
+// A pass's callbacks, in the order queued. By index: a callback may queue another, which
+// reallocates the list.
+void run_callbacks(std::vector<std::function<void()>>& callbacks) {
   for (size_t i = 0; i < callbacks.size(); ++i) {
     std::function<void()> callback = std::move(callbacks[i]);
     callback();
   }
+}
+}  // namespace
+
+void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting) {
+  LOOM_ASSERT(roots.size() == grads.size(), "one gradient per root");
+  NoGradGuard no_grad;
+  WantedScope every_input(nullptr);  // a pass nested in a split pass's node is whole
+  // A joined pass queues into the enclosing pass's list, so its own stays empty and the loop
+  // at the end runs nothing: the enclosing pass runs those callbacks when it ends.
+  std::vector<std::function<void()>> callbacks;
+  const bool joined = nesting == Nesting::joined && g_callbacks != nullptr;
+  CallbackScope callback_scope(joined ? g_callbacks : &callbacks);
+
+  const std::vector<Edge> edges = root_edges(roots);
+  GradientBuffers buffers;
+  for (size_t i = 0; i < edges.size(); ++i) buffers.add(edges[i], grads[i]);
+  for (const std::shared_ptr<Node>& node : schedule(edges)) run_node(*node, buffers);
+  run_callbacks(callbacks);
+}
+
+// What a split pass's B half left to its W half (autograd.h, step 3).
+struct DeferredGradients::Rest {
+  // One step of W, in the schedule's order: a node B did not run, run whole; or the part of a
+  // live node that B left.
+  struct Step {
+    // The node; for a part, a copy of the live node's name and edges, those to live nodes
+    // cleared (W must not keep B's graph alive), and of its backward when `asked` names an input.
+    std::shared_ptr<Node> node;
+    bool part = false;
+    TensorList computed;       // per input: the gradient B computed for a node it did not run
+    std::vector<bool> asked;   // per input: declined in B, computed here
+    TensorList grads_in;       // the node's output gradients, when `asked` names an input
+  };
+  std::vector<Step> steps;
+  GradientBuffers buffers;  // W's: the roots' gradients for nodes B did not run, then what W sends
+};
+
+namespace {
+using Step = DeferredGradients::Rest::Step;
+
+// The nodes that lead to the AccumulateGrad of a leaf in `now` (autograd.h, step 2). Walked
+// backwards, the schedule settles the nodes an edge leads to before the node it leaves.
+std::unordered_set<const Node*> live_nodes(const std::vector<std::shared_ptr<Node>>& order, const TensorList& now) {
+  std::unordered_set<const Node*> live;
+  for (size_t i = 0; i < now.size(); ++i) {
+    const Tensor& t = now[i];
+    LOOM_CHECK(t.defined() && t.requires_grad() && !t.grad_fn(), "run_backward_split: now[", i,
+               "] is not a leaf that requires a gradient: pass the stage's input, a tensor made with detach() "
+               "and set_requires_grad()");
+    if (auto accumulator = t.impl()->grad_accumulator.lock()) live.insert(accumulator.get());
+  }
+  for (auto it = order.rbegin(); it != order.rend(); ++it)
+    for (const Edge& e : (*it)->next_edges)
+      if (e.node && live.count(e.node.get())) {
+        live.insert(it->get());
+        break;
+      }
+  return live;
+}
+
+// W's part of a live node that B ran with `ask` (which declined some input) on grads_in, after
+// it returned grads_out.
+Step part_left(const Node& node, const WantedInputs& ask, const TensorList& grads_out, TensorList& grads_in) {
+  Step step{nullptr, true, TensorList(grads_out.size()), std::vector<bool>(grads_out.size()), {}};
+  bool again = false;
+  for (size_t i = 0; i < grads_out.size(); ++i) {
+    if (!node.next_edges[i].node || ask.wanted[i]) continue;
+    if (grads_out[i].defined()) {
+      step.computed[i] = grads_out[i];
+    } else if (ask.declined[i]) {
+      step.asked[i] = again = true;
+    }
+  }
+  auto part = std::make_shared<Node>();
+  part->name = node.name;
+  part->next_edges = node.next_edges;
+  for (size_t i = 0; i < ask.wanted.size(); ++i)
+    if (ask.wanted[i]) part->next_edges[i] = {};
+  if (again) {
+    part->backward = node.backward;
+    part->backward_into = node.backward_into;
+    step.grads_in = std::move(grads_in);
+  }
+  step.node = std::move(part);
+  return step;
+}
+
+// Runs W's part of a live node: adds what B computed for it and what it declined, asked again,
+// in input order as run_backward adds them.
+void run_part(Step& step, GradientBuffers& buffers) {
+  const Node& node = *step.node;
+  TensorList again;
+  if (node.backward || node.backward_into) {
+    WantedInputs ask{step.asked, std::vector<bool>(step.asked.size())};
+    again = call_backward(node, step.grads_in, buffers, &ask);
+  }
+  for (size_t i = 0; i < node.next_edges.size(); ++i) {
+    const Edge& e = node.next_edges[i];
+    if (!e.node) continue;
+    if (step.computed[i].defined()) {
+      buffers.add(e, std::move(step.computed[i]));
+    } else if (step.asked[i] && again[i].defined()) {
+      buffers.add(e, again[i]);
+    }
+  }
+}
+}  // namespace
+
+DeferredGradients::DeferredGradients() = default;
+DeferredGradients::~DeferredGradients() = default;
+DeferredGradients::DeferredGradients(DeferredGradients&&) noexcept = default;
+DeferredGradients& DeferredGradients::operator=(DeferredGradients&&) noexcept = default;
+DeferredGradients::DeferredGradients(std::unique_ptr<Rest> rest) : rest_(std::move(rest)) {}
+
+bool DeferredGradients::empty() const { return !rest_ || rest_->steps.empty(); }
+
+void DeferredGradients::run() {
+  if (!rest_) return;
+  const std::unique_ptr<Rest> rest = std::move(rest_);  // once, even when a node throws
+  NoGradGuard no_grad;
+  WantedScope every_input(nullptr);
+  std::vector<std::function<void()>> callbacks;
+  CallbackScope callback_scope(&callbacks);
+  for (Step& step : rest->steps) {
+    if (step.part) {
+      run_part(step, rest->buffers);
+    } else {
+      run_node(*step.node, rest->buffers);
+    }
+    step = Step{};  // what it held is no longer needed
+  }
+  run_callbacks(callbacks);
+}
+
+DeferredGradients run_backward_split(const TensorList& roots, const TensorList& grads, const TensorList& now) {
+  LOOM_ASSERT(roots.size() == grads.size(), "one gradient per root");
+  NoGradGuard no_grad;
+  WantedScope every_input(nullptr);
+  std::vector<std::function<void()>> callbacks;
+  CallbackScope callback_scope(&callbacks);
+
+  const std::vector<Edge> edges = root_edges(roots);
+  const std::vector<std::shared_ptr<Node>> order = schedule(edges);  // step 1
+  const std::unordered_set<const Node*> live = live_nodes(order, now);  // step 2
+  auto rest = std::make_unique<DeferredGradients::Rest>();
+  GradientBuffers buffers;  // B's, for live nodes only
+  for (size_t i = 0; i < edges.size(); ++i)
+    (live.count(edges[i].node.get()) ? buffers : rest->buffers).add(edges[i], grads[i]);
+  for (const std::shared_ptr<Node>& node : order) {
+    if (!live.count(node.get())) {
+      Step whole;
+      whole.node = node;
+      rest->steps.push_back(std::move(whole));
+      continue;
+    }
+    TensorList grads_in = buffers.take(*node);
+    if (node->leaf) {
+      accumulate(*node, grads_in[0]);
+      continue;
+    }
+    const size_t n = node->next_edges.size();
+    WantedInputs ask{std::vector<bool>(n), std::vector<bool>(n)};
+    bool mixed = false;
+    for (size_t i = 0; i < n; ++i) {
+      const Edge& e = node->next_edges[i];
+      ask.wanted[i] = !e.node || live.count(e.node.get());
+      mixed = mixed || !ask.wanted[i];
+    }
+    const TensorList grads_out = call_backward(*node, grads_in, buffers, mixed ? &ask : nullptr);
+    for (size_t i = 0; i < n; ++i) {
+      const Edge& e = node->next_edges[i];
+      if (e.node && ask.wanted[i] && grads_out[i].defined()) buffers.add(e, grads_out[i]);
+    }
+    if (mixed) rest->steps.push_back(part_left(*node, ask, grads_out, grads_in));
+  }
+  run_callbacks(callbacks);
+  return DeferredGradients(std::move(rest));
+}
+
+bool gradient_wanted(size_t input) {
+  if (!g_wanted || input >= g_wanted->wanted.size() || g_wanted->wanted[input]) return true;
+  g_wanted->declined[input] = true;
+  return false;
 }
 
 }  // namespace loom

@@ -8,6 +8,8 @@
 // reducing that gradient while the rest of backward goes on. A hook may also queue a
 // callback that runs once the whole pass is done (queue_callback): DDP finishes there.
 // A node's backward may itself run a backward pass (engine/recompute.h does): see Nesting.
+// A pipeline stage may split a pass in two, its input's gradient first and its parameters'
+// later (run_backward_split, at the end).
 //
 // Saved tensors are captured detached (data only) so a node never keeps its own output
 // alive through a cycle. Gradients of gradients are not supported: backward runs under
@@ -130,5 +132,67 @@ void run_backward(const TensorList& roots, const TensorList& grads, Nesting nest
 // queued, under no-grad, and may queue more; when a node or a callback throws, those not yet
 // run are dropped. Outside a backward pass it is an error.
 void queue_callback(std::function<void()> callback);
+
+// A split backward pass, for zero-bubble pipeline schedules (ZB-H1). A stage must send its
+// input's gradient to the previous stage at once ("backward for the input", B) but may
+// compute its parameters' gradients later, in the schedule's bubbles ("backward for the
+// weights", W). run_backward_split runs B; it returns W as a DeferredGradients. Steps:
+//  1. Schedule: the nodes reachable from the roots, in the order run_backward runs them.
+//  2. Live nodes: those from which an edge path leads to the AccumulateGrad of a tensor in
+//     `now`. B runs only these. A live node with an edge to a node that is not live (a linear
+//     op's weight) is called with gradient_wanted(i) false for that edge: the op skips that
+//     product. What the op computes for such an edge anyway (LayerNorm's weight gradient rides
+//     in its input gradient's kernel) is kept for W; for what it declined (gradient_wanted
+//     answered false, no gradient returned), W calls the same backward again on the same
+//     output gradients, asking for those inputs only.
+//  3. W walks the schedule of step 1 without the live nodes: where a live node stood, it adds
+//     the gradients kept for it and computes those it declined; every other node runs there
+//     as in run_backward. Each gradient is therefore summed in run_backward's order (a weight
+//     shared by products B runs and products it does not included): B then W gives
+//     run_backward's gradients, to the bit on the CPU, provided each op computes an input's
+//     gradient the same way whichever others it is asked for.
+// Until W runs, the DeferredGradients holds the output gradients of the nodes that declined
+// (dy of each linear op) and what their backward saved, the gradients kept for W (apart, to be
+// summed in order), and the nodes W runs; not the rest of B's graph. A node whose backward runs
+// a pass of its own (engine/recompute.h) runs that pass whole wherever it runs: a recomputed
+// block's parameters get their gradients in B.
+
+// The weight half of a split backward pass: what run_backward_split left for later.
+class DeferredGradients {
+ public:
+  DeferredGradients();
+  ~DeferredGradients();
+  DeferredGradients(DeferredGradients&&) noexcept;
+  DeferredGradients& operator=(DeferredGradients&&) noexcept;
+  DeferredGradients(const DeferredGradients&) = delete;
+  DeferredGradients& operator=(const DeferredGradients&) = delete;
+
+  bool empty() const;
+  // Runs the deferred part: every parameter (any leaf not in `now`) gets its gradient
+  // accumulated and its post-accumulate hooks fire, and the callbacks queued from those hooks
+  // (queue_callback) run when it ends, as in one run_backward (a pass of its own, as
+  // Nesting::separate). Runs at most once: afterwards empty(), and run() does nothing.
+  void run();
+
+  struct Rest;  // engine/autograd.cpp
+
+ private:
+  explicit DeferredGradients(std::unique_ptr<Rest> rest);
+  friend DeferredGradients run_backward_split(const TensorList&, const TensorList&, const TensorList&);
+  std::unique_ptr<Rest> rest_;
+};
+
+// Backward from `roots` seeded with `grads`, computing now only what leads to the leaves in
+// `now` (their .grad is accumulated and their hooks fire before it returns; callbacks queued
+// in it run when it returns); every gradient that leads only to other leaves is left in the
+// returned DeferredGradients. run_backward_split followed by DeferredGradients::run()
+// accumulates the same gradients as one run_backward. `now` holds leaves requiring a gradient
+// (the stage's input); an empty `now` defers everything.
+DeferredGradients run_backward_split(const TensorList& roots, const TensorList& grads, const TensorList& now);
+
+// For an op's backward: false when the pass will not use the gradient of input i now (a split
+// pass's B half asks only for what leads to `now`; its W half only for the rest), and the op
+// may skip computing it. True outside a split pass, and for an input that needs no gradient.
+bool gradient_wanted(size_t input);
 
 }  // namespace loom

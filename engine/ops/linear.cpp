@@ -129,9 +129,14 @@ Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor
     record("linear", {x, w.input, b.input, o.residual}, {y},
            [sx, sw, has_bias, need_x, fused, out_dtype, t, out_features, f32](const TensorList& g) {
              const Tensor dy = read_gradient(g[0], t);
-             Tensor db = bias_grad(has_bias, out_features, f32 ? DType::f32 : t, dy.device());
-             Tensor dw = ops::product_2d(dy.t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); }, f32);
-             Tensor dx = need_x ? ops::product_2d(dy, sw) : Tensor();
+             Tensor db, dw;
+             // A split pass may ask for x's gradient and the parameters' apart (gradient_wanted).
+             // The bias's sums ride in the weight's product: both are computed, or neither.
+             if (gradient_wanted(1) || (has_bias && gradient_wanted(2))) {
+               db = bias_grad(has_bias, out_features, f32 ? DType::f32 : t, dy.device());
+               dw = ops::product_2d(dy.t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); }, f32);
+             }
+             Tensor dx = need_x && gradient_wanted(0) ? ops::product_2d(dy, sw) : Tensor();
              return TensorList{dx, dw, f32 ? db : cast_bias_grad(db, out_dtype), fused ? rows_of(g[0]) : Tensor()};
            });
     declare_gradient_dtype(y, o, t);
@@ -184,9 +189,21 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
            [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden, out_features,
             f32](const TensorList& g) {
              const Tensor dy = read_gradient(g[0], t);
-             Tensor db2 = bias_grad(has_b2, out_features, f32 ? DType::f32 : t, dy.device());
-             Tensor dw2 =
-                 ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); }, f32);
+             // What a split pass asks for (gradient_wanted): each bias's sums ride in a product
+             // the weight beside it needs, so both are computed, or neither. dz, which both x and
+             // w1 need, is computed again when they are asked for apart, each time the same way
+             // (with b1's sums) so that it comes out the same.
+             const bool want_x = need_x && gradient_wanted(0);
+             const bool want_first = gradient_wanted(1) || (has_b1 && gradient_wanted(2));
+             const bool want_second = gradient_wanted(3) || (has_b2 && gradient_wanted(4));
+             Tensor db2, dw2;
+             if (want_second) {
+               db2 = bias_grad(has_b2, out_features, f32 ? DType::f32 : t, dy.device());
+               dw2 = ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); }, f32);
+             }
+             const Tensor db2_out = f32 ? db2 : cast_bias_grad(db2, out_dtype);
+             const Tensor dresidual = fused ? rows_of(g[0]) : Tensor();
+             if (!want_x && !want_first) return TensorList{Tensor(), Tensor(), Tensor(), dw2, db2_out, dresidual};
              // b1's sums ride in the dgelu product, in its (16-bit) dtype: f32 params get a cast
              // of those (hidden) values.
              Tensor db1 = bias_grad(has_b1, hidden, t, dy.device());
@@ -195,10 +212,9 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
                a.aux = z.data_ptr(), a.ld_aux = hidden;
                a.column_sums = ptr_or_null(db1);
              });
-             Tensor dw1 = ops::product_2d(dz.t(), sx, {}, f32);
-             Tensor dx = need_x ? ops::product_2d(dz, sw1) : Tensor();
-             return TensorList{dx, dw1, f32 ? cast_bias_grad(db1, DType::f32) : db1, dw2,
-                               f32 ? db2 : cast_bias_grad(db2, out_dtype), fused ? rows_of(g[0]) : Tensor()};
+             Tensor dw1 = want_first ? ops::product_2d(dz.t(), sx, {}, f32) : Tensor();
+             Tensor dx = want_x ? ops::product_2d(dz, sw1) : Tensor();
+             return TensorList{dx, dw1, f32 ? cast_bias_grad(db1, DType::f32) : db1, dw2, db2_out, dresidual};
            });
     declare_gradient_dtype(y, o, t);
   }

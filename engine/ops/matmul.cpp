@@ -170,9 +170,10 @@ Tensor matmul(const Tensor& a0, const Tensor& b0) {
     Shape as = a.shape(), bs = b.shape();
     const bool need_a = a.requires_grad(), need_b = b.requires_grad();
     record("matmul", {a, b}, {out}, [sa, sb, as, bs, need_a, need_b](const TensorList& g) {
-      // dA = dC @ B^T, dB = A^T @ dC, summed over broadcast batch dims; only those wanted.
-      Tensor ga = need_a ? sum_to(matmul(g[0], sb.transpose(-1, -2)), as) : Tensor();
-      Tensor gb = need_b ? sum_to(matmul(sa.transpose(-1, -2), g[0]), bs) : Tensor();
+      // dA = dC @ B^T, dB = A^T @ dC, summed over broadcast batch dims; only those wanted (a
+      // split pass may want one now and the other later: gradient_wanted).
+      Tensor ga = need_a && gradient_wanted(0) ? sum_to(matmul(g[0], sb.transpose(-1, -2)), as) : Tensor();
+      Tensor gb = need_b && gradient_wanted(1) ? sum_to(matmul(sa.transpose(-1, -2), g[0]), bs) : Tensor();
       return TensorList{ga, gb};
     });
   }

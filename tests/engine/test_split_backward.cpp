@@ -1,0 +1,404 @@
+// The split backward pass (run_backward_split, engine/autograd.h) that zero-bubble pipeline
+// schedules run: the stage input's gradient is ready when it returns and no parameter has a
+// gradient yet; DeferredGradients::run() then gives every parameter run_backward's gradient,
+// to the bit, over small graphs of products and over two GPT blocks (plain and recomputed).
+// What each half asks of a node (gradient_wanted), hooks and callbacks in each half, and the
+// weight half's life: once only, and nothing left behind when it is dropped unrun.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/autocast.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "engine/recompute.h"
+#include "layers/models/gpt.h"
+
+namespace loom {
+namespace {
+
+Tensor leaf(const Tensor& values) {
+  Tensor t = values.detach();
+  t.set_requires_grad();
+  return t;
+}
+
+Tensor param(const Shape& shape, DType dtype = DType::f64) { return leaf(randn(shape, DType::f64).to(dtype)); }
+
+void clear_grads(const TensorList& ts) {
+  for (Tensor t : ts) t.zero_grad();
+}
+
+TensorList grads_of(const TensorList& ts) {
+  TensorList grads;
+  for (const Tensor& t : ts) grads.push_back(t.grad().defined() ? t.grad().clone() : Tensor());
+  return grads;
+}
+
+TensorList ones_for(const TensorList& roots) {
+  TensorList seeds;
+  for (const Tensor& r : roots) seeds.push_back(ones_like(r));
+  return seeds;
+}
+
+// got and want hold the same bits (both undefined counts as equal).
+void expect_bitwise_equal(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.defined(), want.defined()) << what << (got.defined() ? ": unexpected gradient" : ": no gradient");
+  if (!got.defined()) return;
+  ASSERT_EQ(got.dtype(), want.dtype()) << what;
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<double> a = got.to_vector<double>(), b = want.to_vector<double>();
+  for (size_t i = 0; i < a.size(); ++i)
+    ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(double)), 0) << what << "[" << i << "]: " << a[i] << " vs " << b[i];
+}
+
+// A stage: the roots of its backward, built from its input x (a fresh graph each call).
+using Stage = std::function<TensorList(const Tensor& x)>;
+
+// Runs the stage once unsplit and once split, from the same input values; expects x's gradient
+// after B and the parameters' after W to equal run_backward's bit for bit, and the parameters
+// in `deferred` to have none between the two.
+void expect_split_equals_unsplit(const Stage& stage, const Tensor& x_values, const TensorList& params,
+                                 const std::vector<std::string>& names, const TensorList& deferred) {
+  clear_grads(params);
+  Tensor x = leaf(x_values);
+  TensorList roots = stage(x);
+  run_backward(roots, ones_for(roots));
+  const Tensor x_grad = x.grad();
+  const TensorList want = grads_of(params);
+  clear_grads(params);
+
+  Tensor x_split = leaf(x_values);
+  roots = stage(x_split);
+  DeferredGradients rest = run_backward_split(roots, ones_for(roots), {x_split});
+  expect_bitwise_equal(x_split.grad(), x_grad, "x after B");
+  for (const Tensor& p : deferred) EXPECT_FALSE(p.grad().defined()) << "a parameter got its gradient in B";
+  EXPECT_FALSE(rest.empty());
+  roots.clear();  // the weight half must not need the graph B walked
+  rest.run();
+  EXPECT_TRUE(rest.empty());
+  for (size_t i = 0; i < params.size(); ++i) expect_bitwise_equal(params[i].grad(), want[i], names[i]);
+  expect_bitwise_equal(x_split.grad(), x_grad, "x after W");
+}
+
+Tensor square_sum(const Tensor& y) { return sum(mul(y, y)); }
+
+// One row a graph: its input, its parameters, and its roots from both.
+struct Case {
+  const char* name;
+  Shape x_shape;
+  std::vector<Shape> param_shapes;
+  std::function<TensorList(const Tensor& x, const TensorList& p)> roots;
+  DType dtype;                    // of x and the parameters
+  std::optional<DType> autocast;  // the forward's
+};
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> table = {
+      {"an MLP of linear ops with biases", {6, 8}, {{16, 8}, {16}, {16, 16}, {16}, {4, 16}, {4}},
+       [](const Tensor& x, const TensorList& p) {
+         Tensor h = gelu(linear(x, p[0], p[1]));
+         return TensorList{square_sum(linear(tanh(linear(h, p[2], p[3])), p[4], p[5]))};
+       },
+       DType::f64, std::nullopt},
+      {"matmuls whose b is a parameter", {2, 3, 5}, {{5, 4}, {4, 3}},
+       [](const Tensor& x, const TensorList& p) { return TensorList{sum(tanh(matmul(tanh(matmul(x, p[0])), p[1])))}; },
+       DType::f64, std::nullopt},
+      {"gelu_mlp with its residual", {6, 8}, {{32, 8}, {32}, {8, 32}, {8}},
+       [](const Tensor& x, const TensorList& p) {
+         return TensorList{sum(tanh(gelu_mlp(x, p[0], p[1], p[2], p[3], x)))};
+       },
+       DType::f64, std::nullopt},
+      // w's three gradients arrive from a product B runs, one it does not (its input is a
+      // constant) and another B runs, in that order: W must sum them in it.
+      {"a weight shared by three products, one of them out of x's reach", {6, 8}, {{8, 8}, {8}},
+       [](const Tensor& x, const TensorList& p) {
+         Tensor y = linear(x, p[0], p[1]);
+         Tensor k = linear(full({6, 8}, 0.5, DType::f64), p[0]);
+         return TensorList{square_sum(linear(tanh(add(y, k)), p[0], p[1]))};
+       },
+       DType::f64, std::nullopt},
+      {"a second root that x does not reach", {6, 8}, {{8, 8}, {8}},
+       [](const Tensor& x, const TensorList& p) {
+         return TensorList{sum(tanh(linear(x, p[0], p[1]))), square_sum(p[0])};
+       },
+       DType::f64, std::nullopt},
+      // matmul reaches its f32 weight through a cast node; linear takes its f32 weight straight.
+      {"f32 parameters under bf16 autocast", {6, 8}, {{8, 16}, {4, 16}, {4}},
+       [](const Tensor& x, const TensorList& p) {
+         Tensor y = linear(gelu(matmul(x, p[0])), p[1], p[2]);
+         return TensorList{square_sum(y.to(DType::f32))};
+       },
+       DType::f32, DType::bf16},
+  };
+  return table;
+}
+
+TEST(SplitBackward, InputGradientFirstThenParametersBitwiseAsOnePass) {
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    manual_seed(7);
+    TensorList params;
+    std::vector<std::string> names;
+    for (const Shape& s : c.param_shapes) {
+      params.push_back(param(s, c.dtype));
+      names.push_back("p" + std::to_string(names.size()));
+    }
+    const Tensor x = randn(c.x_shape, DType::f64).to(c.dtype);
+    auto stage = [&](const Tensor& input) {
+      AutocastGuard cast(c.autocast);
+      return c.roots(input, params);
+    };
+    expect_split_equals_unsplit(stage, x, params, names, params);
+  }
+}
+
+// The model's initialisation draws from the generator: seeded first, for the same model each time.
+nn::GPTConfig seeded_two_block_config() {
+  nn::GPTConfig c = nn::GPTConfig::named("tiny");
+  c.layers = 2;
+  c.context = 16;
+  manual_seed(11);
+  return c;
+}
+
+// Two GPT blocks, the final LayerNorm and the tied output layer with its loss, in f64, fed the
+// embedding's output as a leaf: a last pipeline stage.
+struct GptStage {
+  explicit GptStage(bool recomputed) : model(seeded_two_block_config()), recomputed(recomputed) {
+    model.to(DType::f64);
+    const int64_t B = 2, T = 12;
+    std::vector<int64_t> tokens(size_t(B * (T + 1)));
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int64_t(i * 37 + 11) % 256;
+    Tensor ids = from_vector(tokens, {B, T + 1});
+    targets = ids.slice(1, 1, T + 1).contiguous().reshape({-1});
+    NoGradGuard no_grad;
+    input = token_position_embedding(model.wte->weight, model.wpe->weight, ids.slice(1, 0, T).contiguous());
+  }
+
+  TensorList roots(const Tensor& x) const {
+    Tensor h = x;
+    for (const auto& block : model.blocks)
+      h = recomputed ? recompute([block](const TensorList& in) { return block->forward(in[0]); }, {h})
+                     : block->forward(h);
+    h = model.ln_f->forward_for_product(h);
+    return {linear_cross_entropy(h.reshape({-1, h.size(-1)}), model.lm_head, targets)};
+  }
+
+  nn::GPT model;
+  bool recomputed;
+  Tensor input;    // (B, T, C), the embedding's output
+  Tensor targets;  // (B T), i64
+};
+
+void expect_gpt_split_equals_unsplit(bool recomputed) {
+  GptStage stage(recomputed);
+  TensorList params, deferred;
+  std::vector<std::string> names;
+  for (const auto& [name, p] : stage.model.named_parameters()) {
+    params.push_back(p);
+    names.push_back(name);
+    // A recomputed block's backward runs a whole pass of its own, in B.
+    if (!recomputed || name.rfind("transformer.h.", 0) != 0) deferred.push_back(p);
+  }
+  expect_split_equals_unsplit([&](const Tensor& x) { return stage.roots(x); }, stage.input, params, names, deferred);
+}
+
+TEST(SplitBackward, TwoGptBlocksGiveTheInputGradientFirstAndEveryParameterBitwiseAsOnePass) {
+  expect_gpt_split_equals_unsplit(false);
+}
+
+TEST(SplitBackward, RecomputedGptBlocksInsideTheSplitGiveTheSameGradients) { expect_gpt_split_equals_unsplit(true); }
+
+// A weight's gradient is a product of dy and the op's input, which the op saved by reference:
+// overwritten between the halves, that input zeroes the weight's gradient if, and only if,
+// the product runs in W.
+TEST(SplitBackward, TheWeightProductsOfLinearMatmulAndGeluMlpRunInTheWeightHalf) {
+  struct Row {
+    const char* op;
+    std::vector<Shape> param_shapes;
+    std::function<Tensor(const Tensor& x, const TensorList& p)> forward;
+  };
+  const std::vector<Row> rows = {
+      {"linear", {{5, 4}, {5}}, [](const Tensor& x, const TensorList& p) { return linear(x, p[0], p[1]); }},
+      {"matmul", {{4, 5}}, [](const Tensor& x, const TensorList& p) { return matmul(x, p[0]); }},
+      {"gelu_mlp", {{8, 4}, {8}, {4, 8}, {4}},
+       [](const Tensor& x, const TensorList& p) { return gelu_mlp(x, p[0], p[1], p[2], p[3]); }},
+  };
+  for (const Row& row : rows) {
+    SCOPED_TRACE(row.op);
+    TensorList p;
+    for (const Shape& s : row.param_shapes) p.push_back(param(s));
+    Tensor x = param({3, 4});
+    Tensor loss = square_sum(row.forward(x, p));
+    DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+    EXPECT_TRUE(x.grad().defined());
+    {
+      NoGradGuard no_grad;
+      zero_(x);
+    }
+    rest.run();
+    ASSERT_TRUE(p[0].grad().defined());
+    const std::vector<double> dw = p[0].grad().to_vector<double>();
+    EXPECT_EQ(std::count(dw.begin(), dw.end(), 0.0), std::ssize(dw)) << row.op << ": the weight's product ran in B";
+  }
+}
+
+// y = a * b, recorded with a backward that notes which inputs the pass wants ("a-": a only)
+// and computes only those when `honour`, else both.
+Tensor probe_mul(const Tensor& a, const Tensor& b, std::vector<std::string>* calls, bool honour) {
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = mul(a, b);
+  }
+  Tensor sa = a.detach(), sb = b.detach();
+  record("probe", {a, b}, {y}, [sa, sb, calls, honour](const TensorList& g) {
+    const bool want_a = gradient_wanted(0), want_b = gradient_wanted(1);
+    calls->push_back(std::string(want_a ? "a" : "-") + (want_b ? "b" : "-"));
+    return TensorList{want_a || !honour ? mul(g[0], sb) : Tensor(), want_b || !honour ? mul(g[0], sa) : Tensor()};
+  });
+  return y;
+}
+
+TEST(SplitBackward, EachHalfAsksANodeForItsOwnInputsAndAWholePassForAll) {
+  EXPECT_TRUE(gradient_wanted(0)) << "outside a pass every input is wanted";
+  Tensor x = param({3}), w = param({3});
+  std::vector<std::string> calls;
+  Tensor loss = sum(probe_mul(x, w, &calls, true));
+  run_backward({loss}, {ones_like(loss)});
+  EXPECT_EQ(calls, (std::vector<std::string>{"ab"}));
+  const TensorList want = grads_of({x, w});
+  clear_grads({x, w});
+
+  calls.clear();
+  loss = sum(probe_mul(x, w, &calls, true));
+  DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+  EXPECT_EQ(calls, (std::vector<std::string>{"a-"}));
+  expect_bitwise_equal(x.grad(), want[0], "x");
+  EXPECT_FALSE(w.grad().defined());
+  rest.run();
+  EXPECT_EQ(calls, (std::vector<std::string>{"a-", "-b"})) << "W asks again for what B declined";
+  expect_bitwise_equal(w.grad(), want[1], "w");
+}
+
+TEST(SplitBackward, AGradientComputedThoughNotWantedIsKeptForTheWeightHalf) {
+  Tensor x = param({3}), w = param({3});
+  std::vector<std::string> calls;
+  Tensor loss = sum(probe_mul(x, w, &calls, false));
+  run_backward({loss}, {ones_like(loss)});
+  const TensorList want = grads_of({x, w});
+  clear_grads({x, w});
+
+  calls.clear();
+  loss = sum(probe_mul(x, w, &calls, false));
+  DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+  EXPECT_FALSE(w.grad().defined()) << "computed in B, accumulated in W";
+  rest.run();
+  EXPECT_EQ(calls, (std::vector<std::string>{"a-"})) << "the node is not called again";
+  expect_bitwise_equal(w.grad(), want[1], "w");
+}
+
+TEST(SplitBackward, APassInsideANodesBackwardAsksForEveryInput) {
+  // The recompute node has inputs x (live) and v (not): B calls it asking for x only, and the
+  // pass it runs inside must not see that question, neither its nodes nor its hooks.
+  Tensor x = param({3}), v = param({3}), w = param({3});
+  std::vector<std::string> inner;
+  std::vector<bool> hook_saw;
+  w.register_post_accumulate_grad_hook([&](Tensor&) { hook_saw = {gradient_wanted(0), gradient_wanted(1)}; });
+  Tensor y = recompute([&](const TensorList& in) { return probe_mul(mul(in[0], in[1]), w, &inner, true); }, {x, v});
+  Tensor loss = sum(y);
+  DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+  EXPECT_EQ(inner, (std::vector<std::string>{"ab"}));
+  EXPECT_EQ(hook_saw, (std::vector<bool>{true, true}));
+  EXPECT_TRUE(w.grad().defined()) << "the nested pass is whole";
+  EXPECT_FALSE(v.grad().defined());
+  EXPECT_TRUE(gradient_wanted(1)) << "the question ends with the node";
+  rest.run();
+  EXPECT_TRUE(v.grad().defined());
+}
+
+TEST(SplitBackward, HooksAndCallbacksBelongToTheHalfThatAccumulates) {
+  Tensor x = param({4, 3}), w1 = param({5, 3}), b1 = param({5}), w2 = param({5, 2});
+  std::vector<std::string> events;
+  x.register_post_accumulate_grad_hook([&](Tensor&) {
+    events.push_back("x");
+    queue_callback([&] { events.push_back("end of B"); });
+  });
+  bool queued = false;
+  const std::vector<std::pair<std::string, Tensor>> params = {{"w1", w1}, {"b1", b1}, {"w2", w2}};
+  for (const auto& [name, p] : params) {
+    Tensor t = p;
+    t.register_post_accumulate_grad_hook([&events, &queued, name](Tensor& grad_leaf) {
+      events.push_back(name + (grad_leaf.grad().defined() ? "" : " without a gradient"));
+      if (!queued) queue_callback([&events] { events.push_back("end of W"); });
+      queued = true;
+    });
+  }
+  Tensor loss = sum(matmul(tanh(linear(x, w1, b1)), w2));
+  DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+  EXPECT_EQ(events, (std::vector<std::string>{"x", "end of B"}));
+  events.clear();
+  rest.run();
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_EQ(events.back(), "end of W");
+  for (const char* name : {"w1", "b1", "w2"})
+    EXPECT_EQ(std::count(events.begin(), events.end(), name), 1) << name;
+}
+
+TEST(SplitBackward, TheWeightHalfRunsOnceAndMovesWhole) {
+  Tensor x = param({4, 3}), w = param({2, 3}), b = param({2});
+  Tensor loss = square_sum(linear(x, w, b));
+  DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+  DeferredGradients moved = std::move(rest);
+  EXPECT_TRUE(rest.empty());  // NOLINT(bugprone-use-after-move): a moved-from half is empty
+  EXPECT_FALSE(moved.empty());
+  moved.run();
+  const TensorList once = grads_of({w, b});
+  moved.run();
+  rest.run();
+  EXPECT_TRUE(moved.empty());
+  expect_bitwise_equal(w.grad(), once[0], "w after a second run()");
+  expect_bitwise_equal(b.grad(), once[1], "b after a second run()");
+  DeferredGradients none;
+  EXPECT_TRUE(none.empty());
+  none.run();
+}
+
+TEST(SplitBackward, AnUnrunWeightHalfHoldsOnlyWhatItNeedsAndFreesItWhenDropped) {
+  Tensor x = param({4, 3}), w = param({2, 3}), b = param({2});
+  std::weak_ptr<Node> below, above, accumulator;
+  {
+    Tensor h = tanh(x);
+    Tensor loss = square_sum(linear(h, w, b));
+    below = h.grad_fn();  // the linear node's input edge leads there: W must not keep it
+    above = loss.grad_fn();
+    accumulator = w.impl()->grad_accumulator;
+    std::optional<DeferredGradients> rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+    h = loss = Tensor();
+    EXPECT_TRUE(below.expired() && above.expired()) << "the weight half keeps the graph B walked alive";
+    EXPECT_FALSE(accumulator.expired());
+    EXPECT_NO_THROW(rest.reset());
+    EXPECT_TRUE(accumulator.expired());
+  }
+  EXPECT_TRUE(x.grad().defined());
+  EXPECT_FALSE(w.grad().defined());
+  EXPECT_FALSE(b.grad().defined());
+}
+
+TEST(SplitBackward, NowMustHoldLeavesRequiringAGradient) {
+  Tensor x = param({3});
+  Tensor h = mul(x, 2.0);
+  Tensor loss = sum(mul(h, h));
+  EXPECT_THROW(run_backward_split({loss}, {ones_like(loss)}, {h}), Error);
+  EXPECT_THROW(run_backward_split({loss}, {ones_like(loss)}, {ones({3})}), Error);
+}
+
+}  // namespace
+}  // namespace loom
