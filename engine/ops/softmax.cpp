@@ -3,7 +3,9 @@
 // is needed for any dim. Cross-entropy keeps only the per-row log-sum-exp for backward.
 // linear_cross_entropy is a classifier's loss with its output layer: the loss kernel
 // writes the logits' gradient over the logits as it reads them, and backward's two products
-// scale it by the upstream gradient / count on the device.
+// scale it by the upstream gradient / count on the device. A split pass (gradient_wanted,
+// engine/autograd.h) may ask for the two products apart: x's first, the (classes, in)
+// weight's later.
 #include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
 #include "engine/ops/product.h"
@@ -162,8 +164,9 @@ Tensor linear_cross_entropy(const Tensor& x0, const Tensor& weight0, const Tenso
       // the products' alpha, read on the device.
       Tensor scale = div(g[0].to(denom.dtype()), denom).contiguous();
       auto scaled = [&](GemmArgs& a) { a.alpha_ptr = scale.data_ptr(); };
-      Tensor dx = need_x ? ops::product_2d(grad, sw, scaled) : Tensor();              // (N, in)
-      Tensor dw = need_w ? ops::product_2d(grad.t(), sx, scaled, f32) : Tensor();      // (classes, in)
+      const bool want_x = need_x && gradient_wanted(0), want_w = need_w && gradient_wanted(1);
+      Tensor dx = want_x ? ops::product_2d(grad, sw, scaled) : Tensor();              // (N, in)
+      Tensor dw = want_w ? ops::product_2d(grad.t(), sx, scaled, f32) : Tensor();      // (classes, in)
       return TensorList{dx, dw};
     });
   }

@@ -89,6 +89,9 @@ void expect_split_equals_unsplit(const Stage& stage, const Tensor& x_values, con
 
 Tensor square_sum(const Tensor& y) { return sum(mul(y, y)); }
 
+// Class indices for 6 rows of 10 classes, one row ignored (ignore_index -100).
+Tensor six_targets() { return from_vector(std::vector<int64_t>{3, 0, 9, -100, 5, 3}, {6}); }
+
 // One row a graph: its input, its parameters, and its roots from both.
 struct Case {
   const char* name;
@@ -134,6 +137,23 @@ const std::vector<Case>& cases() {
        [](const Tensor& x, const TensorList& p) {
          Tensor y = linear(gelu(matmul(x, p[0])), p[1], p[2]);
          return TensorList{square_sum(y.to(DType::f32))};
+       },
+       DType::f32, DType::bf16},
+      // The output layer fused with its loss: x's product in B, the (classes, in) weight's in W.
+      {"linear_cross_entropy after a linear op, in f64", {6, 8}, {{8, 8}, {8}, {10, 8}},
+       [](const Tensor& x, const TensorList& p) {
+         return TensorList{linear_cross_entropy(tanh(linear(x, p[0], p[1])), p[2], six_targets())};
+       },
+       DType::f64, std::nullopt},
+      {"linear_cross_entropy after a linear op, in f32", {6, 8}, {{8, 8}, {8}, {10, 8}},
+       [](const Tensor& x, const TensorList& p) {
+         return TensorList{linear_cross_entropy(tanh(linear(x, p[0], p[1])), p[2], six_targets())};
+       },
+       DType::f32, std::nullopt},
+      // Its f32 weight's gradient comes straight out of the bf16 product, in f32.
+      {"linear_cross_entropy with an f32 weight under bf16 autocast", {6, 8}, {{10, 8}},
+       [](const Tensor& x, const TensorList& p) {
+         return TensorList{linear_cross_entropy(tanh(x), p[0], six_targets(), -100, 0.1)};
        },
        DType::f32, DType::bf16},
   };
@@ -219,7 +239,7 @@ TEST(SplitBackward, RecomputedGptBlocksInsideTheSplitGiveTheSameGradients) { exp
 // A weight's gradient is a product of dy and the op's input, which the op saved by reference:
 // overwritten between the halves, that input zeroes the weight's gradient if, and only if,
 // the product runs in W.
-TEST(SplitBackward, TheWeightProductsOfLinearMatmulAndGeluMlpRunInTheWeightHalf) {
+TEST(SplitBackward, TheWeightProductsOfLinearMatmulGeluMlpAndLinearCrossEntropyRunInTheWeightHalf) {
   struct Row {
     const char* op;
     std::vector<Shape> param_shapes;
@@ -230,6 +250,9 @@ TEST(SplitBackward, TheWeightProductsOfLinearMatmulAndGeluMlpRunInTheWeightHalf)
       {"matmul", {{4, 5}}, [](const Tensor& x, const TensorList& p) { return matmul(x, p[0]); }},
       {"gelu_mlp", {{8, 4}, {8}, {4, 8}, {4}},
        [](const Tensor& x, const TensorList& p) { return gelu_mlp(x, p[0], p[1], p[2], p[3]); }},
+      {"linear_cross_entropy", {{6, 4}}, [](const Tensor& x, const TensorList& p) {
+         return linear_cross_entropy(x, p[0], from_vector(std::vector<int64_t>{5, 0, 2}, {3}));
+       }},
   };
   for (const Row& row : rows) {
     SCOPED_TRACE(row.op);
