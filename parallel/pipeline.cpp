@@ -387,7 +387,9 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
     const int64_t rows = agreed_rows_;
     switch (a.op) {
       case Op::send_activation:
-        ops.push_back(P2POp::send(st.output, schedule_.rank_of(a.stage + 1), tag_of(a.stage, a.microbatch, m, false)));
+        // A detached alias: what waits for the send must not keep the stage's graph alive.
+        ops.push_back(P2POp::send(st.output.detach(), schedule_.rank_of(a.stage + 1),
+                                  tag_of(a.stage, a.microbatch, m, false)));
         break;
       case Op::recv_activation:
         st.input = Tensor::empty(stage.input_shape(rows), options_.activation_dtype, options_.device);
@@ -426,7 +428,7 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
       continue;
     }
     wait_for(works[i], a);
-    if (a.op == Op::send_activation) release_if_unshared(ops[i].tensor);
+    if (a.op == Op::send_activation) release_if_unshared(ops[i].tensor, a);
   }
   // Input gradients handed to a send are held by it from now on.
   for (const Action& a : batch)
@@ -451,16 +453,20 @@ std::string Pipeline::peer_text(const Action& a) const {
          std::to_string(group_->world_ranks()[size_t(schedule_.rank_of(peer_stage))]) + ")";
 }
 
-// A sent activation's storage goes, unless backward saved it (then others share it).
-void Pipeline::release_if_unshared(const Tensor& t) {
-  if (t.storage().use_count() == 1) t.storage()->release();
+// A sent activation's storage goes unless backward saved it: its only holders are then the
+// alias that was sent and, until its backward, the stage's output (kept for its node).
+void Pipeline::release_if_unshared(const Tensor& sent, const Action& a) {
+  const MicrobatchState& st =
+      *state_[size_t(&local_stage(a.stage) - stages_.data()) * size_t(options_.microbatches) + size_t(a.microbatch)];
+  const bool output_held = st.output.defined() && st.output.storage() == sent.storage();
+  if (sent.storage().use_count() == 1 + (output_held ? 1 : 0)) sent.storage()->release();
 }
 
 void Pipeline::finish_sends(bool all) {
   auto done = [&](PendingSend& s) {
     if (!all && !s.work->is_completed()) return false;
     wait_for(s.work, s.action);
-    if (s.action.op == Op::send_activation) release_if_unshared(s.tensor);
+    if (s.action.op == Op::send_activation) release_if_unshared(s.tensor, s.action);
     return true;
   };
   std::erase_if(pending_sends_, done);

@@ -60,9 +60,10 @@
 //      input as the only gradient wanted now, and W runs what it left.
 //   sends, receives: one batch_isend_irecv per batch; its receives are waited for before the
 //      next compute; its sends too on NCCL, while on Gloo they finish on their own and are
-//      collected at the next batch (see "eager" and "paired" in pipeline_schedule.h). Once an
-//      activation is sent, its storage is freed unless the backward saved it: the stage keeps
-//      only the graph it needs.
+//      collected at the end of the step (see "eager" and "paired" in pipeline_schedule.h).
+//      Once an activation is sent, its storage is freed unless the backward saved it: the
+//      stage keeps only the graph it needs. (On Gloo "sent" is known at the end of the step
+//      only, so until then each sent activation stays; its graph goes at its backward.)
 //
 // Then, once per step: the gradients of parameters tied across stages (GPT's token embedding,
 // used by stage 0 and by the output layer on the last stage) are summed between their holders,
@@ -162,7 +163,7 @@ class Pipeline {
   void run_compute(const Action& a, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
   void run_batch(const std::vector<Action>& batch);
   void wait_for(const WorkPtr& work, const Action& a);
-  void release_if_unshared(const Tensor& t);
+  void release_if_unshared(const Tensor& sent, const Action& a);
   // Waits for the eager sends that are done (all of them when `all`), freeing what they sent.
   void finish_sends(bool all);
   void sum_tied_gradients();

@@ -3,7 +3,8 @@
 // pipelines and data-parallel replicas, give the same losses and weights after 10 AdamW steps
 // (relative 1e-5, in f64), with the tied token embedding kept equal across its two stages.
 // Also: a shape disagreement between stages names both; a stage that dies ends the others
-// with the stage and the micro-batch named, within the timeout.
+// with the stage and the micro-batch named, and one that hangs within the timeout; 1F1B holds
+// less memory than GPipe.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -192,6 +193,49 @@ TEST(Pipeline, AStageThatDiesEndsTheOthersNamingIt) {
     std::fprintf(stderr, "rank %d noticed in %.2f s: %s\n", rank, waited, msg.c_str());
   }, {.timeout = 5s}, 60);
   EXPECT_EQ(codes, (std::vector<int>{0, 3, 0}));
+}
+
+TEST(Pipeline, AStageThatHangsEndsTheOthersWithinTheTimeout) {
+  // The middle stage stops answering during its second forward (it sleeps past the others'
+  // 3 s timeout); the others must stop by the timeout and 5 s more, naming it.
+  auto codes = testing::run_ranks_codes(3, [](int rank, std::shared_ptr<ProcessGroup> world) {
+    int forwards = 0;
+    Pipeline pipe(world, linear_stages(rank, 2, 4, [&](int r) {
+                    if (r == 1 && ++forwards == 2) {
+                      ::sleep(20);
+                      ::_exit(0);
+                    }
+                  }),
+                  {.schedule = ScheduleKind::gpipe, .microbatches = 4});
+    auto start = std::chrono::steady_clock::now();
+    std::string msg = require_error([&] { pipe.step(randn({8, 4}), zeros({8})); },
+                                    {"pipeline stage " + std::to_string(rank), "micro-batch", "stage 1 (rank 1)"});
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    require(waited < 3.0 + 5.0, "rank ", rank, " took ", waited, " s to give up: ", msg);
+    std::fprintf(stderr, "rank %d gave up after %.2f s: %s\n", rank, waited, msg.c_str());
+    ::_exit(0);  // without waiting for the sleeping stage at teardown
+  }, {.timeout = 3s}, 60);
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[2], 0);
+}
+
+TEST(Pipeline, OneFOneBHoldsLessThanGPipe) {
+  // Rank 0 of two, 8 micro-batches: GPipe holds all eight micro-batches' activations at the
+  // turn, 1F1B two.
+  run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> world) {
+    std::vector<int64_t> peak;
+    for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b}) {
+      PipelineOptions options{.schedule = kind, .microbatches = 8};
+      auto gp = make_gpt_pipeline(world, {.vocab_size = 32, .context = 64, .layers = 2, .heads = 2, .width = 64}, 64,
+                                  options);
+      auto [ids, targets] = batch(16, 64, 0);
+      gp.pipeline->step(ids, targets);  // the first step also makes the gradients
+      gp.pipeline->step(ids, targets);
+      peak.push_back(gp.pipeline->last_step_peak_bytes());
+    }
+    if (rank == 0) std::fprintf(stderr, "rank 0 peak bytes: gpipe %lld, 1f1b %lld\n", (long long)peak[0], (long long)peak[1]);
+    require(rank != 0 || peak[1] * 2 < peak[0], "rank 0: 1F1B held ", peak[1], " bytes at most, GPipe ", peak[0]);
+  });
 }
 
 }  // namespace

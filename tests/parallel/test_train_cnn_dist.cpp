@@ -4,6 +4,8 @@
 // LOOMRUN and TRAIN_CNN. Skips where Fashion-MNIST is not installed.
 #include <gtest/gtest.h>
 
+#include "run_command.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -16,24 +18,9 @@
 namespace loom::dist {
 namespace {
 
-struct RunResult {
-  int code = -1;
-  std::string output;
-};
+using testing::RunResult;
 
-// Runs a shell command with a deadline, capturing stdout and stderr together.
-RunResult run(const std::string& command, int seconds) {
-  const std::string log = (std::filesystem::path(::testing::TempDir()) / "train_cnn_dist.log").string();
-  const std::string full = "timeout " + std::to_string(seconds) + " " + command + " > '" + log + "' 2>&1";
-  RunResult r;
-  const int status = std::system(full.c_str());
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(log);
-  std::stringstream s;
-  s << in.rdbuf();
-  r.output = s.str();
-  return r;
-}
+RunResult run(const std::string& command, int seconds) { return testing::run_command(command, seconds); }
 
 bool have_fashion_mnist() {
   return std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz") ||

@@ -1,0 +1,77 @@
+// The pipeline through its programs, on CPU ranks under loomrun: train_gpt --pp 2 gives the
+// same losses under every schedule and prints the measured bubble; its pipeline flags are
+// checked; bench_pipeline prints a row per schedule and micro-batch count.
+#include <gtest/gtest.h>
+
+#include <regex>
+#include <string>
+
+#include "run_command.h"
+
+namespace loom::dist {
+namespace {
+
+using testing::run_command;
+
+std::string program(const char* name) {
+  const char* path = std::getenv(name);
+  return path ? path : "";
+}
+
+TEST(TrainGptPipeline, EverySchedulePrintsTheSameLoss) {
+  if (!std::filesystem::exists("/usr/share/games/fortunes"))
+    GTEST_SKIP() << "Debian's fortunes are not installed (apt-get install fortunes)";
+  std::string first_loss;
+  for (const char* schedule : {"gpipe", "1f1b", "zb1"}) {
+    SCOPED_TRACE(schedule);
+    auto r = run_command(program("LOOMRUN") + " --nproc-per-node 2 " + program("TRAIN_GPT") +
+                             " --device cpu --pp 2 --schedule " + schedule +
+                             " --microbatches 4 --batch-size 8 --context 32 --max-steps 12 --workers 1"
+                             " --trace '" + ::testing::TempDir() + "/pp_trace.json' --metrics '' --plot ''",
+                         300);
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex("train loss ([0-9.]+) .*bubble: measured ([0-9.]+)%")))
+        << r.output;
+    if (first_loss.empty()) first_loss = m[1];
+    EXPECT_EQ(m[1], first_loss) << r.output;
+    EXPECT_NE(r.output.find(std::string(schedule) + ": 2 ranks, 2 stages"), std::string::npos) << r.output;
+  }
+}
+
+TEST(TrainGptPipeline, BadPipelineFlagsAreNamed) {
+  struct Case {
+    std::string args, expected;
+  };
+  const std::vector<Case> cases = {
+      {"--pp 3 --dp 1", "--pp 3 x --dp 1 is 3 ranks, but 2 were started"},
+      {"--pp 2 --batch-size 6 --microbatches 4", "--batch-size 6 does not cut into --microbatches 4"},
+      {"--pp 2 --save x.safetensors", "--save is not available with --pp"},
+      {"--schedule gpipe", "--schedule sets up a pipeline, and --pp is 1"},
+      {"--pp 2 --schedule interleaved --stages-per-rank 2", "asks for 4 stages, but the tiny config has 2 blocks"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    auto r = run_command(program("LOOMRUN") + " --nproc-per-node 2 " + program("TRAIN_GPT") +
+                             " --device cpu --config tiny --max-steps 1 --workers 1 --metrics '' --plot '' " + c.args,
+                         120);
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("terminate called"), std::string::npos) << r.output;
+  }
+}
+
+TEST(BenchPipeline, PrintsARowPerScheduleAndMicrobatchCount) {
+  auto r = run_command(program("LOOMRUN") + " --nproc-per-node 2 " + program("BENCH_PIPELINE") +
+                           " --width 16 --heads 2 --tokens 8 --blocks 1 --warmup 1 --steps 1 --microbatches 2,4"
+                           " --schedules gpipe,1f1b,interleaved,zb1",
+                       300);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* row : {"gpipe", "1f1b", "interleaved", "zb1"})
+    for (const char* m : {" 2 ", " 4 "})
+      EXPECT_TRUE(std::regex_search(r.output, std::regex(std::string(row) + " +" + m + "+ *[0-9.]+%")))
+          << row << m << "\n" << r.output;
+}
+
+}  // namespace
+}  // namespace loom::dist
