@@ -124,11 +124,22 @@ void queue_callback(std::function<void()> callback) {
 }
 
 namespace {
+// What a pass run inside a node's backward (run_nested_backward) leaves to the W half of the
+// split pass whose B half called the node.
+struct NestedWeightHalf {
+  DeferredGradients rest;  // the inner pass's W half
+  TensorList leaves;       // per input of the node: the leaf whose gradient W sends along its edge
+};
+
 // What a split pass asks of the node it is running (gradient_wanted); null on this thread
 // otherwise, including inside a pass nested in that node's backward.
 struct WantedInputs {
   std::vector<bool> wanted;    // per input
   std::vector<bool> declined;  // per input: asked about through gradient_wanted, answered false
+  // Set when B calls the node: a pass inside its backward is split too (run_nested_backward),
+  // and leaves its W half in `nested`.
+  bool b_half = false;
+  std::optional<NestedWeightHalf> nested;
 };
 thread_local WantedInputs* g_wanted = nullptr;
 
@@ -279,17 +290,21 @@ void run_callbacks(std::vector<std::function<void()>>& callbacks) {
     callback();
   }
 }
+
+// The list a pass queues its callbacks into: its own, or, joined, the enclosing pass's. A joined
+// pass's own list then stays empty and running it at the end runs nothing: the enclosing pass
+// runs those callbacks when it ends.
+std::vector<std::function<void()>>* callback_list(Nesting nesting, std::vector<std::function<void()>>& own) {
+  return nesting == Nesting::joined && g_callbacks != nullptr ? g_callbacks : &own;
+}
 }  // namespace
 
 void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting) {
   LOOM_ASSERT(roots.size() == grads.size(), "one gradient per root");
   NoGradGuard no_grad;
   WantedScope every_input(nullptr);  // a pass nested in a split pass's node is whole
-  // A joined pass queues into the enclosing pass's list, so its own stays empty and the loop
-  // at the end runs nothing: the enclosing pass runs those callbacks when it ends.
   std::vector<std::function<void()>> callbacks;
-  const bool joined = nesting == Nesting::joined && g_callbacks != nullptr;
-  CallbackScope callback_scope(joined ? g_callbacks : &callbacks);
+  CallbackScope callback_scope(callback_list(nesting, callbacks));
 
   const std::vector<Edge> edges = root_edges(roots);
   GradientBuffers buffers;
@@ -310,6 +325,7 @@ struct DeferredGradients::Rest {
     TensorList computed;       // per input: the gradient B computed for a node it did not run
     std::vector<bool> asked;   // per input: declined in B, computed here
     TensorList grads_in;       // the node's output gradients, when `asked` names an input
+    std::optional<NestedWeightHalf> nested;  // the W half of the pass its backward ran in B
   };
   std::vector<Step> steps;
   GradientBuffers buffers;  // W's: the roots' gradients for nodes B did not run, then what W sends
@@ -338,10 +354,11 @@ std::unordered_set<const Node*> live_nodes(const std::vector<std::shared_ptr<Nod
   return live;
 }
 
-// W's part of a live node that B ran with `ask` (which declined some input) on grads_in, after
-// it returned grads_out.
-Step part_left(const Node& node, const WantedInputs& ask, const TensorList& grads_out, TensorList& grads_in) {
-  Step step{nullptr, true, TensorList(grads_out.size()), std::vector<bool>(grads_out.size()), {}};
+// W's part of a live node that B ran with `ask` (which declined some input, or holds the W half
+// of a nested pass) on grads_in, after it returned grads_out.
+Step part_left(const Node& node, WantedInputs& ask, const TensorList& grads_out, TensorList& grads_in) {
+  Step step{nullptr, true, TensorList(grads_out.size()), std::vector<bool>(grads_out.size()), {},
+            std::move(ask.nested)};
   bool again = false;
   for (size_t i = 0; i < grads_out.size(); ++i) {
     if (!node.next_edges[i].node || ask.wanted[i]) continue;
@@ -365,10 +382,12 @@ Step part_left(const Node& node, const WantedInputs& ask, const TensorList& grad
   return step;
 }
 
-// Runs W's part of a live node: adds what B computed for it and what it declined, asked again,
-// in input order as run_backward adds them.
+// Runs W's part of a live node: the W half of the pass its backward ran in B, first, as that
+// pass ran before the backward returned; then adds what B computed for it, what it declined,
+// asked again, and its nested pass's leaves' gradients, in input order as run_backward adds them.
 void run_part(Step& step, GradientBuffers& buffers) {
   const Node& node = *step.node;
+  if (step.nested) step.nested->rest.run(Nesting::joined);
   TensorList again;
   if (node.backward || node.backward_into) {
     WantedInputs ask{step.asked, std::vector<bool>(step.asked.size())};
@@ -381,6 +400,8 @@ void run_part(Step& step, GradientBuffers& buffers) {
       buffers.add(e, std::move(step.computed[i]));
     } else if (step.asked[i] && again[i].defined()) {
       buffers.add(e, again[i]);
+    } else if (step.nested && step.nested->leaves[i].defined() && step.nested->leaves[i].grad().defined()) {
+      buffers.add(e, step.nested->leaves[i].grad());
     }
   }
 }
@@ -394,13 +415,13 @@ DeferredGradients::DeferredGradients(std::unique_ptr<Rest> rest) : rest_(std::mo
 
 bool DeferredGradients::empty() const { return !rest_ || rest_->steps.empty(); }
 
-void DeferredGradients::run() {
+void DeferredGradients::run(Nesting nesting) {
   if (!rest_) return;
   const std::unique_ptr<Rest> rest = std::move(rest_);  // once, even when a node throws
   NoGradGuard no_grad;
   WantedScope every_input(nullptr);
   std::vector<std::function<void()>> callbacks;
-  CallbackScope callback_scope(&callbacks);
+  CallbackScope callback_scope(callback_list(nesting, callbacks));
   for (Step& step : rest->steps) {
     if (step.part) {
       run_part(step, rest->buffers);
@@ -412,12 +433,13 @@ void DeferredGradients::run() {
   run_callbacks(callbacks);
 }
 
-DeferredGradients run_backward_split(const TensorList& roots, const TensorList& grads, const TensorList& now) {
+DeferredGradients run_backward_split(const TensorList& roots, const TensorList& grads, const TensorList& now,
+                                     Nesting nesting) {
   LOOM_ASSERT(roots.size() == grads.size(), "one gradient per root");
   NoGradGuard no_grad;
   WantedScope every_input(nullptr);
   std::vector<std::function<void()>> callbacks;
-  CallbackScope callback_scope(&callbacks);
+  CallbackScope callback_scope(callback_list(nesting, callbacks));
 
   const std::vector<Edge> edges = root_edges(roots);
   const std::vector<std::shared_ptr<Node>> order = schedule(edges);  // step 1
@@ -439,22 +461,51 @@ DeferredGradients run_backward_split(const TensorList& roots, const TensorList& 
       continue;
     }
     const size_t n = node->next_edges.size();
-    WantedInputs ask{std::vector<bool>(n), std::vector<bool>(n)};
+    WantedInputs ask{std::vector<bool>(n), std::vector<bool>(n), true, std::nullopt};
     bool mixed = false;
     for (size_t i = 0; i < n; ++i) {
       const Edge& e = node->next_edges[i];
       ask.wanted[i] = !e.node || live.count(e.node.get());
       mixed = mixed || !ask.wanted[i];
     }
-    const TensorList grads_out = call_backward(*node, grads_in, buffers, mixed ? &ask : nullptr);
+    const TensorList grads_out = call_backward(*node, grads_in, buffers, &ask);
     for (size_t i = 0; i < n; ++i) {
       const Edge& e = node->next_edges[i];
       if (e.node && ask.wanted[i] && grads_out[i].defined()) buffers.add(e, grads_out[i]);
     }
-    if (mixed) rest->steps.push_back(part_left(*node, ask, grads_out, grads_in));
+    if (mixed || ask.nested) rest->steps.push_back(part_left(*node, ask, grads_out, grads_in));
   }
   run_callbacks(callbacks);
   return DeferredGradients(std::move(rest));
+}
+
+TensorList run_nested_backward(const TensorList& roots, const TensorList& grads, const TensorList& input_leaves) {
+  WantedInputs* const asked = g_wanted;  // the question to the node: the pass below replaces it
+  auto needs_gradient = [&](size_t i) { return input_leaves[i].defined() && input_leaves[i].requires_grad(); };
+  TensorList dL_dinputs(input_leaves.size());
+  if (!asked || !asked->b_half) {
+    run_backward(roots, grads, Nesting::joined);
+    for (size_t i = 0; i < input_leaves.size(); ++i)
+      if (needs_gradient(i)) dL_dinputs[i] = input_leaves[i].grad();
+    return dL_dinputs;
+  }
+  LOOM_ASSERT(input_leaves.size() == asked->wanted.size(), "run_nested_backward: ", input_leaves.size(),
+              " leaves for a node of ", asked->wanted.size(), " inputs");
+  LOOM_ASSERT(!asked->nested, "run_nested_backward: one nested pass per call of a node's backward");
+  TensorList now, later(input_leaves.size());
+  for (size_t i = 0; i < input_leaves.size(); ++i) {
+    if (!needs_gradient(i)) continue;
+    if (asked->wanted[i]) {
+      now.push_back(input_leaves[i]);
+    } else {
+      later[i] = input_leaves[i];
+    }
+  }
+  DeferredGradients rest = run_backward_split(roots, grads, now, Nesting::joined);
+  for (size_t i = 0; i < input_leaves.size(); ++i)
+    if (needs_gradient(i) && asked->wanted[i]) dL_dinputs[i] = input_leaves[i].grad();
+  if (!rest.empty()) asked->nested = NestedWeightHalf{std::move(rest), std::move(later)};
+  return dL_dinputs;
 }
 
 bool gradient_wanted(size_t input) {

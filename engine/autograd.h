@@ -154,8 +154,10 @@ void queue_callback(std::function<void()> callback);
 // Until W runs, the DeferredGradients holds the output gradients of the nodes that declined
 // (dy of each linear op) and what their backward saved, the gradients kept for W (apart, to be
 // summed in order), and the nodes W runs; not the rest of B's graph. A node whose backward runs
-// a pass of its own (engine/recompute.h) runs that pass whole wherever it runs: a recomputed
-// block's parameters get their gradients in B.
+// a pass of its own over leaves standing for its inputs (engine/recompute.h) runs it through
+// run_nested_backward: called by B, that pass is split in its turn, B asking of it only the
+// gradients of the inputs B asks of the node, and its W half runs in W where the node stood
+// (a recomputed block's weight products included); W keeps what the inner W half keeps.
 
 // The weight half of a split backward pass: what run_backward_split left for later.
 class DeferredGradients {
@@ -170,25 +172,37 @@ class DeferredGradients {
   bool empty() const;
   // Runs the deferred part: every parameter (any leaf not in `now`) gets its gradient
   // accumulated and its post-accumulate hooks fire, and the callbacks queued from those hooks
-  // (queue_callback) run when it ends, as in one run_backward (a pass of its own, as
-  // Nesting::separate). Runs at most once: afterwards empty(), and run() does nothing.
-  void run();
+  // (queue_callback) go where `nesting` says, as for run_backward: by default they run when it
+  // ends. Runs at most once: afterwards empty(), and run() does nothing.
+  void run(Nesting nesting = Nesting::separate);
 
   struct Rest;  // engine/autograd.cpp
 
  private:
   explicit DeferredGradients(std::unique_ptr<Rest> rest);
-  friend DeferredGradients run_backward_split(const TensorList&, const TensorList&, const TensorList&);
+  friend DeferredGradients run_backward_split(const TensorList&, const TensorList&, const TensorList&, Nesting);
   std::unique_ptr<Rest> rest_;
 };
 
 // Backward from `roots` seeded with `grads`, computing now only what leads to the leaves in
 // `now` (their .grad is accumulated and their hooks fire before it returns; callbacks queued
-// in it run when it returns); every gradient that leads only to other leaves is left in the
-// returned DeferredGradients. run_backward_split followed by DeferredGradients::run()
-// accumulates the same gradients as one run_backward. `now` holds leaves requiring a gradient
-// (the stage's input); an empty `now` defers everything.
-DeferredGradients run_backward_split(const TensorList& roots, const TensorList& grads, const TensorList& now);
+// in it go where `nesting` says, by default run when it returns); every gradient that leads
+// only to other leaves is left in the returned DeferredGradients. run_backward_split followed
+// by DeferredGradients::run() accumulates the same gradients as one run_backward. `now` holds
+// leaves requiring a gradient (the stage's input); an empty `now` defers everything.
+DeferredGradients run_backward_split(const TensorList& roots, const TensorList& grads, const TensorList& now,
+                                     Nesting nesting = Nesting::separate);
+
+// For a node's backward that runs a backward pass of its own (engine/recompute.h): from `roots`
+// seeded with `grads`, over fresh leaves standing for the node's inputs (`input_leaves`, one
+// per input of the node, undefined or not requiring a gradient where none is needed). Runs that
+// pass as a part of the one that called the node (Nesting::joined) and returns, per input, its
+// leaf's gradient, for the node to return as its own. When a split pass's B half calls the
+// node, the inner pass is a run_backward_split whose `now` is the leaves of the inputs B asks
+// the node for: it returns only their gradients (undefined for the others), and the inner W
+// half runs when the W half reaches the node, which then sends the other leaves' gradients
+// along the node's edges. At most one such pass per call of a node's backward.
+TensorList run_nested_backward(const TensorList& roots, const TensorList& grads, const TensorList& input_leaves);
 
 // For an op's backward: false when the pass will not use the gradient of input i now (a split
 // pass's B half asks only for what leads to `now`; its W half only for the rest), and the op

@@ -1,6 +1,6 @@
 // recompute (engine/recompute.h): a forward under no-grad, then one node whose backward
 // runs the forward again with a graph and back-propagates through it, a pass nested in the
-// pass that reached the node.
+// pass that reached the node (run_nested_backward, which splits it inside a split pass).
 #include "engine/recompute.h"
 
 #include <optional>
@@ -76,12 +76,8 @@ Tensor recompute(const RecomputeFn& fn, const TensorList& inputs) {
       RngStateGuard same_draws(rng);
       again = fn(leaves);
     }
-    TensorList dL_dinputs(saved.size());
-    if (!again.requires_grad()) return dL_dinputs;  // nothing fn computed needs a gradient
-    run_backward({again}, {dL_doutput[0]}, Nesting::joined);
-    for (size_t i = 0; i < saved.size(); ++i)
-      if (wants_grad[i]) dL_dinputs[i] = leaves[i].grad();
-    return dL_dinputs;
+    if (!again.requires_grad()) return TensorList(saved.size());  // nothing fn computed needs a gradient
+    return run_nested_backward({again}, {dL_doutput[0]}, leaves);
   });
   return output;
 }

@@ -28,6 +28,12 @@
 // two recomputed calls (or in one and outside) is accumulated, and its hooks fire, once per
 // pass that reaches it, which DDP refuses: share no parameters across recomputed blocks there.
 //
+// Inside a split backward pass (run_backward_split, engine/autograd.h) the inner pass is split
+// too: the B half reruns fn and computes only the gradients of the inputs it asks for, and the
+// weight products inside (a recomputed block's parameters) wait for the W half. Until then the
+// W half keeps what they read: fn's recomputed activations that feed them, and their output
+// gradients, as it does for a block that was not recomputed.
+//
 // Because fn may use parameters, the node is recorded whenever grad mode is on, even if no
 // input requires a gradient (PyTorch's reentrant checkpoint warns and drops those
 // gradients instead). With grad mode off, recompute is just fn(inputs).

@@ -2,8 +2,10 @@
 // schedules run: the stage input's gradient is ready when it returns and no parameter has a
 // gradient yet; DeferredGradients::run() then gives every parameter run_backward's gradient,
 // to the bit, over small graphs of products and over two GPT blocks (plain and recomputed).
-// What each half asks of a node (gradient_wanted), hooks and callbacks in each half, and the
-// weight half's life: once only, and nothing left behind when it is dropped unrun.
+// Each weight product, recomputed ones included, runs in the weight half. What each half asks
+// of a node (gradient_wanted), and of the pass a recomputed node runs inside, hooks and
+// callbacks in each half, and the weight half's life: once only, and nothing left behind when
+// it is dropped unrun.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +14,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "engine/autocast.h"
@@ -150,6 +154,26 @@ const std::vector<Case>& cases() {
          return TensorList{linear_cross_entropy(tanh(linear(x, p[0], p[1])), p[2], six_targets())};
        },
        DType::f32, std::nullopt},
+      // Recomputed blocks: B reruns them and asks the pass inside for x's gradient only.
+      {"a recomputed MLP of linear ops", {6, 8}, {{16, 8}, {16}, {8, 16}, {8}},
+       [](const Tensor& x, const TensorList& p) {
+         auto block = [p](const TensorList& in) { return linear(gelu(linear(in[0], p[0], p[1])), p[2], p[3], in[0]); };
+         return TensorList{square_sum(recompute(block, {x}))};
+       },
+       DType::f64, std::nullopt},
+      // p[0] is an input of the recomputed block out of x's reach: its leaf's gradient, computed
+      // by the pass inside in W, leaves along the node's edge there. The inner block is
+      // recomputed within the outer one's rerun, so its pass is split inside a split pass.
+      {"recompute nested in recompute, with a parameter among its inputs", {6, 8}, {{6, 8}, {8, 8}, {8}},
+       [](const Tensor& x, const TensorList& p) {
+         const Tensor w = p[1], b = p[2];
+         auto inner = [w, b](const TensorList& in) { return tanh(linear(in[0], w, b)); };
+         auto outer = [inner, w](const TensorList& in) {
+           return linear(recompute(inner, {mul(in[0], in[1])}), w, Tensor(), in[0]);
+         };
+         return TensorList{square_sum(recompute(outer, {x, p[0]}))};
+       },
+       DType::f64, std::nullopt},
       // Its f32 weight's gradient comes straight out of the bf16 product, in f32.
       {"linear_cross_entropy with an f32 weight under bf16 autocast", {6, 8}, {{10, 8}},
        [](const Tensor& x, const TensorList& p) {
@@ -204,30 +228,35 @@ struct GptStage {
 
   TensorList roots(const Tensor& x) const {
     Tensor h = x;
-    for (const auto& block : model.blocks)
-      h = recomputed ? recompute([block](const TensorList& in) { return block->forward(in[0]); }, {h})
-                     : block->forward(h);
+    for (const auto& block : model.blocks) {
+      auto rerun = [this, block](const TensorList& in) {
+        Tensor y = block->forward(in[0]);
+        if (on_rerun && grad_enabled()) on_rerun(y);
+        return y;
+      };
+      h = recomputed ? recompute(rerun, {h}) : block->forward(h);
+    }
     h = model.ln_f->forward_for_product(h);
     return {linear_cross_entropy(h.reshape({-1, h.size(-1)}), model.lm_head, targets)};
   }
 
   nn::GPT model;
   bool recomputed;
+  // Called on a recomputed block's output when backward runs the block again, with its graph.
+  std::function<void(const Tensor&)> on_rerun;
   Tensor input;    // (B, T, C), the embedding's output
   Tensor targets;  // (B T), i64
 };
 
 void expect_gpt_split_equals_unsplit(bool recomputed) {
   GptStage stage(recomputed);
-  TensorList params, deferred;
+  TensorList params;
   std::vector<std::string> names;
   for (const auto& [name, p] : stage.model.named_parameters()) {
     params.push_back(p);
     names.push_back(name);
-    // A recomputed block's backward runs a whole pass of its own, in B.
-    if (!recomputed || name.rfind("transformer.h.", 0) != 0) deferred.push_back(p);
   }
-  expect_split_equals_unsplit([&](const Tensor& x) { return stage.roots(x); }, stage.input, params, names, deferred);
+  expect_split_equals_unsplit([&](const Tensor& x) { return stage.roots(x); }, stage.input, params, names, params);
 }
 
 TEST(SplitBackward, TwoGptBlocksGiveTheInputGradientFirstAndEveryParameterBitwiseAsOnePass) {
@@ -236,10 +265,55 @@ TEST(SplitBackward, TwoGptBlocksGiveTheInputGradientFirstAndEveryParameterBitwis
 
 TEST(SplitBackward, RecomputedGptBlocksInsideTheSplitGiveTheSameGradients) { expect_gpt_split_equals_unsplit(true); }
 
+// Wraps the backward of each linear and gelu_mlp node of the graph that ends in `root`, to
+// note for each weight (linear's input 1, gelu_mlp's 1 and 3) the half it ran in (`*half`)
+// and whether it returned that weight's gradient.
+void note_weight_products(const Tensor& root, const std::string* half,
+                          std::vector<std::pair<std::string, bool>>* noted) {
+  std::vector<Node*> stack{root.grad_fn().get()};
+  std::unordered_set<Node*> seen;
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (!node || !seen.insert(node).second) continue;
+    for (const Edge& e : node->next_edges) stack.push_back(e.node.get());
+    const std::vector<size_t> weights = node->name == "linear"     ? std::vector<size_t>{1}
+                                        : node->name == "gelu_mlp" ? std::vector<size_t>{1, 3}
+                                                                   : std::vector<size_t>{};
+    if (weights.empty()) continue;
+    node->backward = [original = node->backward, weights, half, noted](const TensorList& g) {
+      TensorList out = original(g);
+      for (size_t w : weights) noted->emplace_back(*half, out[w].defined());
+      return out;
+    };
+  }
+}
+
+// The products inside a recomputed block are made in B, when B runs it again; B asks of them
+// only x's gradient, so each block's four weight products run in W.
+TEST(SplitBackward, TheWeightProductsOfRecomputedGptBlocksRunInTheWeightHalf) {
+  GptStage stage(true);
+  std::string half = "B";
+  std::vector<std::pair<std::string, bool>> noted;  // (half, returned the weight's gradient)
+  stage.on_rerun = [&](const Tensor& y) { note_weight_products(y, &half, &noted); };
+  Tensor x = leaf(stage.input);
+  TensorList roots = stage.roots(x);
+  DeferredGradients rest = run_backward_split(roots, ones_for(roots), {x});
+  EXPECT_TRUE(x.grad().defined());
+  half = "W";
+  rest.run();
+  using Noted = std::pair<std::string, bool>;
+  const int64_t blocks = std::ssize(stage.model.blocks);
+  EXPECT_EQ(std::count(noted.begin(), noted.end(), Noted{"B", true}), 0) << "a weight product ran in B";
+  EXPECT_EQ(std::count(noted.begin(), noted.end(), Noted{"B", false}), 4 * blocks);
+  EXPECT_EQ(std::count(noted.begin(), noted.end(), Noted{"W", true}), 4 * blocks);
+  EXPECT_EQ(std::ssize(noted), 8 * blocks);
+}
+
 // A weight's gradient is a product of dy and the op's input, which the op saved by reference:
 // overwritten between the halves, that input zeroes the weight's gradient if, and only if,
 // the product runs in W.
-TEST(SplitBackward, TheWeightProductsOfLinearMatmulGeluMlpAndLinearCrossEntropyRunInTheWeightHalf) {
+TEST(SplitBackward, TheWeightProductsOfLinearMatmulGeluMlpLinearCrossEntropyAndRecomputeRunInTheWeightHalf) {
   struct Row {
     const char* op;
     std::vector<Shape> param_shapes;
@@ -252,6 +326,10 @@ TEST(SplitBackward, TheWeightProductsOfLinearMatmulGeluMlpAndLinearCrossEntropyR
        [](const Tensor& x, const TensorList& p) { return gelu_mlp(x, p[0], p[1], p[2], p[3]); }},
       {"linear_cross_entropy", {{6, 4}}, [](const Tensor& x, const TensorList& p) {
          return linear_cross_entropy(x, p[0], from_vector(std::vector<int64_t>{5, 0, 2}, {3}));
+       }},
+      // The block's input is saved by reference too, and rerun in B: its leaf is x's data.
+      {"recomputed linear", {{5, 4}, {5}}, [](const Tensor& x, const TensorList& p) {
+         return recompute([p](const TensorList& in) { return linear(in[0], p[0], p[1]); }, {x});
        }},
   };
   for (const Row& row : rows) {
@@ -328,23 +406,39 @@ TEST(SplitBackward, AGradientComputedThoughNotWantedIsKeptForTheWeightHalf) {
   expect_bitwise_equal(w.grad(), want[1], "w");
 }
 
-TEST(SplitBackward, APassInsideANodesBackwardAsksForEveryInput) {
-  // The recompute node has inputs x (live) and v (not): B calls it asking for x only, and the
-  // pass it runs inside must not see that question, neither its nodes nor its hooks.
+TEST(SplitBackward, APassInsideANodesBackwardIsSplitAsTheNodeIsAsked) {
+  // The recompute node has inputs x (live) and v (not): B calls it asking for x only, so the pass
+  // it runs inside asks its nodes only for what leads to x's leaf. The weight w inside and v get
+  // theirs in W, where no question is asked: a hook there sees every input wanted.
   Tensor x = param({3}), v = param({3}), w = param({3});
   std::vector<std::string> inner;
   std::vector<bool> hook_saw;
   w.register_post_accumulate_grad_hook([&](Tensor&) { hook_saw = {gradient_wanted(0), gradient_wanted(1)}; });
-  Tensor y = recompute([&](const TensorList& in) { return probe_mul(mul(in[0], in[1]), w, &inner, true); }, {x, v});
-  Tensor loss = sum(y);
+  auto loss_of = [&] {
+    return sum(recompute([&](const TensorList& in) { return probe_mul(mul(in[0], in[1]), w, &inner, true); }, {x, v}));
+  };
+  Tensor loss = loss_of();
+  run_backward({loss}, {ones_like(loss)});
+  EXPECT_EQ(inner, (std::vector<std::string>{"ab"})) << "a whole pass asks for every input";
+  const TensorList want = grads_of({x, v, w});
+  clear_grads({x, v, w});
+  inner.clear();
+  hook_saw.clear();
+
+  loss = loss_of();
   DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
-  EXPECT_EQ(inner, (std::vector<std::string>{"ab"}));
-  EXPECT_EQ(hook_saw, (std::vector<bool>{true, true}));
-  EXPECT_TRUE(w.grad().defined()) << "the nested pass is whole";
+  EXPECT_EQ(inner, (std::vector<std::string>{"a-"}));
+  expect_bitwise_equal(x.grad(), want[0], "x");
   EXPECT_FALSE(v.grad().defined());
+  EXPECT_FALSE(w.grad().defined()) << "the weight inside got its gradient in B";
+  EXPECT_TRUE(hook_saw.empty());
   EXPECT_TRUE(gradient_wanted(1)) << "the question ends with the node";
+  loss = Tensor();
   rest.run();
-  EXPECT_TRUE(v.grad().defined());
+  EXPECT_EQ(inner, (std::vector<std::string>{"a-", "-b"})) << "W asks the node inside for what B declined";
+  EXPECT_EQ(hook_saw, (std::vector<bool>{true, true}));
+  expect_bitwise_equal(v.grad(), want[1], "v");
+  expect_bitwise_equal(w.grad(), want[2], "w");
 }
 
 TEST(SplitBackward, HooksAndCallbacksBelongToTheHalfThatAccumulates) {
