@@ -472,21 +472,23 @@ void Pipeline::finish_sends(bool all) {
   std::erase_if(pending_sends_, done);
 }
 
+// The bubble as the formulas count it: every rank over the pipeline's whole step, from its
+// start to the last rank's end. The ranks start a step together (the previous one ended in a
+// collective), so each rank's window is its start plus the longest step of any rank: only
+// durations cross between ranks, never clock readings, which differ between hosts.
 double Pipeline::measured_bubble() {
   LOOM_CHECK(trace::enabled(), "Pipeline::measured_bubble: tracing was off during the step; turn it on with "
              "trace::set_enabled(true) before the step");
-  auto events = trace::events();
-  auto util = trace::utilization(events, step_start_ns_, step_end_ns_);
-  double idle = 0, window = 0;
-  for (const auto& u : util) {
-    idle += double(u.idle_ns());
-    window += double(u.window_ns);
-  }
-  if (util.empty()) window = double(step_end_ns_ - step_start_ns_), idle = window;
+  auto to_device = [&](Tensor t) { return options_.device.is_cuda() ? t.to(options_.device) : t; };
+  Tensor longest = to_device(full({1}, double(step_end_ns_ - step_start_ns_), DType::f64, Device::cpu()));
+  group_->all_reduce(longest, ReduceOp::max)->wait();
+  const int64_t window_ns = int64_t(longest.to(Device::cpu()).item());
+  const auto util = trace::utilization(trace::events(), step_start_ns_, step_start_ns_ + window_ns);
+  const double busy = util.empty() ? 0.0 : double(util.front().busy_ns);
   Tensor t = full({2}, 0.0, DType::f64, Device::cpu());
-  t.data<double>()[0] = idle;
-  t.data<double>()[1] = window;
-  if (options_.device.is_cuda()) t = t.to(options_.device);
+  t.data<double>()[0] = double(window_ns) - busy;
+  t.data<double>()[1] = double(window_ns);
+  t = to_device(t);
   group_->all_reduce(t)->wait();
   t = t.to(Device::cpu());
   return t.data<double>()[1] > 0 ? t.data<double>()[0] / t.data<double>()[1] : 0.0;

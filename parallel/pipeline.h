@@ -148,9 +148,10 @@ class Pipeline {
   const std::vector<Stage>& stages() const { return stages_; }
   int rank() const { return group_->rank(); }
 
-  // The share of the last step's schedule window this rank spent outside forward, backward
-  // and backward-weight spans, averaged over the pipeline's ranks (every rank calls it).
-  // Needs tracing on (parallel/trace.h) during the step; throws otherwise.
+  // The last step's bubble: the share of the pipeline's rank-time (every rank, from the step's
+  // start to the last rank's end) spent outside forward, backward and backward-weight spans,
+  // as the formulas count it (every rank calls it). Needs tracing on (parallel/trace.h)
+  // during the step; throws otherwise.
   double measured_bubble();
   // Bytes of memory in use on the pipeline's device at the most, during the last step, above
   // what was in use when it started: the activations and gradients the schedule held.
