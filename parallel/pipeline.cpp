@@ -247,7 +247,7 @@ void Pipeline::agree_on_shapes(int64_t rows) {
 
 // ---- the step ----------------------------------------------------------------------------
 
-double Pipeline::step(const Tensor& inputs, const Tensor& targets) {
+Tensor Pipeline::step(const Tensor& inputs, const Tensor& targets) {
   const int m = options_.microbatches;
   LOOM_CHECK(inputs.dim() >= 1 && inputs.size(0) % m == 0, "Pipeline::step: a batch of ",
              inputs.dim() ? inputs.size(0) : 0, " rows does not cut into ", m, " equal micro-batches");
@@ -261,7 +261,6 @@ double Pipeline::step(const Tensor& inputs, const Tensor& targets) {
     target_parts.push_back(targets.slice(0, i * rows, (i + 1) * rows));
   }
   for (auto& s : state_) s = std::make_unique<MicrobatchState>();
-  loss_sum_ = 0;
   Tensor loss_total;
   const int64_t base_bytes = bytes_in_use(options_.device);
   peak_bytes_ = 0;
@@ -296,13 +295,13 @@ double Pipeline::step(const Tensor& inputs, const Tensor& targets) {
   average_over_data_parallel();
   // The loss: the last stage's sum over micro-batches, shared with the pipeline (and
   // averaged over the data-parallel replicas).
-  Tensor loss = full({1}, 0.0, DType::f64, Device::cpu());
-  if (loss_total.defined()) loss = full({1}, loss_total.to(Device::cpu()).item() / m, DType::f64, Device::cpu());
-  if (options_.device.is_cuda()) loss = loss.to(options_.device);
-  group_->all_reduce(loss)->wait();
+  // Computed on the device and not read here, so the host is not made to wait for the step.
+  Tensor loss = loss_total.defined() ? mul(loss_total.to(DType::f32).reshape({1}), 1.0 / m)
+                                     : zeros({1}, DType::f32, options_.device);
+  if (group_->size() > 1) group_->all_reduce(loss)->wait();
   if (options_.data_parallel && options_.data_parallel->size() > 1)
     options_.data_parallel->all_reduce(loss, ReduceOp::avg)->wait();
-  return loss.to(Device::cpu()).item();
+  return loss;
 }
 
 void Pipeline::run_compute(const Action& a, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {

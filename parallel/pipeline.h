@@ -136,8 +136,9 @@ class Pipeline {
   // One training step's forward and backward over `inputs` and `targets` (rows along dim 0,
   // cut into microbatches equal parts; each rank passes the same batch, the ranks that do not
   // use one may pass it all the same). Gradients are added into the stages' parameters (the
-  // caller zeroes them before and steps after). Returns the batch's mean loss, on every rank.
-  double step(const Tensor& inputs, const Tensor& targets);
+  // caller zeroes them before and steps after). Returns the batch's mean loss, on every rank,
+  // as a one-element f32 tensor on the pipeline's device (reading it waits for the step).
+  Tensor step(const Tensor& inputs, const Tensor& targets);
 
   // The global gradient norm over every stage of the pipeline (tied parameters counted once),
   // then every gradient scaled so the norm is at most max_norm, as nn::clip_grad_norm_ does
@@ -188,7 +189,6 @@ class Pipeline {
   std::vector<PendingSend> pending_sends_;
   int64_t peak_bytes_ = 0;
   int64_t step_start_ns_ = 0, step_end_ns_ = 0;
-  double loss_sum_ = 0;
 };
 
 }  // namespace loom::dist::pipeline

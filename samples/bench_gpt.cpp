@@ -7,11 +7,14 @@
 //   FLOPs per token = 6 N + 12 L d T   (N parameters, L layers, d width, T sequence)
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
 //   bench_gpt [--config gpt2-124m] [--batch 16] [--seq 1024] [--precision bf16|f32]
-//             [--warmup N] [--steps N] [--ddp] [--json FILE] [--profile-step]
+//             [--warmup N] [--steps N] [--ddp | --pipeline] [--json FILE] [--profile-step]
 //             [--deterministic] [--no-weight-copies] [--no-gradient-copies]
 // --ddp measures what data parallelism costs on one GPU: the same model is stepped plainly and
 // through DistributedDataParallel (NCCL, world size 1) in alternating rounds within one run,
-// so both see the same clocks and memory state, and the two medians are compared.
+// so both see the same clocks and memory state, and the two medians are compared. --pipeline
+// does the same for the pipeline machinery (parallel/pipeline.h): the model built as one
+// GPTStage and stepped through a Pipeline of one stage and one micro-batch (NCCL, world size
+// 1), what a pipeline adds when it has nothing to overlap.
 // --profile-step runs one more step between cudaProfilerStart and cudaProfilerStop, so that
 // `ncu --profile-from-start off` (or nsys's cudaProfilerApi capture range) sees exactly one
 // steady-state step.
@@ -34,6 +37,7 @@
 #include "engine/ops.h"
 #include "engine/options.h"
 #include "layers/layers.h"
+#include "parallel/gpt_pipeline.h"
 #include "parallel/ddp.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
@@ -46,7 +50,7 @@ using samples::median;
 int main(int argc, char** argv) {
   std::string config_name = "gpt2-124m", precision = "bf16", json;
   int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
-  bool ddp = false, components = false, profile_step = false;
+  bool ddp = false, pipeline = false, components = false, profile_step = false;
   Options run_options = options();
   samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
   flags.add("config", &config_name, "model size", {"gpt2-124m", "guide", "tiny"});
@@ -56,6 +60,8 @@ int main(int argc, char** argv) {
   flags.add("warmup", &warmup, "untimed steps first", 0);
   flags.add("steps", &steps, "timed steps (with --ddp: per mode)", 2);
   flags.add_switch("ddp", &ddp, "also step through DistributedDataParallel (NCCL, one rank) and compare");
+  flags.add_switch("pipeline", &pipeline,
+                   "also step the model as a one-stage pipeline (NCCL, one rank) and compare");
   flags.add_switch("profile-step", &profile_step, "after the timed steps, one step inside cudaProfilerStart/Stop");
   flags.add_switch("components", &components, "also time each part of the model (forward, forward + backward)");
   flags.add("json", &json, "append the results here as JSON lines", {}, "FILE");
@@ -66,6 +72,7 @@ int main(int argc, char** argv) {
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
     flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
   set_options(run_options);
+  if (ddp && pipeline) flags.fail("--ddp and --pipeline each compare with plain steps: give one");
   try {
     if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
     const Device dev = Device::cuda(0);
@@ -89,6 +96,21 @@ int main(int argc, char** argv) {
       auto store = std::make_shared<dist::TcpStore>("127.0.0.1", 0, dist::TcpStore::Role::server);
       wrapped = std::make_shared<dist::DistributedDataParallel>(model, dist::new_nccl_group(store, 0, 1, dev));
     }
+    // --pipeline: the same model (same seed, same draws) as one stage of a pipeline.
+    dist::pipeline::GPTPipeline piped;
+    std::unique_ptr<optim::AdamW> piped_opt;
+    if (pipeline) {
+      auto store = std::make_shared<dist::TcpStore>("127.0.0.1", 0, dist::TcpStore::Role::server);
+      manual_seed(0);
+      piped = dist::pipeline::make_gpt_pipeline(
+          dist::new_nccl_group(store, 0, 1, dev), config, seq,
+          {.schedule = dist::pipeline::ScheduleKind::one_f_one_b, .microbatches = 1, .device = dev});
+      TensorList d, nd;
+      for (const Tensor& p : piped.parameters()) (p.dim() >= 2 ? d : nd).push_back(p);
+      piped_opt = std::make_unique<optim::AdamW>(
+          d, optim::AdamWOptions{.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
+      piped_opt->add_param_group(nd, {.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.0});
+    }
     // Uniform token ids in [0, vocab): U[0, 1) scaled, truncated by the conversion to i64.
     Tensor ids = mul(rand({batch, seq + 1}, DType::f32, dev), double(config.vocab_size)).to(DType::i64);
     Tensor x = ids.slice(1, 0, seq).contiguous(), y = ids.slice(1, 1, seq + 1).contiguous();
@@ -107,15 +129,27 @@ int main(int argc, char** argv) {
       opt.step();
     };
     std::function<void()> plain = [&] { step_with(false); }, data_parallel = [&] { step_with(true); };
+    std::function<void()> pipelined = [&] {
+      piped_opt->zero_grad();
+      {
+        AutocastGuard guard(cast);
+        piped.pipeline->step(x, y);
+      }
+      piped_opt->step();
+    };
 
     for (int64_t i = 0; i < warmup; ++i) {
       plain();
       if (ddp) data_parallel();
+      if (pipeline) pipelined();
     }
     synchronize(dev);
     memory::reset_peak(dev);
-    std::vector<double> plain_ms, ddp_ms;
-    if (!ddp) {
+    std::vector<double> plain_ms, ddp_ms, pipeline_ms;
+    if (pipeline) {
+      std::tie(plain_ms, pipeline_ms) =
+          samples::alternating_steps(plain, pipelined, 6, std::max<int64_t>(1, steps / 6), dev);
+    } else if (!ddp) {
       plain_ms = samples::timed_steps(plain, steps, dev);
     } else {
       // Alternating rounds (plain, ddp, ddp, plain, ...) so drifting clocks hit both alike.
@@ -242,6 +276,12 @@ int main(int argc, char** argv) {
       }
       std::printf("phases (median ms): forward+loss %.2f, backward %.2f, optimizer %.2f\n", median(fwd), median(bwd),
                   median(opt_ms));
+    }
+    if (pipeline) {
+      const double pipeline_step = report(pipeline_ms, "pipeline");
+      std::printf("one-stage pipeline (1f1b, one micro-batch, NCCL world size 1) over plain: %+.2f%% per step "
+                  "(medians %.2f vs %.2f ms)\n",
+                  100.0 * (pipeline_step / plain_step - 1.0), pipeline_step, plain_step);
     }
     if (ddp) {
       const double ddp_step = report(ddp_ms, "ddp");

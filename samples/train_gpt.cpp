@@ -147,7 +147,7 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
       double loss = 0;
       {
         AutocastGuard cast(autocast);
-        loss = gp.pipeline->step(b.inputs, b.targets);
+        loss = gp.pipeline->step(b.inputs, b.targets).item();
       }
       if (o.clip > 0) gp.pipeline->clip_grad_norm(o.clip);
       opt.step();

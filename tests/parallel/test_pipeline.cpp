@@ -107,7 +107,8 @@ void train_pipeline(std::shared_ptr<ProcessGroup> pp, std::shared_ptr<ProcessGro
   for (int step = 0; step < kSteps; ++step) {
     auto [ids, targets] = batch(rows, kT, step);
     opt.zero_grad();
-    double loss = gp.pipeline->step(ids.slice(0, row0, row0 + rows_here), targets.slice(0, row0, row0 + rows_here));
+    double loss =
+        gp.pipeline->step(ids.slice(0, row0, row0 + rows_here), targets.slice(0, row0, row0 + rows_here)).item();
     opt.step();
     require(std::abs(loss - ref.losses[size_t(step)]) <= 1e-5 * std::abs(ref.losses[size_t(step)]), what, ": step ",
             step, " loss ", loss, " but one process had ", ref.losses[size_t(step)]);
