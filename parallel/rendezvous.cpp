@@ -134,10 +134,45 @@ RendezvousInfo rendezvous_from_env(const EnvLookup& env) {
           static_cast<int>(local_world_size), addr->text, static_cast<int>(port), env("LOOM_RUN_ID").value_or("")};
 }
 
+namespace {
+
+// A rank other than 0 first waits until something listens at MASTER_ADDR:MASTER_PORT, saying
+// every `report_every` that it is waiting and for whom, so that a rank whose rank 0 never
+// started is not silent until its timeout. (Whether what listens is a store, and this job's,
+// is checked next, by the store's first request.)
+void wait_for_store(const RendezvousInfo& info, Duration timeout, Duration report_every,
+                    std::chrono::steady_clock::time_point start) {
+  const auto deadline = start + timeout;
+  for (;;) {
+    const auto left = std::chrono::ceil<Duration>(deadline - std::chrono::steady_clock::now());
+    try {
+      net::connect_tcp(info.master_addr, info.master_port, std::clamp(std::min(left, report_every), Duration(1), timeout));
+      return;
+    } catch (const Error& e) {
+      if (std::chrono::steady_clock::now() >= deadline)
+        LOOM_FAIL("rank ", info.rank, ": rank 0's store at ", info.master_addr, ":", info.master_port,
+                  " did not appear within ", net::elapsed_since(start),
+                  ": did rank 0 start, with the same MASTER_ADDR and MASTER_PORT? (", e.what(), ")");
+      const std::string line = ::loom::detail::str(
+          "rank ", info.rank, ": waiting for rank 0's store at ", info.master_addr, ":", info.master_port, " (",
+          net::elapsed_since(start), " of the ", std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
+          " s timeout)\n");
+      std::fputs(line.c_str(), stderr);
+      std::fflush(stderr);
+    }
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<TcpStore> connect_store(const RendezvousInfo& info, Duration timeout, Duration report_every) {
   auto role = info.rank == 0 ? TcpStore::Role::server : TcpStore::Role::client;
   auto start = std::chrono::steady_clock::now();
-  auto store = std::make_unique<TcpStore>(info.master_addr, info.master_port, role, timeout);
+  if (info.rank != 0) wait_for_store(info, timeout, report_every, start);
+  auto store = std::make_unique<TcpStore>(info.master_addr, info.master_port, role,
+                                          std::max(Duration(1), std::chrono::ceil<Duration>(
+                                                                    start + timeout - std::chrono::steady_clock::now())));
+  store->set_timeout(timeout);
   const std::string prefix = "loom/rendezvous/";
 
   // Another job's store answers on a port both were given: leave it alone (read only).

@@ -56,7 +56,7 @@ RendezvousInfo rendezvous_from_env(const EnvLookup& env = process_env);
 // until all world_size ranks have joined, so a rank missing, started twice, or given
 // another WORLD_SIZE is an error naming it rather than a hang later on. The whole rendezvous
 // takes at most about `timeout`; while rank 0 waits, it prints the ranks still missing to
-// stderr every `report_every`. A rank whose run id differs from rank 0's (another job on the
+// stderr every `report_every`, and a rank waiting for rank 0's store to appear says so as often. A rank whose run id differs from rank 0's (another job on the
 // same port) fails with the busy-port message before it claims its rank.
 std::unique_ptr<TcpStore> connect_store(const RendezvousInfo& info, Duration timeout = Store::kDefaultTimeout,
                                         Duration report_every = std::chrono::seconds(5));

@@ -62,6 +62,20 @@ TEST(Rendezvous, RankZeroNamesTheMissingRanksWhileItWaitsAndStopsAtTheTimeout) {
   EXPECT_LT(took, 6s);
 }
 
+TEST(Rendezvous, ARankWhoseRankZeroNeverStartsSaysSoWhileItWaitsAndStopsAtTheTimeout) {
+  const int port = net::free_port();
+  testing::internal::CaptureStderr();
+  const auto start = Clock::now();
+  const std::string error = error_of([&] { connect_store(info_for(2, 3, port), 2500ms, 1000ms); });
+  const auto took = Clock::now() - start;
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(contains(error, "rank 2: rank 0's store at 127.0.0.1:" + std::to_string(port) + " did not appear"))
+      << error;
+  EXPECT_TRUE(contains(said, "rank 2: waiting for rank 0's store at 127.0.0.1:" + std::to_string(port))) << said;
+  EXPECT_GE(std::count(said.begin(), said.end(), '\n'), 2) << said;
+  EXPECT_LT(took, 6s);
+}
+
 TEST(Rendezvous, SomethingOnThePortThatIsNotAStoreFailsWithinTheTimeout) {
   // A listening socket that never answers: the kernel accepts the connection for it.
   net::Fd listener = net::listen_tcp(0, "127.0.0.1");
