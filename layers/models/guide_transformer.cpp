@@ -1,5 +1,6 @@
-// The guide's transformer (guide_transformer.h): its blocks, and the model that runs them
-// through a BlockPlacement so the same forward serves the unsplit and the split model.
+// The guide's transformer (guide_transformer.h): its blocks, the model that runs them
+// through a BlockPlacement so the same forward serves the unsplit and the split model, and
+// the stage that holds a range of them for a pipeline, with the same checks and loss.
 #include "layers/models/guide_transformer.h"
 
 #include <cmath>
@@ -16,6 +17,27 @@ class ModuleList : public Module {
  public:
   std::string type_name() const override { return "ModuleList"; }
 };
+
+void check_config(const GuideTransformerConfig& config, const char* who) {
+  LOOM_CHECK(config.width > 0 && config.heads > 0 && config.layers > 0 && config.classes > 0, who, ": width (",
+             config.width, "), heads (", config.heads, "), layers (", config.layers, ") and classes (", config.classes,
+             ") must be positive");
+  LOOM_CHECK(config.width % config.heads == 0, who, ": ", config.heads, " heads must divide the width ", config.width);
+}
+
+void check_input(const Tensor& x, int64_t width, const char* who) {
+  LOOM_CHECK(x.dim() == 3 && x.size(2) == width && is_floating(x.dtype()), who, ": expected input (B, T, ", width,
+             ") of floats, got ", shape_str(x.shape()), " ", dtype_name(x.dtype()));
+}
+
+// The mean cross-entropy of logits (B, T, classes) against one i64 class a position.
+Tensor position_loss(const Tensor& logits, const Tensor& targets, const char* who) {
+  LOOM_CHECK(targets.dim() == 2 && targets.size(0) == logits.size(0) && targets.size(1) == logits.size(1) &&
+                 targets.dtype() == DType::i64,
+             who, ": expected targets (", logits.size(0), ", ", logits.size(1),
+             ") of i64 classes, one a position, got ", shape_str(targets.shape()), " ", dtype_name(targets.dtype()));
+  return cross_entropy(logits.reshape({-1, logits.size(2)}), targets.to(logits.device()).reshape({-1}));
+}
 
 }  // namespace
 
@@ -46,11 +68,7 @@ Tensor GuideBlock::forward(const Tensor& x) {
 }
 
 GuideTransformer::GuideTransformer(GuideTransformerConfig config) : config_(config) {
-  LOOM_CHECK(config.width > 0 && config.heads > 0 && config.layers > 0 && config.classes > 0,
-             "GuideTransformer: width (", config.width, "), heads (", config.heads, "), layers (", config.layers,
-             ") and classes (", config.classes, ") must be positive");
-  LOOM_CHECK(config.width % config.heads == 0, "GuideTransformer: ", config.heads, " heads must divide the width ",
-             config.width);
+  check_config(config, "GuideTransformer");
   auto list = register_module("blocks", std::make_shared<ModuleList>());
   for (int64_t i = 0; i < config.layers; ++i)
     blocks.push_back(list->register_module(std::to_string(i), std::make_shared<GuideBlock>(config.width, config.heads)));
@@ -69,19 +87,40 @@ void GuideTransformer::place(const std::vector<Device>& devices, PlacementPolicy
 }
 
 Tensor GuideTransformer::forward(const Tensor& x) {
-  LOOM_CHECK(x.dim() == 3 && x.size(2) == config_.width && is_floating(x.dtype()),
-             "GuideTransformer: expected input (B, T, ", config_.width, ") of floats, got ", shape_str(x.shape()), " ",
-             dtype_name(x.dtype()));
+  check_input(x, config_.width, "GuideTransformer");
   return placement_.forward(x);
 }
 
 Tensor GuideTransformer::loss(const Tensor& x, const Tensor& targets) {
-  Tensor logits = forward(x);  // (B, T, classes)
-  LOOM_CHECK(targets.dim() == 2 && targets.size(0) == x.size(0) && targets.size(1) == x.size(1) &&
-                 targets.dtype() == DType::i64,
-             "GuideTransformer: expected targets (", x.size(0), ", ", x.size(1), ") of i64 classes, one a position, got ",
-             shape_str(targets.shape()), " ", dtype_name(targets.dtype()));
-  return cross_entropy(logits.reshape({-1, config_.classes}), targets.to(logits.device()).reshape({-1}));
+  return position_loss(forward(x), targets, "GuideTransformer");
+}
+
+GuideTransformerStage::GuideTransformerStage(GuideTransformerConfig config, int64_t first_block, int64_t end_block,
+                                             bool last)
+    : config_(config), first_block_(first_block), end_block_(end_block) {
+  check_config(config, "GuideTransformerStage");
+  LOOM_CHECK(0 <= first_block && first_block <= end_block && end_block <= config.layers,
+             "GuideTransformerStage: blocks [", first_block, ", ", end_block, ") are not a range of the model's ",
+             config.layers, " blocks");
+  LOOM_CHECK(first_block < end_block || last, "GuideTransformerStage: a stage that is not last holds no blocks [",
+             first_block, ", ", end_block, ")");
+  auto list = register_module("blocks", std::make_shared<ModuleList>());
+  for (int64_t i = first_block; i < end_block; ++i)
+    blocks.push_back(list->register_module(std::to_string(i), std::make_shared<GuideBlock>(config.width, config.heads)));
+  if (last) output = register_module("output", std::make_shared<Linear>(config.width, config.classes));
+}
+
+Tensor GuideTransformerStage::forward(const Tensor& x) {
+  check_input(x, config_.width, "GuideTransformerStage");
+  Tensor h = x.to((blocks.empty() ? output->weight : blocks.front()->fc1->weight).device());
+  for (const auto& block : blocks) h = block->forward(h);
+  return output ? output->forward(h) : h;
+}
+
+Tensor GuideTransformerStage::loss(const Tensor& x, const Tensor& targets) {
+  LOOM_CHECK(is_last(), "GuideTransformerStage: blocks [", first_block_, ", ", end_block_,
+             ") are not the last stage, which alone holds the output layer and the loss");
+  return position_loss(forward(x), targets, "GuideTransformerStage");
 }
 
 GuideSyntheticTask::GuideSyntheticTask(int64_t width, int64_t classes, uint64_t seed) {

@@ -19,7 +19,8 @@
 //   1e-3 of it.
 //
 // Blocks go on devices round-robin as in the guide, or in contiguous ranges; the output
-// layer goes on the last device of the list, as in the guide.
+// layer goes on the last device of the list, as in the guide. For a pipeline over processes,
+// GuideTransformerStage holds one contiguous range of blocks alone.
 #pragma once
 
 #include <memory>
@@ -78,6 +79,34 @@ class GuideTransformer : public Module {
  private:
   GuideTransformerConfig config_;
   BlockPlacement placement_;
+};
+
+// One stage of GuideTransformer cut for a pipeline (parallel/guide_pipeline.h), built alone
+// so that no process holds the whole model: the blocks [first_block, end_block) and, on the
+// last stage, the output layer and the loss. Its parameters have the whole model's names
+// ("blocks.4.norm1.weight", "output.bias"), so a stage's named parameters are the matching
+// subset of GuideTransformer's. There is no embedding: every stage takes (B, T, C) floats.
+class GuideTransformerStage : public Module {
+ public:
+  GuideTransformerStage(GuideTransformerConfig config, int64_t first_block, int64_t end_block, bool last);
+
+  // (B, T, C) floats, moved to the stage's device -> (B, T, C) after its blocks; on the last
+  // stage, the logits (B, T, classes).
+  Tensor forward(const Tensor& x) override;
+  // The last stage: GuideTransformer::loss of the stage's input, the same mean cross-entropy.
+  Tensor loss(const Tensor& x, const Tensor& targets);
+  std::string type_name() const override { return "ModelParallelTransformerStage"; }
+
+  bool is_last() const { return output != nullptr; }
+  int64_t first_block() const { return first_block_; }
+  int64_t end_block() const { return end_block_; }
+
+  std::vector<std::shared_ptr<GuideBlock>> blocks;  // registered as "blocks.<first_block>", ...
+  std::shared_ptr<Linear> output;                   // last stage only
+
+ private:
+  GuideTransformerConfig config_;
+  int64_t first_block_, end_block_;
 };
 
 // A synthetic task the guide's transformer can learn, where the guide trains on random input
