@@ -1,7 +1,8 @@
 // train_gpt: trains a byte-level GPT on a text corpus (default: Debian's fortunes,
 // /usr/share/games/fortunes) or on uint16 token shards (nanoGPT / llm.c format), then prints
 // text it generates. Same conventions as train_cnn: a progress line, JSON lines, an SVG chart,
-// checkpoints and --resume, data parallel under loomrun or with --gpus N. `--help` lists it all.
+// checkpoints and --resume, data parallel under loomrun or with --gpus N (DDP, or FSDP with
+// --fsdp: one unit per transformer block), pipelined with --pp. `--help` lists it all.
 //
 // The text is cut into non-overlapping windows of --context tokens, held out 10% at the end
 // for validation, and visited in a random order each epoch (a distributed shard per rank).
@@ -22,6 +23,7 @@
 #include "layers/layers.h"
 #include "parallel/ddp.h"
 #include "parallel/device_mesh.h"
+#include "parallel/fsdp.h"
 #include "parallel/gpt_pipeline.h"
 #include "parallel/init.h"
 #include "parallel/trace.h"
@@ -39,13 +41,26 @@ namespace {
 struct Options {
   std::string config = "auto", data = data::kFortunesDir, shards, precision = "auto", device = "auto";
   std::string save, resume, metrics = "train_gpt.jsonl", plot = "train_gpt.svg", prompt = "Q: ";
-  std::string schedule = "1f1b", trace;
-  int64_t pp = 1, dp = 0, microbatches = 0, stages_per_rank = 2;
+  std::string schedule = "1f1b", trace, reshard_after_forward = "yes";
+  int64_t pp = 1, dp = 0, microbatches = 0, stages_per_rank = 2, min_params = 0;
   int64_t epochs = 0, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
   int64_t generate = 300, top_k = 40, timeout_s = 600, scaling = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
-  bool recompute = false, allow_nonfinite = false;
+  bool recompute = false, allow_nonfinite = false, fsdp = false;
 };
+
+// --fsdp's units: by size with --min-params N, else one unit per transformer block, as
+// nanoGPT's and FSDP2's recipes shard a GPT; the embeddings, the final LayerNorm and the
+// output layer tied to the token embedding are left to the root unit.
+dist::FSDPOptions fsdp_options(const Options& o, nn::GPT& model) {
+  dist::FSDPOptions options;
+  options.reshard_after_forward =
+      o.reshard_after_forward == "yes" ? dist::ReshardAfterForward::yes : dist::ReshardAfterForward::no;
+  if (o.min_params > 0) options.min_num_params = o.min_params;
+  else
+    for (const auto& block : model.blocks) options.units.push_back({block});
+  return options;
+}
 
 // Samples `count` bytes after `prompt` (temperature, top-k) with the model on `device`.
 std::string generate(nn::GPT& model, const std::string& prompt, int64_t count, double temperature, int64_t top_k,
@@ -206,6 +221,19 @@ int run(int argc, char** argv) {
   flags.add("max-steps", &o.max_steps, "stop after this many steps (0: no limit)", 0);
   flags.add("gpus", &o.gpus, "data-parallel over N GPUs of this node (starts N ranks)", 0, 1024);
   flags.add("timeout-s", &o.timeout_s, "data parallel: seconds before a stuck collective ends the run", 1);
+  flags.add_switch("fsdp", &o.fsdp,
+                   "data parallel (under a launcher or --gpus N): shard parameters, gradients and optimizer state "
+                   "over the ranks (parallel/fsdp.h) instead of replicating them (DDP); one unit per transformer "
+                   "block. Not with --save/--resume (their checkpoints are single files of the whole model), --pp "
+                   "or --scaling");
+  flags.add("reshard-after-forward", &o.reshard_after_forward,
+            "FSDP: free a unit's full parameters after its forward (yes: ZeRO-3) or keep them until its backward "
+            "(no: ZeRO-2)",
+            {"yes", "no"});
+  flags.add("min-params", &o.min_params,
+            "FSDP: units by size instead, a module with at least this many parameters becoming one (0: one unit "
+            "per transformer block)",
+            0);
   flags.add("save", &o.save, "write a training checkpoint here after every epoch", {}, "FILE");
   flags.add("resume", &o.resume, "continue the run saved in this checkpoint", {}, "FILE");
   flags.add("seed", &o.seed, "seed for weights, data order and sampling", 0);
@@ -245,6 +273,23 @@ int run(int argc, char** argv) {
                  "(its tokens are not bytes)");
   }
   const bool pipelined = o.pp > 1;
+  for (const char* flag : {"reshard-after-forward", "min-params"})
+    if (!o.fsdp && flags.given(flag)) flags.fail(std::string("--") + flag + " is FSDP's: add --fsdp");
+  if (o.fsdp) {
+    if (pipelined)
+      flags.fail("--fsdp with --pp " + std::to_string(o.pp) + " is not available: FSDP shards a whole model over "
+                 "data-parallel ranks, a pipeline cuts it into stages; drop one of them");
+    if (flags.given("scaling"))
+      flags.fail("--fsdp with --scaling is not available: the scaling runs measure DDP; drop one of them");
+    for (const char* flag : {"save", "resume"})
+      if (flags.given(flag))
+        flags.fail(std::string("--") + flag + " with --fsdp is not available: train_gpt's checkpoints are single "
+                   "files of the whole model and optimizer, and an FSDP rank holds only its shards "
+                   "(parallel/sharded_checkpoint.h saves a sharded model from a program of one's own)");
+    if (o.gpus <= 1 && !dist::launched_with_rank())
+      flags.fail("--fsdp shards over several ranks, and no launcher started this one: start it with loomrun "
+                 "--nproc-per-node N (or torchrun, mpirun, srun), or with --gpus N");
+  }
   if (!pipelined)
     for (const char* flag : {"dp", "schedule", "microbatches", "stages-per-rank", "trace"})
       if (flags.given(flag)) flags.fail(std::string("--") + flag + " sets up a pipeline, and --pp is 1 (give --pp N)");
@@ -382,12 +427,29 @@ int run(int argc, char** argv) {
   auto model = std::make_shared<nn::GPT>(config);
   model->to(device);
   std::shared_ptr<dist::DistributedDataParallel> ddp;
-  if (ctx.active) {
+  std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
+  if (o.fsdp) {
+    fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, ctx.group, fsdp_options(o, *model));
+    if (main_rank) {
+      size_t bytes = 0;
+      for (const Tensor& p : model->parameters()) bytes += p.nbytes();
+      std::printf("FSDP (%s): %zu units; parameters %.3f MB in all, %.3f MB of shards on rank 0\n",
+                  o.reshard_after_forward == "yes" ? "ZeRO-3" : "ZeRO-2", fsdp->unit_names().size(),
+                  double(bytes) / 1e6, double(fsdp->memory().shard_parameter_bytes) / 1e6);
+    }
+  } else if (ctx.active) {
     dist::DDPOptions options;
     options.gradient_as_bucket_view = true;
     ddp = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, options);
   }
-  optim::AdamW opt(model->parameters(), {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
+  // Under FSDP the model computes only inside fsdp->call (its parameters are gathered there,
+  // in training and validation alike) and the optimizer steps this rank's shards.
+  auto model_loss = [&](const data::Batch& b) {
+    auto loss = [&] { return model->loss(b.inputs, b.targets); };
+    return fsdp ? fsdp->call(loss) : ddp ? ddp->call(loss) : loss();
+  };
+  optim::AdamW opt(fsdp ? fsdp->parameters() : model->parameters(),
+                   {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
   optim::LRScheduler sched(opt, optim::cosine_annealing(std::max<int64_t>(total_steps, 1), o.lr * 0.1));
   const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
   int64_t epoch = 0, batch = 0, step = 0;
@@ -420,10 +482,10 @@ int run(int argc, char** argv) {
       Tensor loss;
       {
         AutocastGuard cast(autocast);
-        loss = ddp ? ddp->call([&] { return model->loss(b.inputs, b.targets); }) : model->loss(b.inputs, b.targets);
+        loss = model_loss(b);
       }
       loss.backward();
-      if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
+      if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
       opt.step();
       sched.step();
       ++step, ++batch, ++steps;
@@ -449,7 +511,8 @@ int run(int argc, char** argv) {
       AutocastGuard cast(autocast);
       data::Epoch val = val_loader.epoch(0);
       for (data::Batch& b : val) {
-        Tensor l = model->loss(b.inputs, b.targets);
+        auto loss = [&] { return model->loss(b.inputs, b.targets); };
+        Tensor l = fsdp ? fsdp->call(loss) : loss();
         val_sum = val_sum.defined() ? add(val_sum, l) : l;
         ++val_batches;
       }
@@ -459,6 +522,9 @@ int run(int argc, char** argv) {
     if (main_rank) {
       std::printf("epoch %lld: train loss %.4f  validation loss %.4f  %.0f tok/s\n", (long long)epoch + 1,
                   train_loss, val_loss, tokens_per_s);
+      if (fsdp)
+        std::printf("FSDP: at most %.3f MB of full parameters held at once on rank 0\n",
+                    double(fsdp->memory().peak_full_parameter_bytes) / 1e6);
       std::fflush(stdout);
     }
     metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss},
@@ -483,9 +549,22 @@ int run(int argc, char** argv) {
                                             {"world_size", std::to_string(ctx.size)},
                                             {"train_windows", std::to_string(train_set->size())}}});
   }
-  if (main_rank && o.generate > 0 && o.shards.empty())
-    std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s\n", o.temperature, (long long)o.top_k,
-                generate(*model, o.prompt, o.generate, o.temperature, o.top_k, device, uint64_t(o.seed)).c_str());
+  if (o.generate > 0 && o.shards.empty()) {
+    // A sharded model cannot run alone: its full weights (gathered on every rank, a
+    // collective) go into a plain GPT on rank 0, which generates.
+    std::shared_ptr<nn::GPT> whole = model;
+    if (fsdp) {
+      nn::NamedTensors full = fsdp->full_state_dict();
+      if (main_rank) {
+        whole = std::make_shared<nn::GPT>(config);
+        whole->to(device);
+        whole->load_state_dict(full);
+      }
+    }
+    if (main_rank)
+      std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s\n", o.temperature, (long long)o.top_k,
+                  generate(*whole, o.prompt, o.generate, o.temperature, o.top_k, device, uint64_t(o.seed)).c_str());
+  }
   return 0;
 }
 

@@ -1,7 +1,9 @@
 // train_cnn data-parallel on CPU ranks, end to end: loomrun starts two ranks of train_cnn
 // over Gloo on a Fashion-MNIST subset; rank 0 reports the group and the test accuracy, the
 // run exits 0, and only rank 0 writes the metrics file. meson passes the programs' paths in
-// LOOMRUN and TRAIN_CNN. Skips where Fashion-MNIST is not installed.
+// LOOMRUN and TRAIN_CNN. Skips where Fashion-MNIST is not installed. train_gpt (TRAIN_GPT) the
+// same way on Debian's fortunes: it learns under DDP, --fsdp prints DDP's losses, and the
+// combinations --fsdp cannot run are named.
 #include <gtest/gtest.h>
 
 #include "run_command.h"
@@ -84,6 +86,88 @@ TEST(TrainGptDist, TinyGptLearnsFortunesOnTwoCpuRanks) {
       << r.output;
   EXPECT_LT(std::stod(m[2]), 4.5) << r.output;  // ln(256) = 5.55 before any training
   EXPECT_NE(r.output.find("--- sample"), std::string::npos) << r.output;
+}
+
+// The per-epoch summary lines ("epoch 1: train loss 3.9889  validation loss 3.1322") without
+// their throughput, and the generated sample.
+struct GptReport {
+  std::vector<std::string> epochs;
+  std::string sample;
+};
+
+GptReport gpt_report(const std::string& output) {
+  GptReport report;
+  const std::regex line("epoch [0-9]+: train loss [0-9.]+  validation loss [0-9.]+");
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), line); it != std::sregex_iterator(); ++it)
+    report.epochs.push_back(it->str());
+  const size_t sample = output.find("--- sample");
+  if (sample != std::string::npos) report.sample = output.substr(sample);
+  return report;
+}
+
+// train_gpt --fsdp on two CPU ranks trains the run DDP trains: every epoch's train and
+// validation loss, to the printed digits, and the text generated from the gathered weights.
+// The averaged gradients are the same sums (two ranks' sum commutes, the mean halves it
+// exactly); only the clipping norm is summed in another order (shard by shard), which stays
+// far below the fourth decimal. Two epochs of Debian's 24 KB "fortunes" file, 43 steps each.
+TEST(TrainGptDist, FsdpOnTwoCpuRanksPrintsTheLossesOfDdp) {
+  const std::string corpus = "/usr/share/games/fortunes/fortunes";
+  if (!std::filesystem::exists(corpus)) GTEST_SKIP() << "Debian's fortunes are not installed (apt-get install fortunes)";
+  const std::string command = std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 " + std::getenv("TRAIN_GPT") +
+                              " --device cpu --data " + corpus +
+                              " --epochs 2 --batch-size 8 --context 32 --workers 1 --generate 40 --metrics '' --plot ''";
+  RunResult ddp = run(command, 300);
+  ASSERT_EQ(ddp.code, 0) << ddp.output;
+  const GptReport want = gpt_report(ddp.output);
+  ASSERT_EQ(want.epochs.size(), 2u) << ddp.output;
+  ASSERT_FALSE(want.sample.empty()) << ddp.output;
+  struct Case {
+    std::string flags, units, peak;
+  };
+  // ZeRO-3 holds the two blocks (0.2 MB each) at most; ZeRO-2 everything at the turn.
+  const std::vector<Case> cases = {
+      {"--fsdp", "FSDP (ZeRO-3): 3 units; parameters 0.531 MB in all, 0.266 MB of shards on rank 0",
+       "FSDP: at most 0.400 MB of full parameters held at once on rank 0"},
+      {"--fsdp --reshard-after-forward no --min-params 20000", "FSDP (ZeRO-2): 4 units;",
+       "FSDP: at most 0.531 MB of full parameters held at once on rank 0"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.flags);
+    RunResult fsdp = run(command + " " + c.flags, 300);
+    ASSERT_EQ(fsdp.code, 0) << fsdp.output;
+    const GptReport got = gpt_report(fsdp.output);
+    EXPECT_EQ(got.epochs, want.epochs) << fsdp.output;
+    EXPECT_EQ(got.sample, want.sample) << fsdp.output;
+    EXPECT_NE(fsdp.output.find(c.units), std::string::npos) << fsdp.output;
+    EXPECT_NE(fsdp.output.find(c.peak), std::string::npos) << fsdp.output;
+  }
+}
+
+// What --fsdp cannot run stops before training, exits non-zero and names the flags.
+TEST(TrainGptDist, FsdpCombinationsItCannotRunStopNamingTheFlags) {
+  struct Case {
+    std::string launcher, flags, expected;
+  };
+  const std::string loomrun = std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 ";
+  const std::vector<Case> cases = {
+      {loomrun, "--fsdp --pp 2", "--fsdp with --pp 2 is not available"},
+      {loomrun, "--fsdp --save gpt.safetensors", "--save with --fsdp is not available"},
+      {loomrun, "--fsdp --resume gpt.safetensors", "--resume with --fsdp is not available"},
+      {"", "--fsdp --scaling 2", "--fsdp with --scaling is not available"},
+      {"", "--fsdp", "--fsdp shards over several ranks, and no launcher started this one"},
+      {loomrun, "--min-params 1000", "--min-params is FSDP's: add --fsdp"},
+      {loomrun, "--reshard-after-forward no", "--reshard-after-forward is FSDP's: add --fsdp"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.flags);
+    RunResult r = run(c.launcher + std::getenv("TRAIN_GPT") +
+                          " --device cpu --config tiny --max-steps 1 --workers 1 --metrics '' --plot '' " + c.flags,
+                      120);
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("epoch 1"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("terminate called"), std::string::npos) << r.output;
+  }
 }
 
 // The most common distributed bug: ranks that would run different numbers of steps (here
