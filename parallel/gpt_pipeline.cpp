@@ -18,15 +18,7 @@ GPTPipeline make_gpt_pipeline(std::shared_ptr<ProcessGroup> group, const nn::GPT
   LOOM_CHECK(group != nullptr, "make_gpt_pipeline: no process group");
   const int v = options.schedule == ScheduleKind::interleaved ? options.stages_per_rank : 1;
   const int stages = group->size() * v;
-  if (cuts.empty()) cuts = nn::even_cuts(config.layers, stages);
-  std::string listed;
-  for (int64_t c : cuts) listed += (listed.empty() ? "" : ",") + std::to_string(c);
-  LOOM_CHECK(int(cuts.size()) == stages + 1 && cuts.front() == 0 && cuts.back() == config.layers,
-             "pipeline: the stage cuts [", listed, "] do not cut ", config.layers, " blocks into ", stages,
-             " stages; expected ", stages + 1, " indices from 0 to ", config.layers);
-  for (size_t i = 1; i < cuts.size(); ++i)
-    LOOM_CHECK(cuts[i] > cuts[i - 1], "pipeline: the stage cuts [", listed, "] leave stage ", i - 1,
-               " without blocks; expected increasing indices (", config.layers, " blocks, ", stages, " stages)");
+  cuts = stage_cuts(std::move(cuts), config.layers, stages);
   LOOM_CHECK(sequence_length >= 1 && sequence_length <= config.context, "pipeline: sequence length ", sequence_length,
              " is outside 1..", config.context);
 

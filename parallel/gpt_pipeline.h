@@ -20,8 +20,9 @@ struct GPTPipeline {
 };
 
 // `cuts`: where each of the schedule's stages begins, stages + 1 indices from 0 to
-// config.layers (nn::even_cuts when empty). `sequence_length`: the T of every batch (the
-// activations between stages are (rows, T, width)). The modules are moved to options.device.
+// config.layers (an even cut when empty: stage_cuts, parallel/pipeline.h). `sequence_length`:
+// the T of every batch (the activations between stages are (rows, T, width)). The modules are
+// moved to options.device.
 GPTPipeline make_gpt_pipeline(std::shared_ptr<ProcessGroup> group, const nn::GPTConfig& config,
                               int64_t sequence_length, PipelineOptions options, std::vector<int64_t> cuts = {});
 

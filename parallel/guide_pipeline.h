@@ -21,8 +21,9 @@ struct GuidePipeline {
 };
 
 // `cuts`: where each of the schedule's stages begins, stages + 1 indices from 0 to
-// config.layers (nn::even_cuts when empty). `tokens`: the T of every batch. The modules are
-// moved to options.device (their dtype, which their activations take, stays the caller's).
+// config.layers (an even cut when empty: stage_cuts, parallel/pipeline.h). `tokens`: the T of
+// every batch. The modules are moved to options.device (their dtype, which their activations
+// take, stays the caller's).
 GuidePipeline make_guide_pipeline(std::shared_ptr<ProcessGroup> group, const nn::GuideTransformerConfig& config,
                                   int64_t tokens, PipelineOptions options, std::vector<int64_t> cuts = {});
 

@@ -37,6 +37,24 @@ int tag_of(int sending_stage, int microbatch, int microbatches, bool gradient) {
 
 }  // namespace
 
+std::vector<int64_t> stage_cuts(std::vector<int64_t> cuts, int64_t layers, int stages) {
+  LOOM_CHECK(stages >= 1 && layers >= stages, "pipeline: ", stages, " stages need ", stages,
+             " or more blocks; the model has ", layers);
+  if (cuts.empty()) {
+    cuts.push_back(0);
+    for (int s = 0; s < stages; ++s) cuts.push_back(cuts.back() + layers / stages + (s < layers % stages ? 1 : 0));
+  }
+  std::string listed;
+  for (int64_t c : cuts) listed += (listed.empty() ? "" : ",") + std::to_string(c);
+  LOOM_CHECK(int(cuts.size()) == stages + 1 && cuts.front() == 0 && cuts.back() == layers, "pipeline: the stage cuts [",
+             listed, "] do not cut ", layers, " blocks into ", stages, " stages; expected ", stages + 1,
+             " indices from 0 to ", layers);
+  for (size_t i = 1; i < cuts.size(); ++i)
+    LOOM_CHECK(cuts[i] > cuts[i - 1], "pipeline: the stage cuts [", listed, "] leave stage ", i - 1,
+               " without blocks; expected increasing indices (", layers, " blocks, ", stages, " stages)");
+  return cuts;
+}
+
 Pipeline::Pipeline(std::shared_ptr<ProcessGroup> group, std::vector<Stage> stages, PipelineOptions options)
     : group_(std::move(group)), stages_(std::move(stages)), options_(std::move(options)) {
   LOOM_CHECK(group_ != nullptr, "Pipeline: no process group");

@@ -118,6 +118,12 @@ struct PipelineOptions {
   std::shared_ptr<ProcessGroup> data_parallel;
 };
 
+// The block ranges of a model of `layers` blocks cut into `stages` stages: `cuts`, stages + 1
+// increasing indices from 0 to layers (stage s holds blocks [cuts[s], cuts[s + 1])), checked,
+// or when empty an even cut (the first stages one block more where it does not divide).
+// Throws naming the cuts, the blocks and the stages.
+std::vector<int64_t> stage_cuts(std::vector<int64_t> cuts, int64_t layers, int stages);
+
 class Pipeline {
  public:
   // `group`: the ranks of one pipeline, stage s on group rank s % size. `stages`: this rank's,

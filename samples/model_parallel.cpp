@@ -162,7 +162,7 @@ int train_pipelined(Options& o, const samples::Flags& flags) {
                 (long long)o.layers, (long long)o.width, (long long)o.heads, stages, (long long)o.pp, (long long)o.dp,
                 o.schedule.c_str(), (long long)o.microbatches, (long long)(o.batch / o.dp / o.microbatches),
                 ctx.device.str().c_str(), (long long)held);
-    const std::vector<int64_t> cuts = nn::even_cuts(o.layers, stages);
+    const std::vector<int64_t> cuts = dist::pipeline::stage_cuts({}, o.layers, stages);
     for (int s = 0; s < stages; ++s)
       std::printf("  stage %d on pipeline rank %d: blocks %lld-%lld%s\n", s, s % int(o.pp), (long long)cuts[size_t(s)],
                   (long long)cuts[size_t(s) + 1] - 1, s == stages - 1 ? ", the output layer and the loss" : "");

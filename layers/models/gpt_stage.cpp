@@ -77,11 +77,4 @@ Tensor GPTStage::loss(const Tensor& x, const Tensor& targets) {
   return linear_cross_entropy(h.reshape({-1, h.size(-1)}), lm_head, targets.reshape({-1}));
 }
 
-std::vector<int64_t> even_cuts(int64_t layers, int stages) {
-  LOOM_CHECK(stages >= 1, "even_cuts: ", stages, " stages; expected at least 1");
-  std::vector<int64_t> cuts{0};
-  for (int s = 0; s < stages; ++s) cuts.push_back(cuts.back() + layers / stages + (s < layers % stages ? 1 : 0));
-  return cuts;
-}
-
 }  // namespace loom::nn

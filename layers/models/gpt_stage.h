@@ -45,8 +45,4 @@ class GPTStage : public Module {
   bool first_, last_;
 };
 
-// Where `stages` stages of a model of `layers` blocks begin: `stages` + 1 indices from 0 to
-// layers, as equal as can be (the first stages take one block more when it does not divide).
-std::vector<int64_t> even_cuts(int64_t layers, int stages);
-
 }  // namespace loom::nn

@@ -83,7 +83,7 @@ TEST(GuidePipeline, StagesHoldTheModelsParametersUnderItsNamesOnceEach) {
   const std::map<std::string, Tensor> whole = initial_weights();
   for (int stages : {1, 2, 3, 6}) {
     SCOPED_TRACE(std::to_string(stages) + " stages");
-    const std::vector<int64_t> cuts = nn::even_cuts(kConfig.layers, stages);
+    const std::vector<int64_t> cuts = dist::pipeline::stage_cuts({}, kConfig.layers, stages);
     std::set<std::string> held;
     for (int s = 0; s < stages; ++s) {
       nn::GuideTransformerStage stage(kConfig, cuts[size_t(s)], cuts[size_t(s) + 1], s == stages - 1);
