@@ -24,6 +24,19 @@ template <class F> void expect_error(F&& f, const std::string& needle) {
   }
 }
 
+// ||a - b|| / ||b|| over all elements, both brought to the CPU in f64.
+inline double relative_difference(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = a.to(Device::cpu()).to(DType::f64).to_vector<double>();
+  const std::vector<double> y = b.to(Device::cpu()).to(DType::f64).to_vector<double>();
+  EXPECT_EQ(x.size(), y.size());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
+    diff += (x[i] - y[i]) * (x[i] - y[i]);
+    norm += y[i] * y[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
 // |a - b| <= tol * (1 + |b|) element by element.
 inline void expect_all_close(const Tensor& a, const Tensor& b, double tol, const std::string& what) {
   ASSERT_EQ(a.shape(), b.shape()) << what;

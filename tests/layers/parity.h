@@ -28,6 +28,7 @@
 #include "engine/ops.h"
 #include "engine/serialization.h"
 #include "kernels/core/precision.h"
+#include "tests/common/gpu.h"
 #include "layers/models/gpt.h"
 #include "layers/models/simple_cnn.h"
 #include "layers/optim/adam.h"
@@ -35,21 +36,14 @@
 
 namespace loom::testing {
 
+using ::loom::test::Tf32Off;
+
 inline double relative_error(const Tensor& got, const Tensor& want) {
   Tensor g = got.to(Device::cpu()).to(DType::f64), w = want.to(Device::cpu()).to(DType::f64);
   const double diff = std::sqrt(sum(mul(sub(g, w), sub(g, w))).item());
   const double norm = std::sqrt(sum(mul(w, w)).item());
   return diff / std::max(norm, 1e-30);
 }
-
-// Full f32 arithmetic on CUDA for the guard's lifetime (references are float64).
-struct Tf32Off {
-  bool was = tf32_allowed();
-  Tf32Off() { set_tf32_allowed(false); }
-  ~Tf32Off() { set_tf32_allowed(was); }
-  Tf32Off(const Tf32Off&) = delete;
-  Tf32Off& operator=(const Tf32Off&) = delete;
-};
 
 inline void check_simplecnn_parity(Device device) {
   Tf32Off tf32_off;

@@ -17,32 +17,15 @@
 #include "layers/optim/sgd.h"
 #include "layers/placement.h"
 #include "tests/common/gpu.h"
+#include "tests/common/tensor_checks.h"
 
 namespace loom::nn {
 namespace {
 
+using ::loom::test::relative_difference;
+using ::loom::test::Tf32Off;
+
 const Device kGpu = Device::cuda(0);
-
-// Full f32 products on the GPU for the guard's lifetime, so the CPU is the reference.
-struct Tf32Off {
-  bool was = tf32_allowed();
-  Tf32Off() { set_tf32_allowed(false); }
-  ~Tf32Off() { set_tf32_allowed(was); }
-  Tf32Off(const Tf32Off&) = delete;
-  Tf32Off& operator=(const Tf32Off&) = delete;
-};
-
-// ||a - b|| / ||b|| over all elements, both brought to the CPU in f64.
-double relative_difference(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to(Device::cpu()).to_vector<double>(), y = b.to(Device::cpu()).to_vector<double>();
-  EXPECT_EQ(x.size(), y.size());
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
-    diff += (x[i] - y[i]) * (x[i] - y[i]);
-    norm += y[i] * y[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
-}
 
 TEST(ModelParallelCuda, CopiesBetweenCpuAndGpuAreDifferentiableBothWays) {
   LOOM_REQUIRE_CUDA();

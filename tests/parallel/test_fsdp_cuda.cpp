@@ -34,9 +34,13 @@
 #include "parallel/process_group.h"
 #include "parallel/store.h"
 #include "tests/common/gpu.h"
+#include "tests/common/tensor_checks.h"
 
 namespace loom::dist {
 namespace {
+
+using ::loom::test::relative_difference;
+using ::loom::test::Tf32Off;
 
 #define LOOM_REQUIRE_NCCL()                                                       \
   do {                                                                            \
@@ -48,16 +52,6 @@ const Device kGpu = Device::cuda(0);
 constexpr int kSteps = 5;
 constexpr int64_t kBatch = 4, kSeq = 32;
 constexpr double kMaxNorm = 0.5;
-
-// Full f32 products on the GPU for the guard's lifetime, so that the plain model and FSDP's
-// differ only by the order of sums, not by TF32's rounding of the same products.
-struct Tf32Off {
-  bool was = tf32_allowed();
-  Tf32Off() { set_tf32_allowed(false); }
-  ~Tf32Off() { set_tf32_allowed(was); }
-  Tf32Off(const Tf32Off&) = delete;
-  Tf32Off& operator=(const Tf32Off&) = delete;
-};
 
 // A group of one on cuda:0; the store lives as long as the group.
 struct OneRank {
@@ -150,19 +144,6 @@ Trained train_mixed_plain() {
   // The masters, under the parameters' names (the tied output layer under the embedding's).
   for (const auto& [name, m] : masters) out.weights.emplace(name, m.detach().clone());
   return out;
-}
-
-// ||a - b|| / ||b|| over all elements, in f64 on the CPU.
-double relative_difference(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to(Device::cpu()).to(DType::f64).to_vector<double>();
-  const std::vector<double> y = b.to(Device::cpu()).to(DType::f64).to_vector<double>();
-  EXPECT_EQ(x.size(), y.size());
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
-    diff += (x[i] - y[i]) * (x[i] - y[i]);
-    norm += y[i] * y[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
 }
 
 // The allocator's live bytes on cuda:0 once they reach `expected`, or after two seconds. The
