@@ -13,6 +13,7 @@
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "layers/optim/clip.h"
 
 namespace loom::dist {
 
@@ -387,22 +388,12 @@ void FullyShardedDataParallel::zero_grad() {
 
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
   LOOM_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must not be negative, got ", max_norm);
-  NoGradGuard no_grad;
   const Device device = state_->units.empty() ? Device::cpu() : state_->units.front().device;
-  Tensor total = zeros({1}, DType::f64, device);
-  TensorList grads;
-  for (const Tensor& p : parameters()) {
-    Tensor g = p.grad();
-    if (!g.defined() || g.numel() == 0) continue;
-    grads.push_back(g);
-    Tensor wide = g.dtype() == DType::f64 ? g : g.to(DType::f32);
-    add_(total, sum(mul(wide, wide)).to(DType::f64).reshape({1}));
-  }
+  const TensorList shards = parameters();
+  Tensor total = optim::grad_squared_sum(shards, device);
   group_->all_reduce(total, ReduceOp::sum)->wait();
   const double norm = std::sqrt(total.item());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1)
-    for (const Tensor& g : grads) mul_(g, coef);
+  optim::scale_grads_to_norm(shards, norm, max_norm);
   return norm;
 }
 

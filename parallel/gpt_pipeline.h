@@ -11,13 +11,7 @@
 
 namespace loom::dist::pipeline {
 
-struct GPTPipeline {
-  std::vector<std::shared_ptr<nn::GPTStage>> modules;  // this rank's stages, in order
-  std::unique_ptr<Pipeline> pipeline;
-
-  // Every parameter of this rank's stages, each once: what its optimizer steps.
-  TensorList parameters() const;
-};
+using GPTPipeline = ModelPipeline<nn::GPTStage>;
 
 // `cuts`: where each of the schedule's stages begins, stages + 1 indices from 0 to
 // config.layers (an even cut when empty: stage_cuts, parallel/pipeline.h). `sequence_length`:

@@ -12,13 +12,7 @@
 
 namespace loom::dist::pipeline {
 
-struct GuidePipeline {
-  std::vector<std::shared_ptr<nn::GuideTransformerStage>> modules;  // this rank's stages, in order
-  std::unique_ptr<Pipeline> pipeline;
-
-  // Every parameter of this rank's stages: what its optimizer steps.
-  TensorList parameters() const;
-};
+using GuidePipeline = ModelPipeline<nn::GuideTransformerStage>;
 
 // `cuts`: where each of the schedule's stages begins, stages + 1 indices from 0 to
 // config.layers (an even cut when empty: stage_cuts, parallel/pipeline.h). `tokens`: the T of

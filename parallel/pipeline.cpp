@@ -10,6 +10,7 @@
 #include "engine/allocator.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "layers/optim/clip.h"
 #include "parallel/trace.h"
 
 namespace loom::dist::pipeline {
@@ -185,27 +186,20 @@ void Pipeline::average_over_data_parallel() {
 
 double Pipeline::clip_grad_norm(double max_norm) {
   LOOM_CHECK(max_norm >= 0, "Pipeline::clip_grad_norm: max_norm must not be negative, got ", max_norm);
-  NoGradGuard no_grad;
   // The sum of squares over this rank's stages, the last stage's tied copy left out (stage 0's
-  // copy holds the same gradient), then the sum over the pipeline.
-  double local = 0;
-  TensorList grads;
+  // copy holds the same gradient), summed over the pipeline on the device and read once.
+  TensorList params, counted;
   for (const Stage& s : stages_)
     for (const Tensor& p : s.module->parameters()) {
-      Tensor g = p.grad();
-      if (!g.defined()) continue;
-      grads.push_back(g);
-      if (tied_ && tied_last_.defined() && p.impl() == tied_last_.impl() && tied_first_.impl() != p.impl()) continue;
-      Tensor wide = g.to(DType::f64);
-      local += sum(mul(wide, wide)).item();
+      params.push_back(p);
+      const bool tied_copy = tied_ && tied_last_.defined() && p.impl() == tied_last_.impl() &&
+                             tied_first_.impl() != p.impl();
+      if (!tied_copy) counted.push_back(p);
     }
-  Tensor total = full({1}, local, DType::f64, Device::cpu());
-  if (options_.device.is_cuda()) total = total.to(options_.device);
+  Tensor total = optim::grad_squared_sum(counted, options_.device);
   group_->all_reduce(total)->wait();
-  const double norm = std::sqrt(total.to(Device::cpu()).item());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1)
-    for (const Tensor& g : grads) mul_(g, coef);
+  const double norm = std::sqrt(total.item());
+  optim::scale_grads_to_norm(params, norm, max_norm);
   return norm;
 }
 

@@ -68,7 +68,7 @@
 // Then, once per step: the gradients of parameters tied across stages (GPT's token embedding,
 // used by stage 0 and by the output layer on the last stage) are summed between their holders,
 // so the copies, equal at the start, stay equal; with a data-parallel group, every gradient is
-// averaged over it (one bucketed all_reduce per step, not one per micro-batch: the stage's
+// averaged over it (one all_reduce per dtype per step, not one per micro-batch: the stage's
 // replicas in the other pipelines); and the caller's optimizer steps. A step on p ranks and m
 // micro-batches computes the gradients of one process on the whole batch.
 //
@@ -84,6 +84,7 @@
 #pragma once
 
 #include <functional>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -196,5 +197,57 @@ class Pipeline {
   int64_t peak_bytes_ = 0;
   int64_t step_start_ns_ = 0, step_end_ns_ = 0;
 };
+
+// A model built as pipeline stages on this rank: its stage modules, in stage order, and the
+// Pipeline over them (what make_gpt_pipeline and make_guide_pipeline return).
+template <class M>
+struct ModelPipeline {
+  std::vector<std::shared_ptr<M>> modules;
+  std::unique_ptr<Pipeline> pipeline;
+
+  // Every parameter of this rank's stages, each once (a tied one may be held twice): what its
+  // optimizer steps.
+  TensorList parameters() const {
+    TensorList out;
+    std::set<const void*> seen;
+    for (const auto& m : modules)
+      for (const Tensor& p : m->parameters())
+        if (seen.insert(p.impl()).second) out.push_back(p);
+    return out;
+  }
+};
+
+// This rank's stages of a model of `layers` blocks whose stages pass the residual stream
+// (rows, T, C) on: `make(stage, first_block, end_block, last)` builds one stage's module, which
+// offers forward(x) and, on the last stage, loss(x, targets). The blocks are cut by stage_cuts;
+// the modules are moved to options.device.
+template <class M, class Make>
+ModelPipeline<M> make_residual_pipeline(std::shared_ptr<ProcessGroup> group, int64_t layers, int64_t T, int64_t C,
+                                        PipelineOptions options, std::vector<int64_t> cuts, Make make) {
+  LOOM_CHECK(group != nullptr, "pipeline: no process group");
+  LOOM_CHECK(T >= 1, "pipeline: ", T, " tokens a sequence; expected 1 or more");
+  const int v = options.schedule == ScheduleKind::interleaved ? options.stages_per_rank : 1;
+  const int stages = group->size() * v;
+  cuts = stage_cuts(std::move(cuts), layers, stages);
+  ModelPipeline<M> out;
+  std::vector<Stage> built;
+  for (int s = group->rank(); s < stages; s += group->size()) {
+    const bool last = s == stages - 1;
+    std::shared_ptr<M> module = make(s, cuts[size_t(s)], cuts[size_t(s) + 1], last);
+    module->to(options.device);
+    out.modules.push_back(module);
+    Stage st;
+    st.index = s;
+    st.module = module;
+    if (last)
+      st.forward = [module](const Tensor& x, const Tensor& targets) { return module->loss(x, targets); };
+    else
+      st.forward = [module](const Tensor& x, const Tensor&) { return module->forward(x); };
+    st.input_shape = st.output_shape = [T, C](int64_t rows) { return Shape{rows, T, C}; };
+    built.push_back(std::move(st));
+  }
+  out.pipeline = std::make_unique<Pipeline>(group, std::move(built), options);
+  return out;
+}
 
 }  // namespace loom::dist::pipeline

@@ -154,33 +154,39 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     samples::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o.epochs),
                                steps_per_epoch, "tok");
     const auto start = std::chrono::steady_clock::now();
-    double loss_sum = 0, bubble_sum = 0;
+    Tensor loss_sum;
+    double bubble_sum = 0;
     int64_t steps = 0, batch = 0;
     data::Epoch batches = train_loader.epoch(epoch, 0);
     for (data::Batch& b : batches) {
       opt.zero_grad();
-      double loss = 0;
+      Tensor loss;
       {
         AutocastGuard cast(autocast);
-        loss = gp.pipeline->step(b.inputs, b.targets).item();
+        loss = gp.pipeline->step(b.inputs, b.targets);
       }
       if (o.clip > 0) gp.pipeline->clip_grad_norm(o.clip);
       opt.step();
       sched.step();
       ++step, ++batch, ++steps;
-      loss_sum += loss;
+      loss_sum = loss_sum.defined() ? add(loss_sum, loss) : loss;
       if (!o.trace.empty()) bubble_sum += gp.pipeline->measured_bubble();
-      if (!o.allow_nonfinite) samples::check_finite_loss(loss, step, true);
-      if (main_rank && (batch % 10 == 0 || batch == steps_per_epoch))
-        progress.update(batch, batch * o.batch_size * o.context, loss, samples::device_note(ctx.device, 0));
+      // Reading the loss waits for the GPU: read where the progress line shows it (on the CPU,
+      // every step), as the data-parallel loop does.
+      if (!ctx.device.is_cuda() || batch % 10 == 0 || batch == steps_per_epoch) {
+        const double value = loss.item();
+        if (!o.allow_nonfinite) samples::check_finite_loss(value, step, !ctx.device.is_cuda());
+        if (main_rank && (batch % 10 == 0 || batch == steps_per_epoch))
+          progress.update(batch, batch * o.batch_size * o.context, value, samples::device_note(ctx.device, 0));
+      }
       if (step >= total_steps) break;
     }
     if (main_rank) progress.finish();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double tokens_per_s = double(steps * o.batch_size * o.context * o.dp) / seconds;
     if (main_rank) {
-      std::printf("epoch %lld: train loss %.4f  %.0f tok/s", (long long)epoch + 1, steps ? loss_sum / double(steps) : NAN,
-                  tokens_per_s);
+      std::printf("epoch %lld: train loss %.4f  %.0f tok/s", (long long)epoch + 1,
+                  steps ? loss_sum.item() / double(steps) : NAN, tokens_per_s);
       if (!o.trace.empty() && steps)
         std::printf("  bubble: measured %.1f%%, schedule %.1f%% at equal stages", 100.0 * bubble_sum / double(steps),
                     100.0 * theory.bubble());

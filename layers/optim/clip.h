@@ -11,4 +11,11 @@ namespace loom::optim {
 // gradients) on each gradient's device; reading the total costs one host sync.
 double clip_grad_norm_(const TensorList& params, double max_norm);
 
+// The two halves of clip_grad_norm_, for a norm taken over several processes (FSDP's shards,
+// a pipeline's stages): the sum of the squares of the gradients of `params`, as a one-element
+// f64 tensor on `device`, not read (the caller sums it over ranks, then reads it once); and
+// the scaling of every gradient once the total norm is known.
+Tensor grad_squared_sum(const TensorList& params, Device device);
+void scale_grads_to_norm(const TensorList& params, double norm, double max_norm);
+
 }  // namespace loom::optim

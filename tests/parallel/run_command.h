@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -20,7 +21,11 @@ struct RunResult {
 
 // stdout and stderr together; `seconds` is the deadline (timeout(1)).
 inline RunResult run_command(const std::string& command, int seconds) {
-  const std::string log = (std::filesystem::path(::testing::TempDir()) / "run_command.log").string();
+  // One log per run and per process: test binaries run side by side share TempDir().
+  static int runs = 0;
+  const std::string log = (std::filesystem::path(::testing::TempDir()) /
+                           ("run_command_" + std::to_string(::getpid()) + "_" + std::to_string(runs++) + ".log"))
+                              .string();
   const std::string full = "timeout " + std::to_string(seconds) + " " + command + " > '" + log + "' 2>&1";
   RunResult r;
   const int status = std::system(full.c_str());
@@ -29,6 +34,7 @@ inline RunResult run_command(const std::string& command, int seconds) {
   std::stringstream s;
   s << in.rdbuf();
   r.output = s.str();
+  std::filesystem::remove(log);
   return r;
 }
 

@@ -5,6 +5,8 @@
 // collective and size. meson passes the programs' paths in LOOMRUN and BENCH_COLLECTIVES.
 #include <gtest/gtest.h>
 
+#include "run_command.h"
+
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -212,25 +214,9 @@ TEST(CollectiveBench, FlagsTakeNcclTestsShortForms) {
 
 // ---- the program ---------------------------------------------------------------------------
 
-struct RunResult {
-  int code = -1;
-  std::string output;
-};
+using testing::RunResult;
 
-RunResult run(const std::string& command, int seconds) {
-  static int runs = 0;
-  const std::string log =
-      (std::filesystem::path(::testing::TempDir()) / ("bench_collectives_" + std::to_string(runs++) + ".log")).string();
-  const std::string full = "timeout " + std::to_string(seconds) + " " + command + " > '" + log + "' 2>&1";
-  RunResult r;
-  const int status = std::system(full.c_str());
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(log);
-  std::stringstream s;
-  s << in.rdbuf();
-  r.output = s.str();
-  return r;
-}
+RunResult run(const std::string& command, int seconds) { return testing::run_command(command, seconds); }
 
 int occurrences(const std::string& text, const std::string& what) {
   int count = 0;
