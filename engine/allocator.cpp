@@ -284,4 +284,21 @@ void empty_cache(Device device) {
 #endif
 }
 
+int64_t available_bytes(Device device) {
+#if LOOM_WITH_CUDA
+  if (device.is_cuda()) {
+    set_current_device(device);
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+      cudaGetLastError();
+      return -1;
+    }
+    const MemoryStats s = cache(device).stats();
+    return int64_t(free_b + (s.reserved - s.allocated));
+  }
+#endif
+  (void)device;
+  return -1;
+}
+
 }  // namespace loom::memory

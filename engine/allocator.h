@@ -40,6 +40,9 @@ MemoryStats stats(Device device);
 void reset_peak(Device device);
 // Returns every cached, unused block of `device` to the driver.
 void empty_cache(Device device);
+// Bytes that allocations on a GPU could still obtain: the driver's free memory plus the
+// blocks this allocator caches unused. -1 for the CPU, and in a build without CUDA.
+int64_t available_bytes(Device device);
 
 // Rounded size the allocator serves for a request of nbytes (exposed for tests).
 size_t size_class(size_t nbytes);

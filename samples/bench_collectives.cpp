@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/allocator.h"
 #include "engine/device.h"
 #include "engine/ops.h"
 #include "parallel/store.h"
@@ -212,27 +213,39 @@ samples::MetricRecord json_record(const Run& run, Collective c, const Row& row) 
           {"device", run.ctx.device.str()}};
 }
 
-// The largest row must fit in the memory there is, on every rank of this machine at once.
+// The largest row must fit in the memory there is: host memory on every rank of this
+// machine at once, and on a GPU, its own free memory (one rank per GPU).
 void check_memory(const Run& run, const std::vector<Collective>& collectives, int64_t max_bytes,
                   const std::string& max_text, const samples::Flags& flags) {
   const int local_ranks = int(dist::parse_integer(dist::process_env("LOCAL_WORLD_SIZE").value_or("1")).value_or(1));
-  bench::MemoryNeed worst;
-  const char* worst_name = "";
+  bench::MemoryNeed worst_host, worst_device;
+  const char* host_name = "";
+  const char* device_name = "";
   for (Collective c : collectives) {
     const bench::CollectiveShape shape = bench::collective_shape(c, max_bytes, dtype_size(run.dtype), run.ctx.size);
     const bench::MemoryNeed need = bench::memory_need(c, shape, dtype_size(run.dtype), !run.ctx.device.is_cuda());
-    if (need.host_bytes > worst.host_bytes) worst = need, worst_name = bench::collective_name(c);
+    if (need.host_bytes > worst_host.host_bytes) worst_host = need, host_name = bench::collective_name(c);
+    if (need.device_bytes > worst_device.device_bytes) worst_device = need, device_name = bench::collective_name(c);
+  }
+  const double gib = 1024.0 * 1024 * 1024;
+  char text[400];
+  const int64_t on_device = memory::available_bytes(run.ctx.device);
+  if (on_device >= 0 && worst_device.device_bytes > on_device) {
+    std::snprintf(text, sizeof text,
+                  "-e/--maxbytes %s: at that size each rank needs about %.1f GiB on its GPU (%s's input and output, "
+                  "and the check's pair), and %s has %.1f GiB free: lower -e/--maxbytes",
+                  max_text.c_str(), double(worst_device.device_bytes) / gib, device_name,
+                  run.ctx.device.str().c_str(), double(on_device) / gib);
+    flags.fail(text);
   }
   const int64_t available = bench::available_host_memory();
-  const double gib = 1024.0 * 1024 * 1024;
-  if (available < 0 || double(worst.host_bytes) * local_ranks <= double(available)) return;
-  char text[320];
+  if (available < 0 || double(worst_host.host_bytes) * local_ranks <= double(available)) return;
   std::snprintf(text, sizeof text,
                 "-e/--maxbytes %s: at that size each rank needs about %.1f GiB of host memory (%s's buffers and the "
                 "check's float64 copies), %d rank(s) on this machine %.1f GiB, and %.1f GiB is available: lower "
                 "-e/--maxbytes",
-                max_text.c_str(), double(worst.host_bytes) / gib, worst_name, local_ranks,
-                double(worst.host_bytes) * local_ranks / gib, double(available) / gib);
+                max_text.c_str(), double(worst_host.host_bytes) / gib, host_name, local_ranks,
+                double(worst_host.host_bytes) * local_ranks / gib, double(available) / gib);
   flags.fail(text);
 }
 

@@ -300,276 +300,274 @@ int run(int argc, char** argv) {
     return dist::relaunch(argc, argv, int(o.gpus), "gpus");
   }
 
-  {
-    // ---- resolve defaults ---------------------------------------------------------------
-    const bool resnet = o.model == "resnet18";
-    if (o.optimizer == "auto") o.optimizer = resnet ? "sgd" : "adam";
-    if (flags.given("momentum") && o.optimizer != "sgd")
-      flags.fail("--momentum is SGD's; this run's optimizer is " + o.optimizer + " (add --optimizer sgd, or drop it)");
-    if (o.lr == 0) o.lr = o.optimizer == "sgd" ? 0.1 : 1e-3;
-    if (o.weight_decay < 0) o.weight_decay = o.optimizer == "sgd" ? 5e-4 : o.optimizer == "adamw" ? 0.01 : 0;
-    const bool on_gpu = o.device == "auto" ? cuda_device_count() > 0 : o.device.starts_with("cuda");
-    if (o.epochs == 0) {
-      // A full run on a GPU; on the CPU a short one that still shows learning (2 epochs of
-      // SimpleCNN on Fashion-MNIST take about a minute on two cores and reach about 87%).
-      o.epochs = resnet ? 30 : on_gpu ? 15 : 2;
-      if (!on_gpu) std::printf("no GPU: training %lld epochs on the CPU (--epochs N for more)\n", (long long)o.epochs);
-    }
-    if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
-    if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
-    if (o.fsdp && (!o.save.empty() || !o.resume.empty()))
-      flags.fail("--fsdp writes no single-file training checkpoint: drop --save/--resume (parallel/sharded_checkpoint.h "
-                 "saves a sharded model from a program of one's own)");
-    if (o.fsdp && o.sync_bn_stats) flags.fail("--sync-bn-stats is DDP's; --fsdp keeps BatchNorm statistics per rank");
-    if (!o.fsdp && (flags.given("reshard-after-forward") || flags.given("min-params")))
-      flags.fail("--reshard-after-forward and --min-params are FSDP's: add --fsdp");
-    if (o.gpu_resident && o.augment != "none")
-      flags.fail("--gpu-resident keeps batches on the GPU without augmentation; add --augment none");
-    if (o.device != "auto") {
-      try {
-        Device::parse(o.device);
-      } catch (const Error& e) {
-        flags.fail("--device " + o.device + ": " + e.what());
-      }
-    }
-    // A checkpoint to resume is looked at (its header alone) before any data is read.
-    const std::map<std::string, std::string> saved =
-        o.resume.empty() ? std::map<std::string, std::string>{} : samples::checkpoint_entries(flags, o.resume, "train_cnn");
-    if (!o.resume.empty()) check_resume(o, saved, flags);
-    dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
-    const Device device = ctx.device;
-    const bool main_rank = ctx.is_main();
-    if (main_rank) samples::check_output_paths(flags, {{"--save", o.save}, {"--plot", o.plot}});
-    if (device.is_cuda() && device.index >= cuda_device_count())
-      flags.fail("--device " + o.device + ": there is no such GPU (" + std::to_string(cuda_device_count()) +
-                 " visible)");
-    const std::optional<DType> autocast =
-        o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
-
-    // ---- data ---------------------------------------------------------------------------
-    Datasets d = load_datasets(o, flags);
-    if (d.train.count < o.batch_size)
-      flags.fail("--batch-size " + std::to_string(o.batch_size) + " is larger than the training set (" +
-                 std::to_string(d.train.count) + " images)");
-    data::LoaderOptions lo;
-    lo.batch_size = o.batch_size;
-    lo.num_workers = int(o.workers);
-    lo.device = device;
-    lo.gpu_resident = o.gpu_resident ? data::GpuResident::yes : data::GpuResident::no;
-    lo.drop_last = data::DropLast::yes;
-    data::ImageTransforms train_tf{.augment = {}, .normalize = {d.mean, d.std}, .seed = uint64_t(o.seed)};
-    if (o.augment == "crop-flip") train_tf.augment.push_back(data::random_crop(d.train.height, d.train.height / 8));
-    if (o.augment != "none") train_tf.augment.push_back(data::random_horizontal_flip());
-    const int64_t train_count = d.train.count, test_count = d.test.count;
-    auto train_set = std::make_shared<data::ImageDataset>(d.train, train_tf);
-    // Data parallel: each rank a disjoint shard, reshuffled every epoch (the loader passes the
-    // epoch on, so no rank can forget it); the batch size is per rank, as with PyTorch's DDP.
-    std::shared_ptr<data::Sampler> sampler;
-    if (ctx.active)
-      sampler = std::make_shared<data::DistributedSampler>(train_count, ctx.rank, ctx.size, data::Shuffle::yes,
-                                                           uint64_t(o.seed), data::DropLast::no);
-    else
-      sampler = std::make_shared<data::RandomSampler>(train_count, uint64_t(o.seed));
-    data::DataLoader train_loader(train_set, sampler, lo);
-    data::LoaderOptions test_lo = lo;
-    test_lo.drop_last = data::DropLast::no;
-    test_lo.batch_size = std::max<int64_t>(o.batch_size, 500);
-    auto test_set = std::make_shared<data::ImageDataset>(d.test, data::ImageTransforms{.normalize = {d.mean, d.std}});
-    data::DataLoader test_loader(test_set, std::make_shared<data::SequentialSampler>(test_count), test_lo);
-    const int64_t steps_per_epoch = train_loader.num_batches();
-    const int64_t total_steps = o.max_steps > 0 ? std::min(o.max_steps, steps_per_epoch * o.epochs)
-                                                : steps_per_epoch * o.epochs;
-    dist::check_same_on_every_rank(ctx,
-                                   {{"training images", train_count},
-                                    {"batch size", o.batch_size},
-                                    {"steps per epoch", steps_per_epoch},
-                                    {"steps in all", total_steps}},
-                                   "start every rank with the same --subset, --batch-size, --epochs and --max-steps, "
-                                   "and the same copy of the data");
-    if (!o.resume.empty())
-      samples::check_saved_settings(
-          flags, o.resume, saved,
-          {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
-           {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
-           {"world_size", "the rank count", std::to_string(ctx.size), "each rank's shard of the data depends on the rank count"},
-           {"train_images", "the training image count", std::to_string(train_count),
-            "its data position is a place in a dataset of that size (same --subset and data)"}});
-    if (main_rank && o.warmup > total_steps)
-      std::fprintf(stderr, "train_cnn: warning: --warmup %lld is longer than the run's %lld steps: the learning rate "
-                   "never reaches --lr %g\n", (long long)o.warmup, (long long)total_steps, o.lr);
-    if (main_rank && std::all_of(d.train.labels.begin(), d.train.labels.end(),
-                                 [&](int64_t l) { return l == d.train.labels.front(); }))
-      std::fprintf(stderr, "train_cnn: warning: every training image has label %lld: a model learns nothing from one "
-                   "class (a --subset of sorted data, or one class folder?)\n",
-                   (long long)(d.train.labels.empty() ? 0 : d.train.labels.front()));
-
-    // ---- model, optimizer, schedule --------------------------------------------------------
-    manual_seed(uint64_t(o.seed));
-    std::shared_ptr<nn::Module> model = make_model(o, d, flags);
-    if (!o.init.empty()) {
-      nn::load_weights(o.init, *model);
-      if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--init " + o.init);
-    }
-    model->to(device);
-    // Under data parallelism the step runs through DDP, which starts every rank from rank 0's
-    // weights and averages the gradients during backward; checkpoints and evaluation use the
-    // model itself, so their names carry no "module." prefix.
-    std::shared_ptr<nn::Module> trained = model;
-    std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
-    if (o.fsdp && !ctx.active)
-      flags.fail("--fsdp shards over several ranks: start them with loomrun --nproc-per-node N (or --gpus N)");
-    if (o.fsdp) {
-      dist::FSDPOptions fsdp_options;
-      fsdp_options.min_num_params = o.min_params;
-      fsdp_options.reshard_after_forward =
-          o.reshard_after_forward == "yes" ? dist::ReshardAfterForward::yes : dist::ReshardAfterForward::no;
-      fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, ctx.group, fsdp_options);
-      if (main_rank) {
-        size_t bytes = 0;
-        for (const Tensor& p : model->parameters()) bytes += p.nbytes();
-        std::printf("FSDP (%s): %zu units; parameters %.3f MB in all, %.3f MB of shards on rank 0\n",
-                    o.reshard_after_forward == "yes" ? "ZeRO-3" : "ZeRO-2", fsdp->unit_names().size(),
-                    double(bytes) / 1e6, double(fsdp->memory().shard_parameter_bytes) / 1e6);
-      }
-    } else if (ctx.active) {
-      dist::DDPOptions ddp_options;
-      ddp_options.bucket_cap_mb = o.bucket_mb;
-      ddp_options.sync_buffers_average = o.sync_bn_stats;
-      ddp_options.gradient_as_bucket_view = true;  // no copy of the averaged gradients back
-      trained = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, ddp_options);
-    }
-    std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, fsdp ? fsdp->parameters() : model->parameters());
-    auto forward = [&](const Tensor& x) { return fsdp ? fsdp->forward(x) : trained->forward(x); };
-    optim::LRScheduler sched(*opt, make_schedule(o, total_steps));
-
-    int64_t epoch = 0, batch = 0, step = 0;
-    std::vector<std::pair<double, double>> train_curve, test_loss_curve, test_acc_curve, train_acc_curve;
-    if (!o.resume.empty()) {
-      auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched});
-      epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_cnn");
-      batch = samples::checkpoint_integer(o.resume, user, "batch", "train_cnn");
-      step = samples::checkpoint_integer(o.resume, user, "step", "train_cnn");
-      if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--resume " + o.resume);
-      if (main_rank) std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
-                  (long long)batch, (long long)step);
-    }
-
-    if (main_rank) std::printf("train_cnn: %s (%lld parameters) on %s: %lld training and %lld test images of %lldx%lldx%lld, "
-                "%lld classes\n  %s lr %g, %s schedule, batch %lld, %lld epochs, %s on %s\n",
-                model->type_name().c_str(), (long long)model->num_parameters(), d.name.c_str(),
-                (long long)d.train.count, (long long)d.test.count, (long long)d.train.channels,
-                (long long)d.train.height, (long long)d.train.width, (long long)class_count(d), opt->type_name().c_str(),
-                o.lr, o.schedule.c_str(), (long long)o.batch_size, (long long)o.epochs, o.precision.c_str(),
-                ctx.active ? (std::to_string(ctx.size) + " ranks (" + ctx.group->backend() + "), " + device.str() +
-                              " on rank 0").c_str()
-                           : device.str().c_str());
-
-    samples::MetricsLog metrics(main_rank ? o.metrics : "");
-    auto save = [&](int64_t next_epoch, int64_t next_batch) {
-      if (!main_rank) return;
-      nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched,
-                                   .user = {{"epoch", std::to_string(next_epoch)},
-                                            {"batch", std::to_string(next_batch)},
-                                            {"step", std::to_string(step)},
-                                            {"program", "train_cnn"},
-                                            {"model", o.model},
-                                            {"data", o.data},
-                                            {"optimizer", o.optimizer},
-                                            {"seed", std::to_string(o.seed)},
-                                            {"batch_size", std::to_string(o.batch_size)},
-                                            {"world_size", std::to_string(ctx.size)},
-                                            {"train_images", std::to_string(train_count)}}});
-    };
-
-    // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).
-    if (!o.trace.empty()) {
-      if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
-      dist::trace::set_enabled(true, device);
-    }
-    const auto run_start = std::chrono::steady_clock::now();
-    model->train();
-    for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
-      char label[64];
-      std::snprintf(label, sizeof label, "epoch %lld/%lld", (long long)epoch + 1, (long long)o.epochs);
-      samples::Progress progress(label, steps_per_epoch, "img");
-      const auto epoch_start = std::chrono::steady_clock::now();
-      Tensor loss_sum;
-      int64_t epoch_steps = 0;
-      data::Epoch batches = train_loader.epoch(epoch, batch);
-      for (data::Batch& b : batches) {
-        dist::trace::Span step_span("step", dist::trace::Category::step);
-        opt->zero_grad();
-        Tensor loss;
-        {
-          dist::trace::Span forward_span("forward", dist::trace::Category::forward);
-          AutocastGuard cast(autocast);
-          Tensor logits = forward(b.inputs);
-          loss = cross_entropy(logits.to(DType::f32), b.targets, -100, o.label_smoothing);
-        }
-        {
-          dist::trace::Span backward_span("backward", dist::trace::Category::backward);
-          loss.backward();
-        }
-        dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
-        if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
-        opt->step();
-        optimizer_span.end();
-        sched.step();
-        ++step, ++batch, ++epoch_steps;
-        Tensor l = loss.detach();
-        loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
-        // Reading the loss waits for the GPU; the progress line does so only when it redraws,
-        // and the loss is checked there too (on the CPU, every step).
-        const bool redraw = main_rank && !o.quiet && (batch % 20 == 0 || batch == steps_per_epoch);
-        if (!o.allow_nonfinite && (!device.is_cuda() || batch % 20 == 0 || batch == steps_per_epoch))
-          samples::check_finite_loss(l.item(), step, !device.is_cuda());
-        if (redraw)
-          progress.update(batch, batch * o.batch_size, l.item(), samples::device_note(device, batches.stall_seconds()));
-        if (o.save_every > 0 && step % o.save_every == 0) save(epoch, batch);
-        if (step >= total_steps) break;
-      }
-      if (main_rank && !o.quiet) progress.finish();
-      // Reading the loss waits for the GPU, so the epoch's clock stops after its last step ran.
-      const double train_loss = dist::mean_over_ranks(ctx, epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN);
-      const double epoch_seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
-      const double images_per_s = double(epoch_steps * o.batch_size * ctx.size) / epoch_seconds;
-      EvalResult test = evaluate(*model, forward, test_loader, autocast);
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-      if (main_rank) std::printf("epoch %lld: train loss %.4f  test loss %.4f  test accuracy %.2f%%  (%.1f s)\n",
-                  (long long)epoch + 1, train_loss, test.loss, test.accuracy * 100, elapsed);
-      if (fsdp && main_rank)
-        std::printf("FSDP: at most %.3f MB of full parameters held at once on rank 0\n",
-                    double(fsdp->memory().peak_full_parameter_bytes) / 1e6);
-      std::fflush(stdout);
-      const bool finished_epoch = batch >= steps_per_epoch;
-      if (!o.save.empty()) save(finished_epoch ? epoch + 1 : epoch, finished_epoch ? 0 : batch);
-      metrics.write({{"epoch", epoch + 1},
-                     {"step", step},
-                     {"train_loss", train_loss},
-                     {"test_loss", test.loss},
-                     {"test_accuracy", test.accuracy},
-                     {"lr", sched.last_lr()[0]},
-                     {"images_per_s", images_per_s},
-                     {"seconds", elapsed},
-                     {"model", o.model},
-                     {"data", o.data},
-                     {"precision", o.precision},
-                     {"device", device.str()}});
-      train_curve.emplace_back(double(epoch + 1), train_loss);
-      test_loss_curve.emplace_back(double(epoch + 1), test.loss);
-      test_acc_curve.emplace_back(double(epoch + 1), test.accuracy * 100);
-      if (main_rank && !o.plot.empty())
-        samples::write_svg_chart(o.plot, model->type_name() + " on " + d.name,
-                                 {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"test", test_loss_curve}}},
-                                  {"test accuracy", "epoch", "%", {{"test", test_acc_curve}}}});
-    }
-    if (!o.trace.empty()) {
-      dist::trace::write_merged_trace(ctx.active ? ctx.group.get() : nullptr, device, o.trace);
-      if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
-    }
-    return 0;
+  // ---- resolve defaults ---------------------------------------------------------------
+  const bool resnet = o.model == "resnet18";
+  if (o.optimizer == "auto") o.optimizer = resnet ? "sgd" : "adam";
+  if (flags.given("momentum") && o.optimizer != "sgd")
+    flags.fail("--momentum is SGD's; this run's optimizer is " + o.optimizer + " (add --optimizer sgd, or drop it)");
+  if (o.lr == 0) o.lr = o.optimizer == "sgd" ? 0.1 : 1e-3;
+  if (o.weight_decay < 0) o.weight_decay = o.optimizer == "sgd" ? 5e-4 : o.optimizer == "adamw" ? 0.01 : 0;
+  const bool on_gpu = o.device == "auto" ? cuda_device_count() > 0 : o.device.starts_with("cuda");
+  if (o.epochs == 0) {
+    // A full run on a GPU; on the CPU a short one that still shows learning (2 epochs of
+    // SimpleCNN on Fashion-MNIST take about a minute on two cores and reach about 87%).
+    o.epochs = resnet ? 30 : on_gpu ? 15 : 2;
+    if (!on_gpu) std::printf("no GPU: training %lld epochs on the CPU (--epochs N for more)\n", (long long)o.epochs);
   }
+  if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
+  if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
+  if (o.fsdp && (!o.save.empty() || !o.resume.empty()))
+    flags.fail("--fsdp writes no single-file training checkpoint: drop --save/--resume (parallel/sharded_checkpoint.h "
+               "saves a sharded model from a program of one's own)");
+  if (o.fsdp && o.sync_bn_stats) flags.fail("--sync-bn-stats is DDP's; --fsdp keeps BatchNorm statistics per rank");
+  if (!o.fsdp && (flags.given("reshard-after-forward") || flags.given("min-params")))
+    flags.fail("--reshard-after-forward and --min-params are FSDP's: add --fsdp");
+  if (o.gpu_resident && o.augment != "none")
+    flags.fail("--gpu-resident keeps batches on the GPU without augmentation; add --augment none");
+  if (o.device != "auto") {
+    try {
+      Device::parse(o.device);
+    } catch (const Error& e) {
+      flags.fail("--device " + o.device + ": " + e.what());
+    }
+  }
+  // A checkpoint to resume is looked at (its header alone) before any data is read.
+  const std::map<std::string, std::string> saved =
+      o.resume.empty() ? std::map<std::string, std::string>{} : samples::checkpoint_entries(flags, o.resume, "train_cnn");
+  if (!o.resume.empty()) check_resume(o, saved, flags);
+  dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
+  const Device device = ctx.device;
+  const bool main_rank = ctx.is_main();
+  if (main_rank) samples::check_output_paths(flags, {{"--save", o.save}, {"--plot", o.plot}});
+  if (device.is_cuda() && device.index >= cuda_device_count())
+    flags.fail("--device " + o.device + ": there is no such GPU (" + std::to_string(cuda_device_count()) +
+               " visible)");
+  const std::optional<DType> autocast =
+      o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+
+  // ---- data ---------------------------------------------------------------------------
+  Datasets d = load_datasets(o, flags);
+  if (d.train.count < o.batch_size)
+    flags.fail("--batch-size " + std::to_string(o.batch_size) + " is larger than the training set (" +
+               std::to_string(d.train.count) + " images)");
+  data::LoaderOptions lo;
+  lo.batch_size = o.batch_size;
+  lo.num_workers = int(o.workers);
+  lo.device = device;
+  lo.gpu_resident = o.gpu_resident ? data::GpuResident::yes : data::GpuResident::no;
+  lo.drop_last = data::DropLast::yes;
+  data::ImageTransforms train_tf{.augment = {}, .normalize = {d.mean, d.std}, .seed = uint64_t(o.seed)};
+  if (o.augment == "crop-flip") train_tf.augment.push_back(data::random_crop(d.train.height, d.train.height / 8));
+  if (o.augment != "none") train_tf.augment.push_back(data::random_horizontal_flip());
+  const int64_t train_count = d.train.count, test_count = d.test.count;
+  auto train_set = std::make_shared<data::ImageDataset>(d.train, train_tf);
+  // Data parallel: each rank a disjoint shard, reshuffled every epoch (the loader passes the
+  // epoch on, so no rank can forget it); the batch size is per rank, as with PyTorch's DDP.
+  std::shared_ptr<data::Sampler> sampler;
+  if (ctx.active)
+    sampler = std::make_shared<data::DistributedSampler>(train_count, ctx.rank, ctx.size, data::Shuffle::yes,
+                                                         uint64_t(o.seed), data::DropLast::no);
+  else
+    sampler = std::make_shared<data::RandomSampler>(train_count, uint64_t(o.seed));
+  data::DataLoader train_loader(train_set, sampler, lo);
+  data::LoaderOptions test_lo = lo;
+  test_lo.drop_last = data::DropLast::no;
+  test_lo.batch_size = std::max<int64_t>(o.batch_size, 500);
+  auto test_set = std::make_shared<data::ImageDataset>(d.test, data::ImageTransforms{.normalize = {d.mean, d.std}});
+  data::DataLoader test_loader(test_set, std::make_shared<data::SequentialSampler>(test_count), test_lo);
+  const int64_t steps_per_epoch = train_loader.num_batches();
+  const int64_t total_steps = o.max_steps > 0 ? std::min(o.max_steps, steps_per_epoch * o.epochs)
+                                              : steps_per_epoch * o.epochs;
+  dist::check_same_on_every_rank(ctx,
+                                 {{"training images", train_count},
+                                  {"batch size", o.batch_size},
+                                  {"steps per epoch", steps_per_epoch},
+                                  {"steps in all", total_steps}},
+                                 "start every rank with the same --subset, --batch-size, --epochs and --max-steps, "
+                                 "and the same copy of the data");
+  if (!o.resume.empty())
+    samples::check_saved_settings(
+        flags, o.resume, saved,
+        {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
+         {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
+         {"world_size", "the rank count", std::to_string(ctx.size), "each rank's shard of the data depends on the rank count"},
+         {"train_images", "the training image count", std::to_string(train_count),
+          "its data position is a place in a dataset of that size (same --subset and data)"}});
+  if (main_rank && o.warmup > total_steps)
+    std::fprintf(stderr, "train_cnn: warning: --warmup %lld is longer than the run's %lld steps: the learning rate "
+                 "never reaches --lr %g\n", (long long)o.warmup, (long long)total_steps, o.lr);
+  if (main_rank && std::all_of(d.train.labels.begin(), d.train.labels.end(),
+                               [&](int64_t l) { return l == d.train.labels.front(); }))
+    std::fprintf(stderr, "train_cnn: warning: every training image has label %lld: a model learns nothing from one "
+                 "class (a --subset of sorted data, or one class folder?)\n",
+                 (long long)(d.train.labels.empty() ? 0 : d.train.labels.front()));
+
+  // ---- model, optimizer, schedule --------------------------------------------------------
+  manual_seed(uint64_t(o.seed));
+  std::shared_ptr<nn::Module> model = make_model(o, d, flags);
+  if (!o.init.empty()) {
+    nn::load_weights(o.init, *model);
+    if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--init " + o.init);
+  }
+  model->to(device);
+  // Under data parallelism the step runs through DDP, which starts every rank from rank 0's
+  // weights and averages the gradients during backward; checkpoints and evaluation use the
+  // model itself, so their names carry no "module." prefix.
+  std::shared_ptr<nn::Module> trained = model;
+  std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
+  if (o.fsdp && !ctx.active)
+    flags.fail("--fsdp shards over several ranks: start them with loomrun --nproc-per-node N (or --gpus N)");
+  if (o.fsdp) {
+    dist::FSDPOptions fsdp_options;
+    fsdp_options.min_num_params = o.min_params;
+    fsdp_options.reshard_after_forward =
+        o.reshard_after_forward == "yes" ? dist::ReshardAfterForward::yes : dist::ReshardAfterForward::no;
+    fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, ctx.group, fsdp_options);
+    if (main_rank) {
+      size_t bytes = 0;
+      for (const Tensor& p : model->parameters()) bytes += p.nbytes();
+      std::printf("FSDP (%s): %zu units; parameters %.3f MB in all, %.3f MB of shards on rank 0\n",
+                  o.reshard_after_forward == "yes" ? "ZeRO-3" : "ZeRO-2", fsdp->unit_names().size(),
+                  double(bytes) / 1e6, double(fsdp->memory().shard_parameter_bytes) / 1e6);
+    }
+  } else if (ctx.active) {
+    dist::DDPOptions ddp_options;
+    ddp_options.bucket_cap_mb = o.bucket_mb;
+    ddp_options.sync_buffers_average = o.sync_bn_stats;
+    ddp_options.gradient_as_bucket_view = true;  // no copy of the averaged gradients back
+    trained = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, ddp_options);
+  }
+  std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, fsdp ? fsdp->parameters() : model->parameters());
+  auto forward = [&](const Tensor& x) { return fsdp ? fsdp->forward(x) : trained->forward(x); };
+  optim::LRScheduler sched(*opt, make_schedule(o, total_steps));
+
+  int64_t epoch = 0, batch = 0, step = 0;
+  std::vector<std::pair<double, double>> train_curve, test_loss_curve, test_acc_curve, train_acc_curve;
+  if (!o.resume.empty()) {
+    auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched});
+    epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_cnn");
+    batch = samples::checkpoint_integer(o.resume, user, "batch", "train_cnn");
+    step = samples::checkpoint_integer(o.resume, user, "step", "train_cnn");
+    if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--resume " + o.resume);
+    if (main_rank) std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
+                (long long)batch, (long long)step);
+  }
+
+  if (main_rank) std::printf("train_cnn: %s (%lld parameters) on %s: %lld training and %lld test images of %lldx%lldx%lld, "
+              "%lld classes\n  %s lr %g, %s schedule, batch %lld, %lld epochs, %s on %s\n",
+              model->type_name().c_str(), (long long)model->num_parameters(), d.name.c_str(),
+              (long long)d.train.count, (long long)d.test.count, (long long)d.train.channels,
+              (long long)d.train.height, (long long)d.train.width, (long long)class_count(d), opt->type_name().c_str(),
+              o.lr, o.schedule.c_str(), (long long)o.batch_size, (long long)o.epochs, o.precision.c_str(),
+              ctx.active ? (std::to_string(ctx.size) + " ranks (" + ctx.group->backend() + "), " + device.str() +
+                            " on rank 0").c_str()
+                         : device.str().c_str());
+
+  samples::MetricsLog metrics(main_rank ? o.metrics : "");
+  auto save = [&](int64_t next_epoch, int64_t next_batch) {
+    if (!main_rank) return;
+    nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched,
+                                 .user = {{"epoch", std::to_string(next_epoch)},
+                                          {"batch", std::to_string(next_batch)},
+                                          {"step", std::to_string(step)},
+                                          {"program", "train_cnn"},
+                                          {"model", o.model},
+                                          {"data", o.data},
+                                          {"optimizer", o.optimizer},
+                                          {"seed", std::to_string(o.seed)},
+                                          {"batch_size", std::to_string(o.batch_size)},
+                                          {"world_size", std::to_string(ctx.size)},
+                                          {"train_images", std::to_string(train_count)}}});
+  };
+
+  // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).
+  if (!o.trace.empty()) {
+    if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
+    dist::trace::set_enabled(true, device);
+  }
+  const auto run_start = std::chrono::steady_clock::now();
+  model->train();
+  for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
+    char label[64];
+    std::snprintf(label, sizeof label, "epoch %lld/%lld", (long long)epoch + 1, (long long)o.epochs);
+    samples::Progress progress(label, steps_per_epoch, "img");
+    const auto epoch_start = std::chrono::steady_clock::now();
+    Tensor loss_sum;
+    int64_t epoch_steps = 0;
+    data::Epoch batches = train_loader.epoch(epoch, batch);
+    for (data::Batch& b : batches) {
+      dist::trace::Span step_span("step", dist::trace::Category::step);
+      opt->zero_grad();
+      Tensor loss;
+      {
+        dist::trace::Span forward_span("forward", dist::trace::Category::forward);
+        AutocastGuard cast(autocast);
+        Tensor logits = forward(b.inputs);
+        loss = cross_entropy(logits.to(DType::f32), b.targets, -100, o.label_smoothing);
+      }
+      {
+        dist::trace::Span backward_span("backward", dist::trace::Category::backward);
+        loss.backward();
+      }
+      dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
+      if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
+      opt->step();
+      optimizer_span.end();
+      sched.step();
+      ++step, ++batch, ++epoch_steps;
+      Tensor l = loss.detach();
+      loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
+      // Reading the loss waits for the GPU; the progress line does so only when it redraws,
+      // and the loss is checked there too (on the CPU, every step).
+      const bool redraw = main_rank && !o.quiet && (batch % 20 == 0 || batch == steps_per_epoch);
+      if (!o.allow_nonfinite && (!device.is_cuda() || batch % 20 == 0 || batch == steps_per_epoch))
+        samples::check_finite_loss(l.item(), step, !device.is_cuda());
+      if (redraw)
+        progress.update(batch, batch * o.batch_size, l.item(), samples::device_note(device, batches.stall_seconds()));
+      if (o.save_every > 0 && step % o.save_every == 0) save(epoch, batch);
+      if (step >= total_steps) break;
+    }
+    if (main_rank && !o.quiet) progress.finish();
+    // Reading the loss waits for the GPU, so the epoch's clock stops after its last step ran.
+    const double train_loss = dist::mean_over_ranks(ctx, epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN);
+    const double epoch_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
+    const double images_per_s = double(epoch_steps * o.batch_size * ctx.size) / epoch_seconds;
+    EvalResult test = evaluate(*model, forward, test_loader, autocast);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    if (main_rank) std::printf("epoch %lld: train loss %.4f  test loss %.4f  test accuracy %.2f%%  (%.1f s)\n",
+                (long long)epoch + 1, train_loss, test.loss, test.accuracy * 100, elapsed);
+    if (fsdp && main_rank)
+      std::printf("FSDP: at most %.3f MB of full parameters held at once on rank 0\n",
+                  double(fsdp->memory().peak_full_parameter_bytes) / 1e6);
+    std::fflush(stdout);
+    const bool finished_epoch = batch >= steps_per_epoch;
+    if (!o.save.empty()) save(finished_epoch ? epoch + 1 : epoch, finished_epoch ? 0 : batch);
+    metrics.write({{"epoch", epoch + 1},
+                   {"step", step},
+                   {"train_loss", train_loss},
+                   {"test_loss", test.loss},
+                   {"test_accuracy", test.accuracy},
+                   {"lr", sched.last_lr()[0]},
+                   {"images_per_s", images_per_s},
+                   {"seconds", elapsed},
+                   {"model", o.model},
+                   {"data", o.data},
+                   {"precision", o.precision},
+                   {"device", device.str()}});
+    train_curve.emplace_back(double(epoch + 1), train_loss);
+    test_loss_curve.emplace_back(double(epoch + 1), test.loss);
+    test_acc_curve.emplace_back(double(epoch + 1), test.accuracy * 100);
+    if (main_rank && !o.plot.empty())
+      samples::write_svg_chart(o.plot, model->type_name() + " on " + d.name,
+                               {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"test", test_loss_curve}}},
+                                {"test accuracy", "epoch", "%", {{"test", test_acc_curve}}}});
+  }
+  if (!o.trace.empty()) {
+    dist::trace::write_merged_trace(ctx.active ? ctx.group.get() : nullptr, device, o.trace);
+    if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
+  }
+  return 0;
 }
 
 }  // namespace

@@ -129,6 +129,8 @@ TEST(AllocatorCpu, TensorsMoveTheStatsAndResetPeakForgetsThem) {
   EXPECT_EQ(memory::stats(cpu).allocated, before.allocated);
 }
 
+TEST(AllocatorCpu, AvailableBytesIsUnknownOnTheCpu) { EXPECT_EQ(memory::available_bytes(Device::cpu()), -1); }
+
 TEST(AllocatorCpu, CudaDeviceWithoutGpuFailsClearly) {
   if (cuda_available()) GTEST_SKIP() << "a GPU is visible: this checks the message on machines without one";
   try {

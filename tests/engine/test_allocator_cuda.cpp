@@ -1,7 +1,7 @@
 // The CUDA caching allocator and device plumbing on a real GPU: freed blocks come back
 // for the same size class without cudaMalloc, the statistics follow tensors, empty_cache
-// returns everything unused, record_stream holds a block back until the other stream's
-// work is done, and tensors cross between host and device exactly (every dtype,
+// returns everything unused, available_bytes counts the driver's free memory and the
+// cache, record_stream holds a block back until the other stream's work is done, and tensors cross between host and device exactly (every dtype,
 // non-contiguous either side). Each test skips where no GPU is visible.
 //
 // The record_stream test needs a stream that is provably still busy: a host function
@@ -118,6 +118,27 @@ TEST(AllocatorCuda, StatsFollowTensorsAndEmptyCacheReturnsTheRest) {
   MemoryStats s3 = memory::stats(kGpu);
   EXPECT_EQ(s3.reserved, s3.allocated) << "only live blocks stay reserved (0 when nothing is live)";
   EXPECT_EQ(s3.reserved, s0.reserved);
+}
+
+TEST(AllocatorCuda, AvailableBytesCountsTheDriversFreeMemoryAndTheCache) {
+  LOOM_REQUIRE_CUDA();
+  quiesce();
+  size_t free_b = 0, total_b = 0;
+  LOOM_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  const int64_t before = memory::available_bytes(kGpu);
+  EXPECT_GT(before, 0);
+  EXPECT_LE(before, int64_t(total_b));
+  const int64_t slack = int64_t(4 * MiB);  // the driver's own small allocations
+  {
+    Tensor t = Tensor::empty({int64_t(64 * MiB / 4)}, DType::f32, kGpu);  // 64 MiB, live
+    const int64_t held = memory::available_bytes(kGpu);
+    EXPECT_NEAR(double(held), double(before - int64_t(64 * MiB)), double(slack));
+  }
+  // Freed into the cache: unused, so available again without going back to the driver.
+  EXPECT_GT(memory::stats(kGpu).reserved, memory::stats(kGpu).allocated);
+  EXPECT_NEAR(double(memory::available_bytes(kGpu)), double(before), double(slack));
+  quiesce();
+  EXPECT_NEAR(double(memory::available_bytes(kGpu)), double(before), double(slack));
 }
 
 TEST(AllocatorCuda, RecordStreamDelaysReuseUntilTheOtherStreamIsDone) {

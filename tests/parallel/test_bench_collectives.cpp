@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/device.h"
 #include "kernels/core/error.h"
 #include "parallel/diagnostics/collective_bench.h"
 #include "samples/common/flags.h"
@@ -359,6 +360,15 @@ TEST(BenchCollectives, BadSizeIsAUsageError) {
   r = run(program() + " --device cpu -b 1M -e 1K", 30);
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("give -e at least -b"), std::string::npos) << r.output;
+}
+
+TEST(BenchCollectives, SizeBeyondTheGpusMemoryIsRefusedUpFront) {
+  if (!cuda_available()) GTEST_SKIP() << "needs a GPU";
+  const RunResult r = run(program() + " --device cuda:0 -b 1M -e 1024G", 60);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("-e/--maxbytes 1024G: at that size each rank needs about"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("on its GPU"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("cuda:0 has"), std::string::npos) << r.output;
 }
 
 }  // namespace
