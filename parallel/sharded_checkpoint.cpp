@@ -3,6 +3,7 @@
 // overlaps of the saved ranks' row ranges with this rank's.
 #include "parallel/sharded_checkpoint.h"
 
+#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -45,6 +46,31 @@ std::string shape_text(const Shape& shape) {
   return s;
 }
 
+// A number of the index or a shard file's metadata; a malformed one names the file and key.
+double parse_number(const std::string& file, const std::string& key, const std::string& text) {
+  double v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  LOOM_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size(), "sharded checkpoint: ", file,
+             ": entry ", key, " = '", text, "' is not a number");
+  return v;
+}
+
+int64_t parse_count(const std::string& file, const std::string& key, const std::string& text) {
+  int64_t v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  LOOM_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size() && v >= 0, "sharded checkpoint: ",
+             file, ": entry ", key, " = '", text, "' is not a whole number >= 0");
+  return v;
+}
+
+uint64_t parse_u64(const std::string& file, const std::string& key, const std::string& text) {
+  uint64_t v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  LOOM_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size(), "sharded checkpoint: ", file,
+             ": entry ", key, " = '", text, "' is not a 64-bit whole number");
+  return v;
+}
+
 Shape parse_shape(const std::string& text, const std::string& where) {
   Shape shape;
   std::stringstream in(text);
@@ -52,7 +78,7 @@ Shape parse_shape(const std::string& text, const std::string& where) {
   while (std::getline(in, part, ',')) {
     LOOM_CHECK(!part.empty() && part.find_first_not_of("0123456789") == std::string::npos, where,
                ": the shape '", text, "' is not a list of sizes");
-    shape.push_back(std::stoll(part));
+    shape.push_back(parse_count(where, "shape", part));
   }
   return shape;
 }
@@ -91,9 +117,19 @@ class SavedCheckpoint {
     meta_ = load_safetensors_metadata(index);
     LOOM_CHECK(meta_.count("format") && meta_.at("format") == kFormat, "sharded checkpoint: ", index,
                " is not an index of format ", kFormat);
-    world_ = std::stoi(meta_.at("world_size"));
-    generation_ = std::stoll(meta_.at("generation"));
+    world_ = int(parse_count(index, "world_size", entry("world_size")));
+    generation_ = parse_count(index, "generation", entry("generation"));
+    LOOM_CHECK(world_ >= 1, "sharded checkpoint: ", index, ": world_size is 0");
   }
+
+  // The index's entry `key`; a missing one names the index.
+  const std::string& entry(const std::string& key) const {
+    auto it = meta_.find(key);
+    LOOM_CHECK(it != meta_.end(), "sharded checkpoint: ", dir_, "/", kIndex, " has no entry ", key);
+    return it->second;
+  }
+  std::string index_path() const { return (fs::path(dir_) / kIndex).string(); }
+  std::string file_name(int rank) const { return shard_file(dir_, generation_, rank, world_); }
 
   int world() const { return world_; }
   const std::map<std::string, std::string>& meta() const { return meta_; }
@@ -147,7 +183,7 @@ class SavedCheckpoint {
 }  // namespace
 
 void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
-                             const optim::Optimizer* optimizer) {
+                             const optim::Optimizer* optimizer, const ShardedCheckpointExtras& extras) {
   ProcessGroup& group = fsdp.group();
   const int rank = group.rank(), world = group.size();
   nn::NamedTensors shards = fsdp.named_parameters();
@@ -159,7 +195,7 @@ void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& f
   const std::string index = (fs::path(dir) / kIndex).string();
   if (rank == 0 && fs::exists(index)) {
     auto meta = load_safetensors_metadata(index);
-    if (meta.count("generation")) generation = std::stoll(meta.at("generation")) + 1;
+    if (meta.count("generation")) generation = parse_count(index, "generation", meta.at("generation")) + 1;
   }
   Tensor g = from_vector(std::vector<int64_t>{generation}, {1}).to(device);
   group.broadcast(g, 0)->wait();
@@ -214,6 +250,12 @@ void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& f
       for (const auto& [key, v] : opt_state.scalars)
         if (key.starts_with("param_groups.")) index_meta[key] = number_text(v);
     }
+    if (extras.scheduler)
+      for (const auto& [key, v] : extras.scheduler->state_dict()) index_meta["scheduler." + key] = number_text(v);
+    const auto [seed, offset] = rng_state();
+    index_meta["rng.seed"] = std::to_string(seed);
+    index_meta["rng.offset"] = std::to_string(offset);
+    for (const auto& [key, v] : extras.user) index_meta["user." + key] = v;
     save_safetensors(index, {}, index_meta);
     // The previous generations' files: no index names them any more.
     const std::string keep = "shard-g" + std::to_string(generation) + "-";
@@ -226,9 +268,22 @@ void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& f
   group.barrier()->wait();
 }
 
-void load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp, optim::Optimizer* optimizer) {
+std::map<std::string, std::string> load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
+                                                           optim::Optimizer* optimizer, optim::LRScheduler* scheduler) {
   NoGradGuard no_grad;
   SavedCheckpoint saved(dir);
+  const std::string index = saved.index_path();
+  // The schedule and the generator are read (and checked) before anything changes.
+  std::map<std::string, double> scheduler_state;
+  std::map<std::string, std::string> user;
+  for (const auto& [key, v] : saved.meta()) {
+    if (key.starts_with("scheduler.")) scheduler_state[key.substr(10)] = parse_number(index, key, v);
+    if (key.starts_with("user.")) user.emplace(key.substr(5), v);
+  }
+  LOOM_CHECK(!scheduler || !scheduler_state.empty(), "sharded checkpoint: ", index,
+             " holds no learning-rate schedule state (saved without one)");
+  const uint64_t seed = parse_u64(index, "rng.seed", saved.entry("rng.seed"));
+  const uint64_t offset = parse_u64(index, "rng.offset", saved.entry("rng.offset"));
   const int rank = fsdp.group().rank(), world = fsdp.group().size();
   nn::NamedTensors full = fsdp.module()->named_parameters();  // shapes only: their storages stay released
   nn::NamedTensors shards = fsdp.named_parameters();
@@ -246,14 +301,19 @@ void load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& f
     LOOM_CHECK(t != nullptr, "sharded checkpoint: ", dir, " holds no buffer ", name);
     copy_(b, *t);
   }
-  if (!optimizer) return;
+  auto finish = [&] {
+    if (scheduler) scheduler->load_state_dict(scheduler_state);
+    set_rng_state(seed, offset);
+    return user;
+  };
+  if (!optimizer) return finish();
   const auto& meta = saved.meta();
   LOOM_CHECK(meta.count("optimizer"), "sharded checkpoint: ", dir, " holds no optimizer state");
   LOOM_CHECK(meta.at("optimizer") == optimizer->type_name(), "sharded checkpoint: ", dir, " holds the state of ",
              meta.at("optimizer"), ", not of ", optimizer->type_name());
   optim::OptimizerState state;
   for (const auto& [key, v] : meta)
-    if (key.starts_with("param_groups.")) state.scalars[key] = std::stod(v);
+    if (key.starts_with("param_groups.")) state.scalars[key] = parse_number(index, key, v);
   const std::vector<std::string> names = optimizer_names(*optimizer, fsdp);
   const SafetensorsFile& first = saved.file(0);
   for (size_t i = 0; i < names.size(); ++i) {
@@ -261,7 +321,7 @@ void load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& f
     auto step = first.metadata.find("step." + name);
     if (step == first.metadata.end()) continue;  // never stepped
     const std::string key = "state." + std::to_string(i) + ".";
-    state.scalars[key + "step"] = std::stod(step->second);
+    state.scalars[key + "step"] = parse_number(saved.file_name(0), "step." + name, step->second);
     const std::string prefix = "optim." + name + ".";
     const Shape& shape = full_shape.at(name);
     const RowRange mine = shard_rows(rows_of(shape), world, rank);
@@ -275,6 +335,7 @@ void load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& f
     }
   }
   optimizer->load_state_dict(state);
+  return finish();
 }
 
 void export_consolidated_safetensors(const std::string& dir, const std::string& path) {

@@ -11,7 +11,10 @@
 //                                       optimizer step ("step.<name>")
 //   index.safetensors                   no tensors; metadata: the generation G, W, each parameter's
 //                                       full shape ("shape.<name>"), tied names ("tied.<alias>"),
-//                                       the optimizer's type and group hyper-parameters
+//                                       the optimizer's type and group hyper-parameters, the
+//                                       learning-rate schedule's state ("scheduler.<key>"), rank
+//                                       0's random generator ("rng.seed", "rng.offset") and the
+//                                       caller's entries ("user.<key>": epoch, data position, ...)
 //
 // Saving: every rank writes its shard file (atomically, engine/serialization.h), a barrier
 // waits for all of them, then rank 0 writes the index (atomically, hence last and whole) and
@@ -26,23 +29,35 @@
 // files that hold its rows.
 #pragma once
 
+#include <map>
 #include <string>
 
 #include "../layers/optim/optimizer.h"
+#include "../layers/optim/schedule.h"
 #include "fsdp.h"
 
 namespace loom::dist {
 
+// What a training run keeps beside the model and the optimizer, as nn::TrainingCheckpoint
+// does in one file: the schedule's state and the caller's own entries. The random
+// generator's state is always saved (rank 0's) and restored on load.
+struct ShardedCheckpointExtras {
+  const optim::LRScheduler* scheduler = nullptr;
+  std::map<std::string, std::string> user;
+};
+
 // Writes `fsdp`'s shards (and `optimizer`'s state, when given) into the folder `dir` (created
-// if missing). Every rank of the group calls it.
+// if missing), with `extras` in the index. Every rank of the group calls it.
 void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
-                             const optim::Optimizer* optimizer = nullptr);
+                             const optim::Optimizer* optimizer = nullptr, const ShardedCheckpointExtras& extras = {});
 
 // Loads a checkpoint saved at any world size into `fsdp`'s shards (and `optimizer`, which must
-// be built on fsdp.parameters(), when given). Every rank of the group calls it; no
+// be built on fsdp.parameters(), and `scheduler`, when given), sets the random generator to
+// the saved state and returns the caller's entries. Every rank of the group calls it; no
 // communication.
-void load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
-                             optim::Optimizer* optimizer = nullptr);
+std::map<std::string, std::string> load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
+                                                           optim::Optimizer* optimizer = nullptr,
+                                                           optim::LRScheduler* scheduler = nullptr);
 
 // Writes the full parameters (tied ones under every name) and buffers of the checkpoint in
 // `dir` to one safetensors file, as a plain model's state_dict() would be saved: PyTorch loads

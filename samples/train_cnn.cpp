@@ -13,7 +13,8 @@
 // its shard with DistributedDataParallel over NCCL (GPUs) or Gloo (--device cpu); `--gpus N`
 // starts the N ranks itself. Rank 0 prints, logs and checkpoints; the batch size is per rank.
 // With --fsdp the ranks hold only their shards of the parameters, gradients and optimizer state
-// (FullyShardedDataParallel, units chosen by --min-params).
+// (FullyShardedDataParallel, units chosen by --min-params), and --save writes a sharded
+// checkpoint, a folder in which every rank writes its own shards (parallel/sharded_checkpoint.h).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -34,6 +35,7 @@
 #include "layers/layers.h"
 #include "parallel/ddp.h"
 #include "parallel/fsdp.h"
+#include "parallel/sharded_checkpoint.h"
 #include "parallel/init.h"
 #include "parallel/rendezvous.h"
 #include "parallel/trace.h"
@@ -250,9 +252,10 @@ int run(int argc, char** argv) {
   flags.add("workers", &o.workers, "data-loader threads", 0, 64);
   flags.add_switch("gpu-resident", &o.gpu_resident, "keep the whole dataset on the GPU (no augmentation)");
   flags.add("init", &o.init, "initial weights (a safetensors state dict, e.g. from PyTorch)", {}, "FILE");
-  flags.add("save", &o.save, "write a training checkpoint here after every epoch", {}, "FILE");
+  flags.add("save", &o.save, "write a training checkpoint here after every epoch (with --fsdp: a folder of shards)", {},
+            "PATH");
   flags.add("save-every", &o.save_every, "also checkpoint every N steps (needs --save)", 0);
-  flags.add("resume", &o.resume, "continue the run saved in this checkpoint", {}, "FILE");
+  flags.add("resume", &o.resume, "continue the run saved in this checkpoint (file, or --fsdp's folder)", {}, "PATH");
   flags.add("seed", &o.seed, "seed for initial weights, data order and augmentation", 0);
   flags.add("subset", &o.subset, "train on the first N images only (0: all)", 0);
   flags.add("test-subset", &o.test_subset, "test on the first N images only (0: all)", 0);
@@ -316,9 +319,6 @@ int run(int argc, char** argv) {
   }
   if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
   if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
-  if (o.fsdp && (!o.save.empty() || !o.resume.empty()))
-    flags.fail("--fsdp writes no single-file training checkpoint: drop --save/--resume (parallel/sharded_checkpoint.h "
-               "saves a sharded model from a program of one's own)");
   if (o.fsdp && o.sync_bn_stats) flags.fail("--sync-bn-stats is DDP's; --fsdp keeps BatchNorm statistics per rank");
   if (!o.fsdp && (flags.given("reshard-after-forward") || flags.given("min-params")))
     flags.fail("--reshard-after-forward and --min-params are FSDP's: add --fsdp");
@@ -334,11 +334,17 @@ int run(int argc, char** argv) {
   // A checkpoint to resume is looked at (its header alone) before any data is read.
   const std::map<std::string, std::string> saved =
       o.resume.empty() ? std::map<std::string, std::string>{} : samples::checkpoint_entries(flags, o.resume, "train_cnn");
-  if (!o.resume.empty()) check_resume(o, saved, flags);
+  if (!o.resume.empty()) {
+    check_resume(o, saved, flags);
+    samples::check_resume_format(flags, o.resume, o.fsdp ? samples::kShardedCheckpoint : samples::kFileCheckpoint);
+  }
   dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
   const Device device = ctx.device;
   const bool main_rank = ctx.is_main();
-  if (main_rank) samples::check_output_paths(flags, {{"--save", o.save}, {"--plot", o.plot}});
+  if (main_rank) {
+    samples::check_output_paths(flags, {{"--save", o.fsdp ? "" : o.save}, {"--plot", o.plot}});
+    samples::check_output_folders(flags, {{"--save", o.fsdp ? o.save : ""}});
+  }
   if (device.is_cuda() && device.index >= cuda_device_count())
     flags.fail("--device " + o.device + ": there is no such GPU (" + std::to_string(cuda_device_count()) +
                " visible)");
@@ -390,7 +396,7 @@ int run(int argc, char** argv) {
         flags, o.resume, saved,
         {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
          {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
-         {"world_size", "the rank count", std::to_string(ctx.size), "each rank's shard of the data depends on the rank count"},
+         samples::saved_rank_count(ctx.size),
          {"train_images", "the training image count", std::to_string(train_count),
           "its data position is a place in a dataset of that size (same --subset and data)"}});
   if (main_rank && o.warmup > total_steps)
@@ -444,11 +450,14 @@ int run(int argc, char** argv) {
   int64_t epoch = 0, batch = 0, step = 0;
   std::vector<std::pair<double, double>> train_curve, test_loss_curve, test_acc_curve, train_acc_curve;
   if (!o.resume.empty()) {
-    auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched});
+    auto user = fsdp ? dist::load_sharded_checkpoint(o.resume, *fsdp, opt.get(), &sched)
+                     : nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched});
     epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_cnn");
     batch = samples::checkpoint_integer(o.resume, user, "batch", "train_cnn");
     step = samples::checkpoint_integer(o.resume, user, "step", "train_cnn");
-    if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--resume " + o.resume);
+    if (!o.allow_nonfinite)
+      samples::check_finite_parameters(fsdp ? fsdp->named_parameters() : model->named_parameters(),
+                                       "--resume " + o.resume);
     if (main_rank) std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
                 (long long)batch, (long long)step);
   }
@@ -464,20 +473,23 @@ int run(int argc, char** argv) {
                          : device.str().c_str());
 
   samples::MetricsLog metrics(main_rank ? o.metrics : "");
+  // Rank 0 writes the whole model; under FSDP every rank writes its shards into the folder.
   auto save = [&](int64_t next_epoch, int64_t next_batch) {
-    if (!main_rank) return;
-    nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched,
-                                 .user = {{"epoch", std::to_string(next_epoch)},
-                                          {"batch", std::to_string(next_batch)},
-                                          {"step", std::to_string(step)},
-                                          {"program", "train_cnn"},
-                                          {"model", o.model},
-                                          {"data", o.data},
-                                          {"optimizer", o.optimizer},
-                                          {"seed", std::to_string(o.seed)},
-                                          {"batch_size", std::to_string(o.batch_size)},
-                                          {"world_size", std::to_string(ctx.size)},
-                                          {"train_images", std::to_string(train_count)}}});
+    const std::map<std::string, std::string> user{{"epoch", std::to_string(next_epoch)},
+                                                  {"batch", std::to_string(next_batch)},
+                                                  {"step", std::to_string(step)},
+                                                  {"program", "train_cnn"},
+                                                  {"model", o.model},
+                                                  {"data", o.data},
+                                                  {"optimizer", o.optimizer},
+                                                  {"seed", std::to_string(o.seed)},
+                                                  {"batch_size", std::to_string(o.batch_size)},
+                                                  {"world_size", std::to_string(ctx.size)},
+                                                  {"train_images", std::to_string(train_count)}};
+    if (fsdp)
+      dist::save_sharded_checkpoint(o.save, *fsdp, opt.get(), {.scheduler = &sched, .user = user});
+    else if (main_rank)
+      nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched, .user = user});
   };
 
   // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).

@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <new>
+#include <vector>
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
@@ -46,13 +48,60 @@ void check_output_paths(const Flags& flags, const std::vector<std::pair<std::str
   }
 }
 
+void check_output_folders(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths) {
+  namespace fs = std::filesystem;
+  for (const auto& [flag, path] : paths) {
+    if (path.empty()) continue;
+    std::error_code ec;
+    const fs::file_status st = fs::status(path, ec);
+    if (fs::exists(st) && !fs::is_directory(st))
+      flags.fail(flag + " " + path + " is a file, and this run saves its checkpoint as a folder (one file per "
+                 "rank and an index): give the path of a folder, new or holding such a checkpoint");
+    if (fs::is_directory(st)) {
+      const bool empty = fs::directory_iterator(path, ec) == fs::directory_iterator();
+      if (!empty && !fs::exists(fs::path(path) / "index.safetensors"))
+        flags.fail(flag + " " + path + " is a folder that holds other files and no checkpoint (no "
+                   "index.safetensors): give a new or empty folder, so that nothing in it is overwritten");
+    }
+    // A probe file in the folder, or beside it when it is still to be made.
+    const std::string probe_at = fs::is_directory(st) ? (fs::path(path) / "probe").string() : path;
+    try {
+      check_output_path(probe_at, flag);
+    } catch (const Error& e) {
+      flags.fail(e.what());
+    }
+  }
+}
+
+std::string checkpoint_format(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (fs::is_directory(path)) {
+    const std::string index = (fs::path(path) / "index.safetensors").string();
+    if (!fs::exists(index)) return "";
+    const auto meta = load_safetensors_metadata(index);
+    auto it = meta.find("format");
+    return it == meta.end() ? "" : it->second;
+  }
+  const auto meta = load_safetensors_metadata(path);
+  auto it = meta.find("format");
+  return it == meta.end() ? "" : it->second;
+}
+
 std::map<std::string, std::string> checkpoint_entries(const Flags& flags, const std::string& path,
                                                       const std::string& program) {
-  const std::map<std::string, std::string> meta = load_safetensors_metadata(path);
+  namespace fs = std::filesystem;
+  const bool folder = fs::is_directory(path);
+  const std::string header = folder ? (fs::path(path) / "index.safetensors").string() : path;
+  if (folder && !fs::exists(header))
+    flags.fail("--resume " + path + " is a folder with no index.safetensors: not a checkpoint, or its first save "
+               "never finished");
+  const std::map<std::string, std::string> meta = load_safetensors_metadata(header);
   auto format = meta.find("format");
-  if (format == meta.end() || format->second != "loom-training-checkpoint")
-    flags.fail("--resume " + path + " is not a Loom training checkpoint (its metadata has no format = "
-               "loom-training-checkpoint): " + program + " resumes the checkpoints it writes with --save");
+  const std::string kind = format == meta.end() ? "" : format->second;
+  if (kind != kFileCheckpoint && kind != kShardedCheckpoint && kind != kPipelineCheckpoint)
+    flags.fail("--resume " + path + " is not a Loom training checkpoint (" + header + " has no format = " +
+               kFileCheckpoint + ", " + kShardedCheckpoint + " or " + kPipelineCheckpoint + "): " + program +
+               " resumes the checkpoints it writes with --save");
   std::map<std::string, std::string> out;
   for (const auto& [key, value] : meta)
     if (key.starts_with("user.")) out.emplace(key.substr(5), value);
@@ -73,19 +122,63 @@ int64_t checkpoint_integer(const std::string& path, const std::map<std::string, 
   return v;
 }
 
+namespace {
+
+struct CheckpointKind {
+  std::string format, what, plural, run, resumed_by;
+};
+
+const CheckpointKind& checkpoint_kind(const std::string& format) {
+  static const std::vector<CheckpointKind> kinds{
+      {kFileCheckpoint, "a single-file checkpoint (written by a run without --fsdp or --pp)", "single-file checkpoints",
+       "this run, without --fsdp or --pp,", "without --fsdp and --pp"},
+      {kShardedCheckpoint, "a sharded checkpoint (a folder written by a run with --fsdp)", "sharded checkpoints",
+       "this run, with --fsdp,", "with --fsdp"},
+      {kPipelineCheckpoint, "a pipeline checkpoint (a folder written by a run with --pp)", "pipeline checkpoints",
+       "this run, with --pp,", "with the same --pp"}};
+  for (const CheckpointKind& k : kinds)
+    if (k.format == format) return k;
+  static const CheckpointKind unknown{"", "not a training checkpoint", "", "", ""};
+  return unknown;
+}
+
+}  // namespace
+
+void check_resume_format(const Flags& flags, const std::string& path, const std::string& expected) {
+  const std::string format = checkpoint_format(path);
+  if (format == expected) return;
+  const CheckpointKind& got = checkpoint_kind(format);
+  const CheckpointKind& want = checkpoint_kind(expected);
+  flags.fail("--resume " + path + " is " + got.what + ", and " + want.run + " resumes " + want.plural +
+             (got.resumed_by.empty() ? "" : ": resume it " + got.resumed_by));
+}
+
+SavedSetting saved_rank_count(int ranks) {
+  return {"world_size", "the rank count", std::to_string(ranks),
+          "it was saved within an epoch, and its data position is a place in each rank's shard of the data "
+          "(a checkpoint saved at an epoch's end resumes on any rank count)",
+          true};
+}
+
 void check_saved_settings(const Flags& flags, const std::string& path, const std::map<std::string, std::string>& entries,
                           const std::vector<SavedSetting>& settings) {
+  auto batch = entries.find("batch");
+  const bool at_epoch_end = batch != entries.end() && batch->second == "0";
   for (const SavedSetting& s : settings) {
     auto it = entries.find(s.key);
-    if (it == entries.end() || it->second == s.value) continue;
+    if (it == entries.end() || it->second == s.value || (s.within_epoch_only && at_epoch_end)) continue;
     flags.fail("--resume " + path + " was saved with " + s.flag + " " + it->second + ", this run has " + s.flag + " " +
                s.value + ": " + s.why + "; resume with " + s.flag + " " + it->second);
   }
 }
 
 void check_finite_parameters(const nn::Module& model, const std::string& source) {
+  check_finite_parameters(model.named_parameters(), source);
+}
+
+void check_finite_parameters(const nn::NamedTensors& parameters, const std::string& source) {
   NoGradGuard no_grad;
-  for (const auto& [name, p] : model.named_parameters()) {
+  for (const auto& [name, p] : parameters) {
     // x * 0 is 0 for a finite x and NaN for a NaN or an infinity: one reduction per tensor.
     if (std::isfinite(sum(mul(p.detach(), 0.0)).item())) continue;
     const std::vector<double> values = p.detach().to(Device::cpu()).to(DType::f64).contiguous().to_vector<double>();

@@ -29,9 +29,25 @@ void reject_positional(const Flags& flags, const std::vector<std::string>& posit
 // device, fails before any work with the flag and the path named.
 void check_output_paths(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths);
 
-// A checkpoint's own entries (the "user." metadata save_checkpoint stores), read from its
-// header without loading its tensors. A file that is no training checkpoint fails here,
-// naming --resume and `program`.
+// Checkpoints saved as folders (FSDP's sharded checkpoints, parallel/sharded_checkpoint.h; a
+// pipeline's per-stage files): each (flag, path) with a non-empty path must be a folder that
+// is empty or holds a checkpoint (an index.safetensors), or one that can be created, and a
+// probe file must be creatable in it (or in its parent), checked before any work.
+void check_output_folders(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths);
+
+// The formats of the checkpoints the programs write: one file (nn::save_checkpoint), or a
+// folder whose index.safetensors says what it is.
+inline constexpr const char* kFileCheckpoint = "loom-training-checkpoint";
+inline constexpr const char* kShardedCheckpoint = "loom-sharded-1";
+inline constexpr const char* kPipelineCheckpoint = "loom-pipeline-1";
+
+// The format of the checkpoint at `path` (a file's "format" metadata, or a folder's
+// index.safetensors's), "" when it has none. Throws naming the file when it cannot be read.
+std::string checkpoint_format(const std::string& path);
+
+// A checkpoint's own entries (the "user." metadata the programs store), read from its header
+// (a folder's: its index.safetensors) without loading any tensor. A path that is no training
+// checkpoint of `program`'s kinds fails here, naming --resume and `program`.
 std::map<std::string, std::string> checkpoint_entries(const Flags& flags, const std::string& path,
                                                       const std::string& program);
 
@@ -40,13 +56,24 @@ std::map<std::string, std::string> checkpoint_entries(const Flags& flags, const 
 int64_t checkpoint_integer(const std::string& path, const std::map<std::string, std::string>& entries,
                            const std::string& key, const std::string& program);
 
+// The checkpoint at --resume `path` must be of the format `expected` (this run's kind: one
+// file, FSDP's shards or a pipeline's stages); another fails naming both kinds and the flag
+// that resumes it.
+void check_resume_format(const Flags& flags, const std::string& path, const std::string& expected);
+
 // One setting a resumed run must share with the run that saved the checkpoint.
 struct SavedSetting {
   std::string key;    // the checkpoint entry, "batch_size"
   std::string flag;   // "--batch-size"
   std::string value;  // this run's
   std::string why;    // what a different value would break
+  // Compared only for a checkpoint saved within an epoch (entry "batch" not 0): one saved at
+  // an epoch's end starts the next epoch, whose order is drawn afresh for the ranks there are.
+  bool within_epoch_only = false;
 };
+// The rank count, as a setting: a checkpoint saved within an epoch resumes on as many ranks
+// (its data position is a place in each rank's shard), one saved at an epoch's end on any.
+SavedSetting saved_rank_count(int ranks);
 // Fails naming the flag, the saved value and this run's for the first setting that differs;
 // entries the checkpoint lacks (older files) are not compared.
 void check_saved_settings(const Flags& flags, const std::string& path, const std::map<std::string, std::string>& entries,
@@ -55,6 +82,8 @@ void check_saved_settings(const Flags& flags, const std::string& path, const std
 // Throws a loom::Error naming `source` (the flag and file the weights came from), the first
 // parameter holding a NaN or an infinity, and the element, unless every value is finite.
 void check_finite_parameters(const nn::Module& model, const std::string& source);
+// The same for named tensors (an FSDP model's shards, parallel/fsdp.h).
+void check_finite_parameters(const nn::NamedTensors& parameters, const std::string& source);
 
 // Stops a run whose loss is no longer finite, naming the step. On the CPU each step's loss
 // is read anyway; on a GPU reading it waits for the device, so it is checked where the

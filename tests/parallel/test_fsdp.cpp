@@ -39,6 +39,7 @@
 #include "parallel/fsdp.h"
 #include "parallel/sharded_checkpoint.h"
 #include "parallel/store.h"
+#include "run_command.h"
 
 namespace loom::dist {
 namespace {
@@ -684,6 +685,50 @@ TEST(FsdpShardedCheckpoint, TheExportIsTheFullStateDictAndAnUnindexedSaveIsIgnor
   std::filesystem::remove(full);
 }
 
+TEST(FsdpShardedCheckpoint, TheScheduleTheGeneratorAndTheCallersEntriesComeBack) {
+  std::string dir = temp_path("fsdp_ckpt_extras");
+  run_ranks(2, [&](int, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(Model::gpt, 5);
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::yes));
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    optim::LRScheduler sched(opt, optim::cosine_annealing(100, 1e-4));
+    for (int i = 0; i < 7; ++i) sched.step();
+    manual_seed(42);
+    randn({3});  // the generator moves on from its seed
+    const auto rng = rng_state();
+    save_sharded_checkpoint(dir, fsdp, &opt, {.scheduler = &sched, .user = {{"epoch", "3"}, {"batch", "0"}}});
+    const std::map<std::string, double> saved_schedule = sched.state_dict();
+    const std::vector<double> saved_lr = sched.last_lr();
+
+    optim::AdamW fresh_opt(fsdp.parameters(), adamw_options());
+    optim::LRScheduler fresh(fresh_opt, optim::cosine_annealing(100, 1e-4));
+    manual_seed(9);
+    const auto user = load_sharded_checkpoint(dir, fsdp, &fresh_opt, &fresh);
+    require(user == std::map<std::string, std::string>{{"epoch", "3"}, {"batch", "0"}}, "the caller's entries differ");
+    require(fresh.state_dict() == saved_schedule, "the schedule's state differs after the load");
+    require(fresh.last_lr() == saved_lr, "the learning rate differs after the load: ", fresh.last_lr()[0], " against ",
+            saved_lr[0]);
+    require(rng_state() == rng, "the generator's state differs after the load");
+  });
+  // A checkpoint saved without a schedule cannot restore one: an error naming the index.
+  std::string bare = temp_path("fsdp_ckpt_bare");
+  run_ranks(1, [&](int, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(Model::gpt, 5);
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::yes));
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    optim::LRScheduler sched(opt, optim::cosine_annealing(100, 1e-4));
+    save_sharded_checkpoint(bare, fsdp, &opt);
+    try {
+      load_sharded_checkpoint(bare, fsdp, &opt, &sched);
+      require(false, "loading a schedule from a checkpoint saved without one must fail");
+    } catch (const Error& e) {
+      require(std::string(e.what()).find("holds no learning-rate schedule state") != std::string::npos, e.what());
+    }
+  });
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(bare);
+}
+
 // ---- train_cnn --fsdp ------------------------------------------------------------------------
 
 // The epoch lines ("epoch 1: train loss ...") of train_cnn on two CPU ranks under loomrun.
@@ -711,6 +756,97 @@ TEST(FsdpTrainCnn, FsdpFlagTrainsAsDdpDoes) {
   const std::string ddp = train_cnn_epochs("");
   EXPECT_EQ(train_cnn_epochs("--fsdp --min-params 1000"), ddp);
   EXPECT_EQ(train_cnn_epochs("--fsdp --reshard-after-forward no"), ddp);
+}
+
+// train_cnn --fsdp on `ranks` CPU ranks: its exit code and output.
+testing::RunResult train_cnn_fsdp(int ranks, const std::string& extra) {
+  return testing::run_command(std::string(std::getenv("LOOMRUN")) + " --nproc-per-node " + std::to_string(ranks) +
+                                  " " + std::getenv("TRAIN_CNN") +
+                                  " --device cpu --fsdp --min-params 1000 --subset 512 --test-subset 200 --schedule none "
+                                  "--batch-size 64 --quiet --metrics '' --plot '' " + extra,
+                              240);
+}
+
+// The line "epoch N: ..." of a run's output, up to its timing.
+std::string epoch_line(const std::string& output, int epoch) {
+  std::stringstream in(output);
+  const std::string tag = "epoch " + std::to_string(epoch) + ":";
+  for (std::string line; std::getline(in, line);)
+    if (line.find(tag) != std::string::npos) return line.substr(line.find(tag), line.find(" (") - line.find(tag));
+  return "";
+}
+
+TEST(FsdpTrainCnn, ASavedShardedRunResumesWhereItStoppedAndAtAnotherRankCount) {
+  if (!std::getenv("LOOMRUN") || !std::getenv("TRAIN_CNN")) GTEST_SKIP() << "LOOMRUN and TRAIN_CNN are not set";
+  const std::string dir = temp_path("train_cnn_fsdp_ckpt");
+  const testing::RunResult straight = train_cnn_fsdp(2, "--epochs 2");
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  // Stopped after epoch 1 (--max-steps: 512 images over 2 ranks of 64 are 4 steps an epoch;
+  // --schedule none, so that the stop does not shorten a schedule), then resumed from the
+  // folder of shards for epoch 2.
+  const testing::RunResult first = train_cnn_fsdp(2, "--epochs 2 --max-steps 4 --save " + dir);
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dir) / "index.safetensors")) << first.output;
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dir) / "shard-g1-00001-of-00002.safetensors"));
+  const testing::RunResult resumed = train_cnn_fsdp(2, "--epochs 2 --resume " + dir);
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed " + dir + " at epoch 2, batch 0"), std::string::npos) << resumed.output;
+  ASSERT_FALSE(epoch_line(straight.output, 2).empty()) << straight.output;
+  EXPECT_EQ(epoch_line(resumed.output, 2), epoch_line(straight.output, 2));
+
+  // Saved at an epoch's end, the shards load on another rank count.
+  const testing::RunResult three = train_cnn_fsdp(3, "--epochs 2 --resume " + dir);
+  ASSERT_EQ(three.code, 0) << three.output;
+  EXPECT_NE(three.output.find("resumed " + dir + " at epoch 2"), std::string::npos) << three.output;
+
+  // Mid-epoch, the data position needs the same rank count: refused, naming it.
+  const std::string mid = temp_path("train_cnn_fsdp_mid");
+  const testing::RunResult part = train_cnn_fsdp(2, "--epochs 2 --max-steps 6 --save-every 6 --save " + mid);
+  ASSERT_EQ(part.code, 0) << part.output;
+  const testing::RunResult other = train_cnn_fsdp(3, "--epochs 2 --resume " + mid);
+  EXPECT_EQ(other.code, 2) << other.output;
+  EXPECT_NE(other.output.find("was saved with the rank count 2, this run has the rank count 3"), std::string::npos)
+      << other.output;
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(mid);
+}
+
+TEST(FsdpTrainCnn, CheckpointsOfTheOtherKindAndFilesInTheWayAreNamed) {
+  if (!std::getenv("LOOMRUN") || !std::getenv("TRAIN_CNN")) GTEST_SKIP() << "LOOMRUN and TRAIN_CNN are not set";
+  const std::string dir = temp_path("train_cnn_fsdp_kind"), file = temp_path("train_cnn_plain") + ".safetensors";
+  ASSERT_EQ(train_cnn_fsdp(2, "--epochs 1 --max-steps 2 --save " + dir).code, 0);
+  // A folder of shards given to a run without --fsdp.
+  const testing::RunResult plain = testing::run_command(
+      std::string(std::getenv("TRAIN_CNN")) + " --device cpu --subset 512 --epochs 1 --metrics '' --plot '' --resume " +
+          dir,
+      60);
+  EXPECT_EQ(plain.code, 2) << plain.output;
+  EXPECT_NE(plain.output.find("--resume " + dir + " is a sharded checkpoint"), std::string::npos) << plain.output;
+  EXPECT_NE(plain.output.find("resume it with --fsdp"), std::string::npos) << plain.output;
+  // A single-file checkpoint given to --fsdp.
+  ASSERT_EQ(testing::run_command(std::string(std::getenv("TRAIN_CNN")) + " --device cpu --subset 256 --epochs 1 "
+                                     "--max-steps 1 --metrics '' --plot '' --save " + file,
+                                 60)
+                .code,
+            0);
+  const testing::RunResult sharded = train_cnn_fsdp(2, "--epochs 1 --resume " + file);
+  EXPECT_EQ(sharded.code, 2) << sharded.output;
+  EXPECT_NE(sharded.output.find("is a single-file checkpoint"), std::string::npos) << sharded.output;
+  EXPECT_NE(sharded.output.find("resume it without --fsdp and --pp"), std::string::npos) << sharded.output;
+  // --save naming a file, or a folder of other files: refused before any work, nothing touched.
+  const testing::RunResult onto_file = train_cnn_fsdp(2, "--epochs 1 --save " + file);
+  EXPECT_EQ(onto_file.code, 2) << onto_file.output;
+  EXPECT_NE(onto_file.output.find("--save " + file + " is a file"), std::string::npos) << onto_file.output;
+  const std::string busy = temp_path("train_cnn_busy");
+  std::filesystem::create_directories(busy);
+  std::ofstream(std::filesystem::path(busy) / "notes.txt") << "keep me\n";
+  const testing::RunResult onto_busy = train_cnn_fsdp(2, "--epochs 1 --save " + busy);
+  EXPECT_EQ(onto_busy.code, 2) << onto_busy.output;
+  EXPECT_NE(onto_busy.output.find("holds other files and no checkpoint"), std::string::npos) << onto_busy.output;
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(busy) / "notes.txt"));
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(busy);
+  std::filesystem::remove(file);
 }
 
 }  // namespace
