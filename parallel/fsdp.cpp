@@ -1,6 +1,6 @@
 // FullyShardedDataParallel: units and shards (fsdp.h, steps 1-2), gathering on first use
 // (step 3), releasing (step 4), reduce-scattering gradients (step 5), the shards' optimizer
-// support (step 6), mixed precision (step 7) and full state dicts. rows_on(r) below is
+// support (step 6), mixed precision (step 7), HSDP's replicas (step 8) and full state dicts. rows_on(r) below is
 // shard_rows(rows, W, r).count, kept per parameter with its chunk size.
 #include "parallel/fsdp.h"
 
@@ -14,6 +14,7 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/optim/clip.h"
+#include "parallel/device_mesh.h"
 
 namespace loom::dist {
 
@@ -74,7 +75,8 @@ RowRange shard_rows(int64_t rows, int world, int rank) {
 }
 
 struct FSDPState {
-  std::shared_ptr<ProcessGroup> group;
+  std::shared_ptr<ProcessGroup> group;      // the shard group
+  std::shared_ptr<ProcessGroup> replicas;  // HSDP's replicate group, or null (step 8)
   FSDPOptions options;
   std::vector<Unit> units;  // the root unit last
   Phase phase = Phase::idle;
@@ -152,11 +154,15 @@ struct FSDPState {
     release(u);
   }
 
-  // fsdp.h, step 5: the end of backward.
+  // fsdp.h, step 5: the end of backward (and step 8: the replicas' average of each shard).
   void finish_backward() {
     callback_queued = false;
     for (PendingReduction& r : reductions) {
       r.work->wait();
+      if (replicas) r.work = replicas->all_reduce(r.output, ReduceOp::avg);
+    }
+    for (PendingReduction& r : reductions) {
+      if (replicas) r.work->wait();
       for (ShardedParam& p : units[r.unit].params) {
         if (!p.shard.requires_grad()) continue;
         Tensor g = p.in_shard(r.output, rank()).view(p.shard.shape()).to(p.shard.dtype());
@@ -260,38 +266,51 @@ std::vector<std::pair<std::string, nn::NamedTensors>> assign_units(nn::Module& r
   return units;
 }
 
+// Checks that every rank of `group` wraps the same model (a count and a size sum compared),
+// then gives them all the values of the group's rank 0.
+void start_equal(nn::Module& module, ProcessGroup& group, Device device, const char* which) {
+  const nn::NamedTensors all = module.named_parameters();
+  int64_t numel = 0;
+  for (const auto& [_, t] : all) numel += t.numel();
+  const int world = group.size();
+  Tensor mine = from_vector(std::vector<int64_t>{int64_t(all.size()), numel}, {2}).to(device);
+  Tensor every = Tensor::empty({2 * world}, DType::i64, device);
+  group.all_gather(every, mine)->wait();
+  std::vector<int64_t> counts = every.to_vector<int64_t>();
+  for (int r = 1; r < world; ++r)
+    LOOM_CHECK(counts[2 * r] == counts[0] && counts[2 * r + 1] == counts[1], "FSDP: rank ", r, which,
+               " has a model of ", counts[2 * r], " parameters (", counts[2 * r + 1], " elements), rank 0 one of ",
+               counts[0], " (", counts[1], "): every rank must wrap the same model");
+  for (const auto& [_, t] : all) group.broadcast(t, 0)->wait();
+  for (auto& [_, b] : module.named_buffers()) group.broadcast(b, 0)->wait();
+}
+
 }  // namespace
 
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> module,
                                                    std::shared_ptr<ProcessGroup> group, FSDPOptions options)
-    : module_(std::move(module)), group_(std::move(group)), state_(std::make_shared<FSDPState>()) {
+    : module_(std::move(module)),
+      group_(std::move(group)),
+      replicate_group_(options.replicate_group),
+      state_(std::make_shared<FSDPState>()) {
   LOOM_CHECK(module_ && group_, "FullyShardedDataParallel needs a module and a process group");
   state_->group = group_;
+  state_->replicas = options.replicate_group;
   state_->options = options;
   NoGradGuard no_grad;
   const int world = group_->size(), rank = group_->rank();
 
-  // Step 1: the same model everywhere (a count and a size sum compared), then rank 0's values.
+  // Step 1: the same model everywhere, then rank 0's values (step 8: along both groups).
   nn::NamedTensors all = module_->named_parameters();
-  int64_t numel = 0;
-  for (const auto& [_, t] : all) numel += t.numel();
   const Device device = all.empty() ? Device::cpu() : all.front().second.device();
-  Tensor mine = from_vector(std::vector<int64_t>{int64_t(all.size()), numel}, {2}).to(device);
-  Tensor every = Tensor::empty({2 * world}, DType::i64, device);
-  group_->all_gather(every, mine)->wait();
-  std::vector<int64_t> counts = every.to_vector<int64_t>();
-  for (int r = 1; r < world; ++r)
-    LOOM_CHECK(counts[2 * r] == counts[0] && counts[2 * r + 1] == counts[1], "FSDP: rank ", r, " has a model of ",
-               counts[2 * r], " parameters (", counts[2 * r + 1], " elements), rank 0 one of ", counts[0], " (",
-               counts[1], "): every rank must wrap the same model");
   for (auto& [name, t] : all) {
     LOOM_CHECK(t.device() == device, "FSDP: parameter ", name, " is on ", t.device().str(), ", the first on ",
                device.str(), ": move the module to one device before wrapping");
     LOOM_CHECK(t.is_contiguous() && t.offset() == 0 && t.storage()->nbytes() == t.nbytes(), "FSDP: parameter ", name,
                " does not own its storage (a view of a larger tensor); its storage is released between uses");
-    group_->broadcast(t, 0)->wait();
   }
-  for (auto& [_, b] : module_->named_buffers()) group_->broadcast(b, 0)->wait();
+  start_equal(*module_, *group_, device, "");
+  if (state_->replicas) start_equal(*module_, *state_->replicas, device, " of the replicate group");
 
   // Step 2: shards and flat layouts; the full storages released.
   for (auto& [unit_name, params] : assign_units(*module_, options)) {
@@ -463,6 +482,14 @@ void FullyShardedDataParallel::reset_peak_memory() {
 std::unique_ptr<FullyShardedDataParallel> fully_shard(std::shared_ptr<nn::Module> module,
                                                       std::shared_ptr<ProcessGroup> group, FSDPOptions options) {
   return std::make_unique<FullyShardedDataParallel>(std::move(module), std::move(group), std::move(options));
+}
+
+std::unique_ptr<FullyShardedDataParallel> hybrid_shard(std::shared_ptr<nn::Module> module, const DeviceMesh& mesh,
+                                                       FSDPOptions options) {
+  LOOM_CHECK(mesh.ndim() == 2, "hybrid_shard: the mesh has ", mesh.ndim(),
+             " dimensions; HSDP takes two, \"replicate\" and \"shard\"");
+  options.replicate_group = mesh.group("replicate");
+  return std::make_unique<FullyShardedDataParallel>(std::move(module), mesh.group("shard"), std::move(options));
 }
 
 }  // namespace loom::dist

@@ -80,13 +80,28 @@
 //
 // ZeRO-2 keeps [full, W S] from the unit's forward to the end of its backward.
 //
+// 8. HSDP (hybrid sharding, options.replicate_group). The ranks form a mesh (replicate,
+//    shard): each row of the mesh shards the model as above, and the rows are replicas of one
+//    another, as DDP's ranks are. The group given to the constructor is this rank's shard
+//    group; options.replicate_group holds the ranks at the same shard position in every row.
+//    Construction broadcasts rank 0's values along both; after each reduce-scatter (the
+//    average over the row) an all_reduce averages the shard's gradient over the replicas, so
+//    every rank steps on the average over the whole world. Gathers stay inside a row: with
+//    rows on nodes, the all_gathers and reduce-scatters use the fast links within a node and
+//    only shard-sized gradients cross between nodes. A sharded checkpoint is written by the
+//    first row alone and loads into any layout.
+//
+//      DeviceMesh({2, 4}, {"replicate", "shard"}) on 8 ranks:   shard=0  1  2  3
+//                                               replicate=0         0  1  2  3   <- one model
+//                                               replicate=1         4  5  6  7   <- its replica
+//
 // Devices. CPU tensors over a Gloo group, CUDA tensors over an NCCL group. On CUDA every copy
 // into and out of the flat buffers is an engine op on the compute stream and Work::wait()
 // makes the compute stream wait for the collective (nccl_group.cpp), so the host does not
 // block in a step; the all_gather is issued when its unit is first read, not prefetched.
 //
 // Buffers (BatchNorm's running statistics) are replicated, broadcast from rank 0 at
-// construction only. Not offered: prefetching the next unit on a communication stream, HSDP, and using the module on its own after wrapping
+// construction only. Not offered: prefetching the next unit on a communication stream, and using the module on its own after wrapping
 // (its parameters' storages stay released; load full_state_dict() into a fresh model).
 #pragma once
 
@@ -118,6 +133,9 @@ struct FSDPOptions {
   // parameters' own. The shards and their optimizer state keep the parameters' dtype.
   std::optional<DType> param_dtype;
   std::optional<DType> reduce_dtype;
+  // HSDP (step 8): the ranks holding the same shards in the other replicas, this rank among
+  // them; null for plain FSDP. hybrid_shard() below builds both groups from a mesh.
+  std::shared_ptr<ProcessGroup> replicate_group;
 };
 
 // Bytes of full (gathered) parameters this rank holds, now and at most since the last reset;
@@ -197,7 +215,9 @@ class FullyShardedDataParallel {
   void reset_peak_memory();
 
   const std::shared_ptr<nn::Module>& module() const { return module_; }
+  // The shard group, and HSDP's replicate group (null for plain FSDP).
   ProcessGroup& group() const { return *group_; }
+  ProcessGroup* replicate_group() const { return replicate_group_.get(); }
 
  private:
   class ForwardScope {
@@ -213,6 +233,7 @@ class FullyShardedDataParallel {
 
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;
+  std::shared_ptr<ProcessGroup> replicate_group_;
   // Shared with the storages' acquire hooks and the gradient hooks, which hold it weakly.
   std::shared_ptr<FSDPState> state_;
 };
@@ -220,5 +241,11 @@ class FullyShardedDataParallel {
 // FSDP2's spelling: shards `module` and returns the wrapper that runs it.
 std::unique_ptr<FullyShardedDataParallel> fully_shard(std::shared_ptr<nn::Module> module,
                                                       std::shared_ptr<ProcessGroup> group, FSDPOptions options = {});
+
+class DeviceMesh;
+// HSDP on a mesh with dimensions "replicate" and "shard" (step 8): shards along "shard",
+// replicates along "replicate". Every rank of the mesh calls it.
+std::unique_ptr<FullyShardedDataParallel> hybrid_shard(std::shared_ptr<nn::Module> module, const DeviceMesh& mesh,
+                                                       FSDPOptions options = {});
 
 }  // namespace loom::dist

@@ -180,10 +180,9 @@ class SavedCheckpoint {
   std::map<int, SafetensorsFile> files_;
 };
 
-}  // namespace
-
-void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
-                             const optim::Optimizer* optimizer, const ShardedCheckpointExtras& extras) {
+// The shards of one replica (all of them without HSDP), written as the header comment says.
+void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullyShardedDataParallel& fsdp,
+                                            const optim::Optimizer* optimizer, const ShardedCheckpointExtras& extras) {
   ProcessGroup& group = fsdp.group();
   const int rank = group.rank(), world = group.size();
   nn::NamedTensors shards = fsdp.named_parameters();
@@ -266,6 +265,19 @@ void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& f
     }
   }
   group.barrier()->wait();
+}
+
+}  // namespace
+
+void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
+                             const optim::Optimizer* optimizer, const ShardedCheckpointExtras& extras) {
+  // HSDP: the first replica writes the shards, the others wait until it has finished.
+  if (ProcessGroup* replicas = fsdp.replicate_group()) {
+    if (replicas->rank() == 0) save_sharded_checkpoint_of_one_replica(dir, fsdp, optimizer, extras);
+    replicas->barrier()->wait();
+  } else {
+    save_sharded_checkpoint_of_one_replica(dir, fsdp, optimizer, extras);
+  }
 }
 
 std::map<std::string, std::string> load_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,

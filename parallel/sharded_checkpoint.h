@@ -16,6 +16,8 @@
 //                                       0's random generator ("rng.seed", "rng.offset") and the
 //                                       caller's entries ("user.<key>": epoch, data position, ...)
 //
+// Under HSDP (fsdp.h, step 8) the first replica writes and the others wait for it.
+//
 // Saving: every rank writes its shard file (atomically, engine/serialization.h), a barrier
 // waits for all of them, then rank 0 writes the index (atomically, hence last and whole) and
 // removes the shard files of older generations. G counts the saves into the folder, so a

@@ -13,7 +13,8 @@
 // its shard with DistributedDataParallel over NCCL (GPUs) or Gloo (--device cpu); `--gpus N`
 // starts the N ranks itself. Rank 0 prints, logs and checkpoints; the batch size is per rank.
 // With --fsdp the ranks hold only their shards of the parameters, gradients and optimizer state
-// (FullyShardedDataParallel, units chosen by --min-params), and --save writes a sharded
+// (FullyShardedDataParallel, units chosen by --min-params; --hsdp N for N replicas of
+// sharded groups), and --save writes a sharded
 // checkpoint, a folder in which every rank writes its own shards (parallel/sharded_checkpoint.h).
 #include <algorithm>
 #include <chrono>
@@ -34,6 +35,7 @@
 #include "engine/ops.h"
 #include "layers/layers.h"
 #include "parallel/ddp.h"
+#include "parallel/device_mesh.h"
 #include "parallel/fsdp.h"
 #include "parallel/sharded_checkpoint.h"
 #include "parallel/init.h"
@@ -55,7 +57,8 @@ struct Options {
   std::string init, save, resume, metrics = "train_cnn.jsonl", plot = "train_cnn.svg";
   std::string trace, reshard_after_forward = "yes";
   int64_t epochs = 0, batch_size = 128, seed = 0, workers = 4, subset = 0, test_subset = 0, save_every = 0;
-  int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600, scaling = 0, min_params = 100000;
+  int64_t warmup = 0, max_steps = 0, gpus = 0, bucket_mb = 25, timeout_s = 600, scaling = 0, min_params = 100000,
+          hsdp = 1;
   double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
   bool gpu_resident = false, quiet = false, sync_bn_stats = false, allow_nonfinite = false, fsdp = false;
 };
@@ -275,6 +278,10 @@ int run(int argc, char** argv) {
             "(no: ZeRO-2)",
             {"yes", "no"});
   flags.add("min-params", &o.min_params, "FSDP: a module with at least this many parameters becomes a unit", 1);
+  flags.add("hsdp", &o.hsdp,
+            "FSDP: hybrid sharding (HSDP): N replicas, each sharding the model over ranks / N consecutive ranks "
+            "(one node's GPUs), their gradients averaged between replicas",
+            1);
   flags.add("timeout-s", &o.timeout_s, "data parallel: seconds before a stuck collective ends the run", 1);
   flags.add("scaling", &o.scaling,
             "run the same training on 1, 2, 4, ... N ranks and report speedup and efficiency (table, "
@@ -320,8 +327,8 @@ int run(int argc, char** argv) {
   if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
   if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
   if (o.fsdp && o.sync_bn_stats) flags.fail("--sync-bn-stats is DDP's; --fsdp keeps BatchNorm statistics per rank");
-  if (!o.fsdp && (flags.given("reshard-after-forward") || flags.given("min-params")))
-    flags.fail("--reshard-after-forward and --min-params are FSDP's: add --fsdp");
+  if (!o.fsdp && (flags.given("reshard-after-forward") || flags.given("min-params") || flags.given("hsdp")))
+    flags.fail("--reshard-after-forward, --min-params and --hsdp are FSDP's: add --fsdp");
   if (o.gpu_resident && o.augment != "none")
     flags.fail("--gpu-resident keeps batches on the GPU without augmentation; add --augment none");
   if (o.device != "auto") {
@@ -341,6 +348,9 @@ int run(int argc, char** argv) {
   dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
   const Device device = ctx.device;
   const bool main_rank = ctx.is_main();
+  if (o.hsdp > 1 && (!ctx.active || ctx.size % o.hsdp != 0))
+    flags.fail("--hsdp " + std::to_string(o.hsdp) + ": the " + std::to_string(ctx.size) +
+               " rank(s) started do not divide into that many replicas of equal size");
   if (main_rank) {
     samples::check_output_paths(flags, {{"--save", o.fsdp ? "" : o.save}, {"--plot", o.plot}});
     samples::check_output_folders(flags, {{"--save", o.fsdp ? o.save : ""}});
@@ -428,7 +438,15 @@ int run(int argc, char** argv) {
     fsdp_options.min_num_params = o.min_params;
     fsdp_options.reshard_after_forward =
         o.reshard_after_forward == "yes" ? dist::ReshardAfterForward::yes : dist::ReshardAfterForward::no;
-    fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, ctx.group, fsdp_options);
+    if (o.hsdp > 1) {
+      // Replicas along the mesh's rows, shards along its columns: a row is consecutive ranks.
+      dist::DeviceMesh mesh(ctx.group, {int(o.hsdp), ctx.size / int(o.hsdp)}, {"replicate", "shard"});
+      if (main_rank) std::printf("HSDP: %lld replicas, each sharded over %d ranks\n%s", (long long)o.hsdp,
+                                 ctx.size / int(o.hsdp), mesh.table().c_str());
+      fsdp = dist::hybrid_shard(model, mesh, fsdp_options);
+    } else {
+      fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, ctx.group, fsdp_options);
+    }
     if (main_rank) {
       size_t bytes = 0;
       for (const Tensor& p : model->parameters()) bytes += p.nbytes();

@@ -36,6 +36,7 @@
 #include "engine/ops.h"
 #include "engine/serialization.h"
 #include "layers/layers.h"
+#include "parallel/device_mesh.h"
 #include "parallel/fsdp.h"
 #include "parallel/sharded_checkpoint.h"
 #include "parallel/store.h"
@@ -602,6 +603,85 @@ TEST(FsdpMixedPrecision, Bf16ParametersWithF32ReductionFollowTheSameMixedPrecisi
   std::filesystem::remove(reference);
 }
 
+// ---- HSDP --------------------------------------------------------------------------------------
+
+// Rows of `shards` ranks shard the model, `replicas` such rows replicate it (fsdp.h, step 8);
+// every world rank trains on its own rows of the global batch. The run must be the one
+// process's on the whole batch, as plain FSDP's is; then a checkpoint saved by the first row
+// loads into plain FSDP on 3 ranks with the same values.
+void train_hybrid(Model kind, int replicas, int shards, ReshardAfterForward reshard) {
+  constexpr int kSteps = 12;
+  const int world = replicas * shards;
+  std::string reference = temp_path("hsdp_reference") + ".safetensors", dir = temp_path("hsdp_ckpt");
+  std::string full = temp_path("hsdp_full") + ".safetensors";
+  run_alone([&] { train_reference(kind, reference, kSteps); });
+  run_ranks(world, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto want = load_safetensors_map(reference);
+    DeviceMesh mesh(group, {replicas, shards}, {"replicate", "shard"});
+    auto model = make_model(kind, rank);  // the ranks start differently: HSDP broadcasts rank 0's
+    auto fsdp = hybrid_shard(model, mesh, fsdp_options(*model, kind, reshard));
+    require(fsdp->group().size() == shards && fsdp->replicate_group()->size() == replicas, "the groups are ",
+            fsdp->group().size(), " x ", fsdp->replicate_group()->size());
+    optim::AdamW opt(fsdp->parameters(), adamw_options());
+    std::vector<double> want_losses = want.at("losses").to_vector<double>();
+    std::vector<double> want_norms = want.at("norms").to_vector<double>();
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      Batch mine = rows(global_batch(kind, step), rank, world);
+      Tensor loss = fsdp->call([&] { return loss_of(*model, kind, mine); });
+      loss.backward();
+      Tensor mean_loss = loss.detach().reshape({1}).clone();
+      group->all_reduce(mean_loss, ReduceOp::avg)->wait();
+      const double norm = fsdp->clip_grad_norm_(kMaxNorm);
+      opt.step();
+      const double dl = std::abs(mean_loss.item() - want_losses[step]) / std::abs(want_losses[step]);
+      const double dn = std::abs(norm - want_norms[step]) / std::abs(want_norms[step]);
+      require(dl <= 1e-5, "step ", step, ": loss ", mean_loss.item(), " against ", want_losses[step]);
+      require(dn <= 1e-5, "step ", step, ": gradient norm ", norm, " against ", want_norms[step]);
+    }
+    nn::NamedTensors state = fsdp->full_state_dict();
+    require_close(state, want, 1e-5);
+    save_sharded_checkpoint(dir, *fsdp, &opt);
+    if (rank == 0) save_safetensors(full, state);
+  });
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) files.push_back(e.path().filename().string());
+  EXPECT_EQ(int(files.size()), 1 + shards) << "the first row alone writes: an index and one file per shard";
+  run_ranks(3, [&](int, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(kind, 9);
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, kind, ReshardAfterForward::yes));
+    load_sharded_checkpoint(dir, fsdp);
+    auto want = load_safetensors_map(full);
+    for (const auto& [name, t] : fsdp.full_state_dict())
+      require(relative_difference(t, want.at(name)) == 0, name, " differs after the load");
+  });
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(reference);
+  std::filesystem::remove(full);
+}
+
+TEST(FsdpHybrid, TwoReplicasOfTwoShardsTrainTinyGptAsOneProcess) {
+  train_hybrid(Model::gpt, 2, 2, ReshardAfterForward::yes);
+}
+
+TEST(FsdpHybrid, TwoReplicasOfTwoShardsTrainSimpleCnnAsOneProcessUnderZeRO2) {
+  train_hybrid(Model::cnn, 2, 2, ReshardAfterForward::no);
+}
+
+TEST(FsdpHybrid, AMeshOfOtherDimensionsIsRefused) {
+  run_ranks(2, [&](int, std::shared_ptr<ProcessGroup> group) {
+    DeviceMesh mesh(group, {2}, {"dp"});
+    auto model = make_model(Model::cnn, 0);
+    try {
+      hybrid_shard(model, mesh);
+      require(false, "a one-dimensional mesh must be refused");
+    } catch (const Error& e) {
+      require(std::string(e.what()).find("HSDP takes two, \"replicate\" and \"shard\"") != std::string::npos,
+              e.what());
+    }
+  });
+}
+
 // ---- sharded checkpoints ---------------------------------------------------------------------
 
 // Trains steps [from, to) of the tiny GPT on `world` ranks, resuming from `load_dir` when given
@@ -731,12 +811,12 @@ TEST(FsdpShardedCheckpoint, TheScheduleTheGeneratorAndTheCallersEntriesComeBack)
 
 // ---- train_cnn --fsdp ------------------------------------------------------------------------
 
-// The epoch lines ("epoch 1: train loss ...") of train_cnn on two CPU ranks under loomrun.
-std::string train_cnn_epochs(const std::string& extra) {
+// The epoch lines ("epoch 1: train loss ...") of train_cnn on CPU ranks under loomrun.
+std::string train_cnn_epochs(const std::string& extra, int ranks = 2) {
   const char* loomrun = std::getenv("LOOMRUN");
   const char* train_cnn = std::getenv("TRAIN_CNN");
   if (!loomrun || !train_cnn) return "";
-  std::string command = std::string(loomrun) + " --nproc-per-node 2 " + train_cnn +
+  std::string command = std::string(loomrun) + " --nproc-per-node " + std::to_string(ranks) + " " + train_cnn +
                         " --device cpu --epochs 1 --max-steps 12 --subset 1024 --test-subset 200 --quiet "
                         "--metrics '' --plot '' " + extra + " 2>&1";
   FILE* pipe = ::popen(command.c_str(), "r");
@@ -847,6 +927,15 @@ TEST(FsdpTrainCnn, CheckpointsOfTheOtherKindAndFilesInTheWayAreNamed) {
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(busy);
   std::filesystem::remove(file);
+}
+
+TEST(FsdpTrainCnn, HybridShardingOnFourRanksTrainsAsDdpDoes) {
+  if (!std::getenv("LOOMRUN") || !std::getenv("TRAIN_CNN")) GTEST_SKIP() << "LOOMRUN and TRAIN_CNN are not set";
+  EXPECT_EQ(train_cnn_epochs("--fsdp --hsdp 2 --min-params 1000", 4), train_cnn_epochs("", 4));
+  const testing::RunResult odd = train_cnn_fsdp(3, "--epochs 1 --hsdp 2");
+  EXPECT_EQ(odd.code, 2) << odd.output;
+  EXPECT_NE(odd.output.find("--hsdp 2: the 3 rank(s) started do not divide into that many replicas"),
+            std::string::npos) << odd.output;
 }
 
 }  // namespace
