@@ -8,6 +8,7 @@
 #include <cmath>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -60,6 +61,13 @@ struct Unit {
   int grads_pending = 0;  // of those, how many have not had their gradient this backward
 };
 
+// A prefetched all_gather in flight: `gathered` receives every rank's flat shard of `unit`.
+struct PendingGather {
+  size_t unit;
+  Tensor gathered;
+  WorkPtr work;
+};
+
 // A reduce-scatter in flight: its output holds this rank's averaged rows of `unit`.
 struct PendingReduction {
   size_t unit;
@@ -85,6 +93,13 @@ struct FSDPState {
   std::deque<size_t> held;  // gathered units, earliest first
   std::vector<PendingReduction> reductions;
   FSDPMemory memory;
+  // Prefetch (step 3): the units in the order the first step gathered them, in its forward
+  // and in its backward; the units gathered so far in this pass; the one all_gather issued
+  // ahead of its unit's first read.
+  std::vector<size_t> forward_order, backward_order;
+  bool forward_known = false, backward_known = false;
+  std::vector<bool> gathered_in_pass;
+  std::optional<PendingGather> prefetched;
 
   int rank() const { return group->rank(); }
   int world() const { return group->size(); }
@@ -100,15 +115,78 @@ struct FSDPState {
 
   void release_all() {
     while (!held.empty()) release(held.front());
+    drop_prefetch();
   }
 
-  // Every rank's flat shard of `unit`, in `dtype`, one after the other (W S elements).
-  Tensor gather_flat(const Unit& unit, DType dtype) {
+  // A prefetch that will not be used: its all_gather is waited for (its buffer must outlive
+  // it) and its buffer dropped.
+  void drop_prefetch() {
+    if (!prefetched) return;
+    prefetched->work->wait();
+    memory.full_parameter_bytes -= units[prefetched->unit].full_bytes;
+    prefetched.reset();
+  }
+
+  // Full units at once: the held ones and a prefetch in flight.
+  size_t units_unsharded() const { return held.size() + (prefetched ? 1 : 0); }
+
+  // Records u's first gather in this pass of the first step, and says whether this is u's
+  // first gather in the pass.
+  bool note_gather(size_t u) {
+    std::vector<size_t>& order = phase == Phase::forward ? forward_order : backward_order;
+    const bool known = phase == Phase::forward ? forward_known : backward_known;
+    if (!known && std::find(order.begin(), order.end(), u) == order.end()) order.push_back(u);
+    const bool first = !gathered_in_pass[u];
+    gathered_in_pass[u] = true;
+    return first;
+  }
+
+  // A new pass (forward, or the backward after it) starts.
+  void begin_pass(Phase next) {
+    phase = next;
+    gathered_in_pass.assign(units.size(), false);
+  }
+
+  // Step 3's prefetch: after unit u is first gathered in a pass, the all_gather of the unit
+  // the first step gathered after it in the same pass is issued without waiting, so that on
+  // a GPU it runs on the communication stream while u computes. A unit gathered again in the
+  // same pass (a tied weight read by a later layer) prefetches nothing. Under ZeRO-3 the
+  // prefetch takes a slot: at most two units unsharded, u among them.
+  void prefetch_after(size_t u) {
+    const bool forward = phase == Phase::forward;
+    const std::vector<size_t>& order = forward ? forward_order : backward_order;
+    if (!options.prefetch || !(forward ? forward_known : backward_known) || prefetched) return;
+    auto pos = std::find(order.begin(), order.end(), u);
+    if (pos == order.end() || pos + 1 == order.end()) return;
+    const size_t v = *(pos + 1);
+    if (units[v].gathered) return;
+    if (options.reshard_after_forward == ReshardAfterForward::yes)
+      while (units_unsharded() >= 2 && held.front() != u) release(held.front());
+    if (options.reshard_after_forward == ReshardAfterForward::yes && units_unsharded() >= 2) return;
+    NoGradGuard no_grad;
+    WorkPtr work;
+    Tensor gathered = issue_gather(units[v], units[v].compute_dtype, &work);
+    prefetched = PendingGather{v, gathered, work};
+    memory.full_parameter_bytes += units[v].full_bytes;
+    memory.peak_full_parameter_bytes = std::max(memory.peak_full_parameter_bytes, memory.full_parameter_bytes);
+    ++memory.prefetches;
+  }
+
+  // Every rank's flat shard of `unit`, in `dtype`, one after the other (W S elements): the
+  // all_gather is issued, and `work` says when its result is ready.
+  Tensor issue_gather(const Unit& unit, DType dtype, WorkPtr* work) {
     Tensor flat = Tensor::empty({unit.flat_numel}, dtype, unit.device);
     for (const ShardedParam& p : unit.params)
       if (p.rows_on(rank()) > 0) copy_(p.in_shard(flat, rank()), p.shard.reshape({p.rows_on(rank()), p.row_numel}));
     Tensor gathered = Tensor::empty({world() * unit.flat_numel}, dtype, unit.device);
-    group->all_gather(gathered, flat)->wait();
+    *work = group->all_gather(gathered, flat);
+    ++memory.gathers;
+    return gathered;
+  }
+  Tensor gather_flat(const Unit& unit, DType dtype) {
+    WorkPtr work;
+    Tensor gathered = issue_gather(unit, dtype, &work);
+    work->wait();
     return gathered;
   }
 
@@ -118,20 +196,30 @@ struct FSDPState {
     LOOM_CHECK(phase != Phase::idle, "FSDP: the parameters of unit '", unit.name, "' (", unit.params.front().name,
                ", ...) were read outside a step; their full values exist only inside fsdp.forward()/call() and "
                "the backward that follows (read full_state_dict() instead)");
-    // fsdp.h, step 4: ZeRO-3 holds at most two units, so the earliest goes first.
-    if (options.reshard_after_forward == ReshardAfterForward::yes)
-      while (held.size() >= 2) release(held.front());
+    const bool first_in_pass = note_gather(u);
     NoGradGuard no_grad;
-    Tensor gathered = gather_flat(unit, unit.compute_dtype);
+    Tensor gathered;
+    if (prefetched && prefetched->unit == u) {
+      prefetched->work->wait();  // on a GPU: the compute stream waits, not the host
+      gathered = prefetched->gathered;
+      prefetched.reset();  // its bytes were counted when it was issued
+    } else {
+      drop_prefetch();  // the order changed: this step reads another unit first
+      // fsdp.h, step 4: ZeRO-3 holds at most two units, so the earliest goes first.
+      if (options.reshard_after_forward == ReshardAfterForward::yes)
+        while (held.size() >= 2) release(held.front());
+      gathered = gather_flat(unit, unit.compute_dtype);
+      memory.full_parameter_bytes += unit.full_bytes;
+    }
     for (ShardedParam& p : unit.params) {
       p.full.storage()->acquire();
       for (int r = 0; r < world(); ++r)
         if (p.rows_on(r) > 0) copy_(p.rows_of(p.full.detach(), r), p.in_gathered(gathered, r, unit.flat_numel));
     }
     unit.gathered = true;
-    memory.full_parameter_bytes += unit.full_bytes;
     memory.peak_full_parameter_bytes = std::max(memory.peak_full_parameter_bytes, memory.full_parameter_bytes);
     held.push_back(u);
+    if (first_in_pass) prefetch_after(u);
   }
 
   // fsdp.h, step 5: the last gradient of unit u has been accumulated.
@@ -180,6 +268,7 @@ struct FSDPState {
     }
     release_all();
     phase = Phase::idle;
+    backward_known = forward_known;  // the first step's backward has been recorded
     LOOM_CHECK(unused.empty(), "FSDP: parameters that did not receive a gradient in this backward: ", unused,
                ". Every unit's gradients are reduced once all of them have arrived; freeze parameters a step does "
                "not use with set_requires_grad(false) before wrapping");
@@ -190,7 +279,7 @@ struct FSDPState {
   }
   void count_gradient(const std::shared_ptr<FSDPState>& self, size_t u) {
     if (phase == Phase::idle) return;
-    phase = Phase::backward;
+    if (phase != Phase::backward) begin_pass(Phase::backward);
     if (!callback_queued) {
       callback_queued = true;
       queue_callback([self] { self->finish_backward(); });
@@ -202,7 +291,7 @@ struct FSDPState {
     release_all();  // a forward not followed by backward left units gathered
     reductions.clear();
     for (Unit& unit : units) unit.grads_pending = unit.trainable;
-    phase = Phase::forward;
+    begin_pass(Phase::forward);
   }
 };
 
@@ -367,10 +456,15 @@ FullyShardedDataParallel::ForwardScope::ForwardScope(FullyShardedDataParallel& f
 }
 
 FullyShardedDataParallel::ForwardScope::~ForwardScope() {
-  // Without a backward to come, nothing releases the units: do it here.
+  FSDPState& state = *fsdp_.state_;
+  state.forward_known = true;  // the first forward has shown the order of its gathers
   if (!grad_enabled()) {
-    fsdp_.state_->release_all();
-    fsdp_.state_->phase = Phase::idle;
+    // Without a backward to come, nothing releases the units: do it here.
+    state.release_all();
+    state.phase = Phase::idle;
+  } else {
+    // What reads weights from now on is the backward.
+    state.begin_pass(Phase::backward);
   }
 }
 

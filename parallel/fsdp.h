@@ -36,6 +36,17 @@
 //    all_gathers. Gathering on use rather than from module hooks needs nothing of the
 //    model: Loom's models call their children and read their weights directly, and a
 //    tied weight read again by the output layer is simply gathered again.
+//    Prefetch (options.prefetch): the first step records the order in which each of its
+//    passes gathers the units (forward: the embeddings, block 0, block 1, ...; backward: the
+//    blocks in reverse, and not the units whose backward reads no weight). From the second
+//    step on, once a unit is first gathered in a pass, the all_gather of the unit that came
+//    after it in that pass is issued without waiting. On a GPU it runs on the communication
+//    stream while the current unit computes, and the unit's first read only makes the compute
+//    stream wait for it. Under ZeRO-3 the prefetch counts among the two units unsharded at
+//    once. A unit gathered again in the same pass (GPT's tied embedding, read again by the
+//    output layer) prefetches nothing; a step that reads another unit first drops the
+//    prefetch (waited for, then freed) and gathers on demand. Prefetching issues the same
+//    all_gathers as gathering on demand, only earlier (FSDPMemory counts both).
 //
 // 4. Free after use (reshard_after_forward). ZeRO-3 (ReshardAfterForward::yes): at most
 //    two units are held at once; gathering a third releases the one gathered earliest. As
@@ -98,10 +109,11 @@
 // Devices. CPU tensors over a Gloo group, CUDA tensors over an NCCL group. On CUDA every copy
 // into and out of the flat buffers is an engine op on the compute stream and Work::wait()
 // makes the compute stream wait for the collective (nccl_group.cpp), so the host does not
-// block in a step; the all_gather is issued when its unit is first read, not prefetched.
+// block in a step. Gloo's collectives run when issued, so on CPU ranks a prefetch moves the
+// communication earlier but overlaps nothing.
 //
 // Buffers (BatchNorm's running statistics) are replicated, broadcast from rank 0 at
-// construction only. Not offered: prefetching the next unit on a communication stream, and using the module on its own after wrapping
+// construction only. Not offered: using the module on its own after wrapping
 // (its parameters' storages stay released; load full_state_dict() into a fresh model).
 #pragma once
 
@@ -133,6 +145,8 @@ struct FSDPOptions {
   // parameters' own. The shards and their optimizer state keep the parameters' dtype.
   std::optional<DType> param_dtype;
   std::optional<DType> reduce_dtype;
+  // Step 3's prefetch: each unit's all_gather issued while the unit before it computes.
+  bool prefetch = true;
   // HSDP (step 8): the ranks holding the same shards in the other replicas, this rank among
   // them; null for plain FSDP. hybrid_shard() below builds both groups from a mesh.
   std::shared_ptr<ProcessGroup> replicate_group;
@@ -144,6 +158,8 @@ struct FSDPMemory {
   size_t full_parameter_bytes = 0;
   size_t peak_full_parameter_bytes = 0;
   size_t shard_parameter_bytes = 0;
+  int64_t gathers = 0;     // all_gathers of units issued in all
+  int64_t prefetches = 0;  // of those, issued ahead of their unit's first read (step 3)
 };
 
 // The rows [start, start + count) of a parameter of `rows` rows (dim 0) that rank `rank` of

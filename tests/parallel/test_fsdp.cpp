@@ -370,6 +370,58 @@ TEST(FsdpMemory, ZeRO3HoldsAtMostTheTwoLargestUnitsAndZeRO2HoldsThemAll) {
   });
 }
 
+// Prefetching changes when each all_gather is issued, never what it gathers: the same steps
+// with and without it give the same losses and weights to the bit, and with it every unit but
+// the first of each pass arrives prefetched from the second step on.
+TEST(FsdpPrefetch, TheNextUnitIsGatheredAheadAndTheStepsAreBitForBitTheSame) {
+  run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> group) {
+    std::vector<std::vector<double>> losses;
+    std::vector<nn::NamedTensors> states;
+    std::vector<int64_t> gathers;
+    for (bool prefetch : {true, false}) {
+      auto model = make_model(Model::gpt, 0, 6);
+      FSDPOptions options = fsdp_options(*model, Model::gpt, ReshardAfterForward::yes);
+      options.prefetch = prefetch;
+      FullyShardedDataParallel fsdp(model, group, options);
+      optim::AdamW opt(fsdp.parameters(), adamw_options());
+      losses.emplace_back();
+      std::vector<int64_t> prefetches;
+      for (int step = 0; step < 3; ++step) {
+        opt.zero_grad();
+        Batch mine = rows(global_batch(Model::gpt, step), rank, 2);
+        Tensor loss = fsdp.call([&] { return loss_of(*model, Model::gpt, mine); });
+        loss.backward();
+        opt.step();
+        losses.back().push_back(loss.item());
+        prefetches.push_back(fsdp.memory().prefetches);
+      }
+      const int64_t units = int64_t(fsdp.unit_names().size());
+      if (rank == 0)
+        std::fprintf(stderr, "prefetch %s: %lld, %lld, %lld all_gathers issued ahead after each step (%lld units)\n",
+                     prefetch ? "on" : "off", (long long)prefetches[0], (long long)prefetches[1],
+                     (long long)prefetches[2], (long long)units);
+      if (!prefetch) {
+        require(prefetches[2] == 0, "prefetch off, yet ", prefetches[2], " all_gathers were issued ahead");
+      } else {
+        // The first step records the order of each pass; each later one prefetches in both.
+        require(prefetches[0] == 0, "the first step prefetched ", prefetches[0], " units before knowing the order");
+        for (int step = 1; step < 3; ++step)
+          require(prefetches[step] - prefetches[step - 1] >= 2 * (units - 2), "step ", step, " prefetched ",
+                  prefetches[step] - prefetches[step - 1], " units; the ", units, " units run one after the other");
+      }
+      require(fsdp.memory().full_parameter_bytes == 0, "full parameters held after the steps");
+      gathers.push_back(fsdp.memory().gathers);
+      states.push_back(fsdp.full_state_dict());
+    }
+    require(losses[0] == losses[1], "the losses differ with and without prefetch");
+    require(gathers[0] == gathers[1], "prefetching wasted all_gathers: ", gathers[0], " with it, ", gathers[1],
+            " without");
+    for (size_t i = 0; i < states[0].size(); ++i)
+      require(relative_difference(states[0][i].second, states[1][i].second) == 0, states[0][i].first,
+              " differs with and without prefetch");
+  });
+}
+
 TEST(FsdpNoSync, MicroBatchesUnderNoSyncThenOneSyncedBackwardEqualTheLargeBatch) {
   constexpr int kSteps = 3, kWorld = 2, kMicro = 3;  // 6 rows per rank, 2 per micro-batch
   std::string reference = temp_path("fsdp_nosync_reference") + ".safetensors";
