@@ -26,6 +26,7 @@
 #include "parallel/fsdp.h"
 #include "parallel/gpt_pipeline.h"
 #include "parallel/init.h"
+#include "parallel/pipeline_checkpoint.h"
 #include "parallel/trace.h"
 #include "parallel/rendezvous.h"
 #include "samples/common/flags.h"
@@ -106,12 +107,67 @@ void check_resume(const Options& o, const std::map<std::string, std::string>& sa
                o.config + ": resume with --config " + entry("config"));
 }
 
+// A run with --pp resumes a pipeline checkpoint (a folder of per-stage files) of the same
+// pipeline shape, and a run without it a single-file checkpoint: each holds the model laid
+// out as its run holds it.
+void check_resume_layout(const Options& o, const std::map<std::string, std::string>& saved,
+                         const samples::Flags& flags) {
+  const std::string format = samples::checkpoint_format(o.resume);
+  const auto entry = [&](const char* key) { return saved.count(key) ? saved.at(key) : std::string("?"); };
+  const std::string pp = std::to_string(o.pp);
+  if (o.pp == 1) {
+    if (format == samples::kPipelineCheckpoint)
+      flags.fail("--resume " + o.resume + " is a pipeline checkpoint (a folder saved by train_gpt --pp " +
+                 entry("pp") + "): resume it with --pp " + entry("pp") + " under a launcher, or export its weights "
+                 "to one file (export_pipeline_checkpoint, parallel/pipeline_checkpoint.h)");
+    if (format == samples::kShardedCheckpoint)
+      flags.fail("--resume " + o.resume + " is a sharded (FSDP) checkpoint, and train_gpt resumes the single-file "
+                 "checkpoints it writes with --save");
+    return;
+  }
+  if (format != samples::kPipelineCheckpoint)
+    flags.fail("--resume " + o.resume + " is " +
+               (format == samples::kFileCheckpoint ? "a single-file training checkpoint (saved without --pp)"
+                                                   : "a checkpoint of format " + format) +
+               ", and --pp " + pp + " resumes a pipeline checkpoint, the folder train_gpt --pp --save writes");
+  if (entry("pp") != pp)
+    flags.fail("--resume " + o.resume + " was saved by a pipeline of --pp " + entry("pp") + ", this run is --pp " +
+               pp + ": its files hold the stages of " + entry("pp") + " ranks; resume with --pp " + entry("pp"));
+  const int64_t stages = o.pp * (o.schedule == "interleaved" ? o.stages_per_rank : 1);
+  if (entry("stages") != std::to_string(stages))
+    flags.fail("--resume " + o.resume + " holds " + entry("stages") + " stages (--schedule " + entry("schedule") +
+               "), this run has " + std::to_string(stages) +
+               ": resume with the same --schedule and --stages-per-rank");
+}
+
+// The entries a pipelined run's checkpoint carries: where the data stands, and the settings
+// a resumed run must share (those of the single-file checkpoints, and the pipeline's shape).
+std::map<std::string, std::string> pipeline_entries(const Options& o, int world_size, int stages, int64_t train_windows,
+                                                    int64_t epoch, int64_t batch, int64_t step) {
+  return {{"epoch", std::to_string(epoch)},
+          {"batch", std::to_string(batch)},
+          {"step", std::to_string(step)},
+          {"program", "train_gpt"},
+          {"config", o.config},
+          {"context", std::to_string(o.context)},
+          {"batch_size", std::to_string(o.batch_size)},
+          {"seed", std::to_string(o.seed)},
+          {"world_size", std::to_string(world_size)},
+          {"train_windows", std::to_string(train_windows)},
+          {"pp", std::to_string(o.pp)},
+          {"schedule", o.schedule},
+          {"stages", std::to_string(stages)}};
+}
+
 // --pp N: the model cut into stages over a pp x dp mesh of ranks (parallel/pipeline.h);
 // each rank builds only its stages, trains with the schedule chosen, and the loss and
 // throughput are reported per epoch. Validation and generation need the whole model on one
-// rank, so a pipelined run does neither.
+// rank, so a pipelined run does neither. --save writes a pipeline checkpoint after every epoch
+// (parallel/pipeline_checkpoint.h: a folder, one file per pipeline rank) and --resume
+// continues one exactly.
 int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& config, const samples::Flags& flags,
-                    data::DataLoader& train_loader, int64_t steps_per_epoch, int64_t total_steps) {
+                    data::DataLoader& train_loader, int64_t steps_per_epoch, int64_t total_steps,
+                    int64_t train_windows) {
   using namespace dist::pipeline;
   const bool main_rank = ctx.is_main();
   dist::DeviceMesh mesh(ctx.group, {int(o.pp), int(o.dp)}, {"pp", "dp"});
@@ -134,6 +190,20 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
   optim::AdamW opt(gp.parameters(), {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
   optim::LRScheduler sched(opt, optim::cosine_annealing(std::max<int64_t>(total_steps, 1), o.lr * 0.1));
   const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+  PipelineCheckpoint checkpoint{.pipeline = gp.pipeline.get(), .world = ctx.group.get(),
+                                .replica = mesh.coordinate("dp"), .optimizer = &opt, .scheduler = &sched, .user = {}};
+  int64_t epoch = 0, batch = 0, step = 0;
+  if (!o.resume.empty()) {
+    const auto user = load_pipeline_checkpoint(o.resume, checkpoint);
+    epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
+    batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
+    step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");
+    if (!o.allow_nonfinite)
+      for (const auto& m : gp.modules) samples::check_finite_parameters(*m, "--resume " + o.resume);
+    if (main_rank)
+      std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
+                  (long long)batch, (long long)step);
+  }
   if (main_rank) {
     std::printf("train_gpt: GPT %s (%lld layers, width %lld) as a pipeline of %d stages on %lld x %lld ranks "
                 "(pp x dp), %s schedule, %lld micro-batches of %lld, %s on %s; rank 0 holds %lld parameters\n%s",
@@ -149,15 +219,15 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     dist::trace::set_enabled(true, ctx.device);
   }
   const Simulation theory = check_schedule(gp.pipeline->schedule());
-  int64_t step = 0;
-  for (int64_t epoch = 0; epoch < o.epochs && step < total_steps; ++epoch) {
+  samples::MetricsLog metrics(main_rank ? o.metrics : "");
+  for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
     samples::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o.epochs),
                                steps_per_epoch, "tok");
     const auto start = std::chrono::steady_clock::now();
     Tensor loss_sum;
     double bubble_sum = 0;
-    int64_t steps = 0, batch = 0;
-    data::Epoch batches = train_loader.epoch(epoch, 0);
+    int64_t steps = 0;
+    data::Epoch batches = train_loader.epoch(epoch, batch);
     for (data::Batch& b : batches) {
       opt.zero_grad();
       Tensor loss;
@@ -182,16 +252,26 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
       if (step >= total_steps) break;
     }
     if (main_rank) progress.finish();
+    // Every rank holds its pipeline's loss: the mean over the ranks is the pipelines' mean.
+    const double train_loss = dist::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double tokens_per_s = double(steps * o.batch_size * o.context * o.dp) / seconds;
     if (main_rank) {
-      std::printf("epoch %lld: train loss %.4f  %.0f tok/s", (long long)epoch + 1,
-                  steps ? loss_sum.item() / double(steps) : NAN, tokens_per_s);
+      std::printf("epoch %lld: train loss %.4f  %.0f tok/s", (long long)epoch + 1, train_loss, tokens_per_s);
       if (!o.trace.empty() && steps)
         std::printf("  bubble: measured %.1f%%, schedule %.1f%% at equal stages", 100.0 * bubble_sum / double(steps),
                     100.0 * theory.bubble());
       std::printf("\n");
       std::fflush(stdout);
+    }
+    metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"tokens_per_s", tokens_per_s},
+                   {"config", o.config}, {"precision", o.precision}, {"device", ctx.device.str()}, {"pp", o.pp},
+                   {"schedule", o.schedule}});
+    if (!o.save.empty()) {
+      const bool finished = batch >= steps_per_epoch;
+      checkpoint.user = pipeline_entries(o, ctx.size, stages, train_windows, finished ? epoch + 1 : epoch,
+                                         finished ? 0 : batch, step);
+      save_pipeline_checkpoint(o.save, checkpoint);
     }
   }
   if (!o.trace.empty()) {
@@ -300,10 +380,10 @@ int run(int argc, char** argv) {
     for (const char* flag : {"dp", "schedule", "microbatches", "stages-per-rank", "trace"})
       if (flags.given(flag)) flags.fail(std::string("--") + flag + " sets up a pipeline, and --pp is 1 (give --pp N)");
   if (pipelined) {
-    for (const char* flag : {"save", "resume", "scaling", "gpus"})
+    for (const char* flag : {"scaling", "gpus"})
       if (flags.given(flag))
-        flags.fail(std::string("--") + flag + " is not available with --pp yet (pipelined runs train and report; "
-                   "checkpoints, scaling runs and --gpus are data-parallel features)");
+        flags.fail(std::string("--") + flag + " is not available with --pp yet (scaling runs and --gpus start "
+                   "data-parallel ranks; start a pipeline's ranks under loomrun, torchrun, mpirun or srun)");
     if (flags.given("stages-per-rank") && o.schedule != "interleaved")
       flags.fail("--stages-per-rank " + std::to_string(o.stages_per_rank) + " is for --schedule interleaved, not " +
                  o.schedule);
@@ -332,7 +412,11 @@ int run(int argc, char** argv) {
   dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
   const Device device = ctx.device;
   const bool main_rank = ctx.is_main();
-  if (main_rank) samples::check_output_paths(flags, {{"--save", o.save}, {"--plot", o.plot}});
+  // A pipelined run saves its checkpoint as a folder.
+  if (main_rank) {
+    samples::check_output_paths(flags, {{"--save", pipelined ? std::string() : o.save}, {"--plot", o.plot}});
+    if (pipelined) samples::check_output_folders(flags, {{"--save", o.save}});
+  }
   // With no flags: on a GPU the guide's model in bf16 for 3 epochs (about 20 s on an H200,
   // enough to write text with words in it); on the CPU the tiny one for an epoch.
   const bool on_gpu = device.is_cuda();
@@ -348,7 +432,10 @@ int run(int argc, char** argv) {
   config.recompute = o.recompute;
   if (o.context > config.context) flags.fail("--context " + std::to_string(o.context) + " is longer than the " +
                                              o.config + " config's " + std::to_string(config.context));
-  if (!o.resume.empty()) check_resume(o, saved, flags);
+  if (!o.resume.empty()) {
+    check_resume(o, saved, flags);
+    check_resume_layout(o, saved, flags);
+  }
 
   // ---- data: a token stream, split 90/10 into training and validation ----------------
   data::TokenShard all;
@@ -426,7 +513,8 @@ int run(int argc, char** argv) {
          {"train_windows", "the training window count", std::to_string(train_set->size()),
           "its data position is a place in that many windows (the same data)"}});
 
-  if (pipelined) return train_pipelined(o, ctx, config, flags, train_loader, steps_per_epoch, total_steps);
+  if (pipelined)
+    return train_pipelined(o, ctx, config, flags, train_loader, steps_per_epoch, total_steps, train_set->size());
 
   // ---- model and optimizer -------------------------------------------------------------
   manual_seed(uint64_t(o.seed));

@@ -46,7 +46,7 @@ TEST(TrainGptPipeline, BadPipelineFlagsAreNamed) {
   const std::vector<Case> cases = {
       {"--pp 3 --dp 1", "--pp 3 x --dp 1 is 3 ranks, but 2 were started"},
       {"--pp 2 --batch-size 6 --microbatches 4", "--batch-size 6 does not cut into --microbatches 4"},
-      {"--pp 2 --save x.safetensors", "--save is not available with --pp"},
+      {"--pp 2 --scaling 2", "--scaling is not available with --pp"},
       {"--schedule gpipe", "--schedule sets up a pipeline, and --pp is 1"},
       {"--pp 2 --schedule interleaved --stages-per-rank 2", "asks for 4 stages, but the tiny config has 2 blocks"},
   };

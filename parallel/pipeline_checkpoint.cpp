@@ -1,0 +1,367 @@
+// Pipeline checkpoints: the folder's layout and the save order are in pipeline_checkpoint.h.
+// The stage modules already name their parameters as the whole model does, so a stage file
+// is the stage's state dict; the optimizer's state, numbered per rank in its own state_dict,
+// is filed under those names, so that it reads back whatever order the optimizer lists them.
+#include "parallel/pipeline_checkpoint.h"
+
+#include <charconv>
+#include <cstdio>
+#include <filesystem>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "engine/serialization.h"
+
+namespace loom::dist::pipeline {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The same literal as samples/common/program.h's kPipelineCheckpoint (the library does not
+// include the samples).
+constexpr const char* kFormat = "loom-pipeline-1";
+constexpr const char* kIndex = "index.safetensors";
+const std::string kOptimizerPrefix = "optim.";
+
+std::string stage_file(const std::string& dir, int64_t generation, int rank, int ranks) {
+  char name[96];
+  std::snprintf(name, sizeof(name), "stage-g%lld-%05d-of-%05d.safetensors", static_cast<long long>(generation), rank,
+                ranks);
+  return (fs::path(dir) / name).string();
+}
+
+// Decimal text that reads back to the same double.
+std::string exact(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+template <class T>
+T parse_number(const std::string& file, const std::string& key, const std::string& text) {
+  T v{};
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  LOOM_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size(), "pipeline checkpoint: ", file,
+             ": entry ", key, " = '", text, "' is not a number as a save writes it (was the file edited?)");
+  return v;
+}
+
+// Entry `key` of a file's metadata; a missing one names the file.
+const std::string& entry(const std::map<std::string, std::string>& meta, const std::string& key,
+                         const std::string& file) {
+  auto it = meta.find(key);
+  LOOM_CHECK(it != meta.end(), "pipeline checkpoint: ", file, " has no entry ", key);
+  return it->second;
+}
+
+// The entries of `meta` under `prefix`, prefix removed.
+std::map<std::string, std::string> under(const std::map<std::string, std::string>& meta, const std::string& prefix) {
+  std::map<std::string, std::string> out;
+  for (auto it = meta.lower_bound(prefix); it != meta.end() && it->first.starts_with(prefix); ++it)
+    out.emplace(it->first.substr(prefix.size()), it->second);
+  return out;
+}
+
+std::vector<std::string> split_names(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, ',');)
+    if (!part.empty()) out.push_back(part);
+  return out;
+}
+
+// The index of a saved checkpoint, checked to be one.
+struct Index {
+  std::string path;
+  std::map<std::string, std::string> meta;
+  int64_t generation = 0, ranks = 0, stages = 0;
+};
+
+Index read_index(const std::string& dir) {
+  Index index;
+  index.path = (fs::path(dir) / kIndex).string();
+  LOOM_CHECK(fs::exists(index.path), "pipeline checkpoint: ", dir, " has no ", kIndex,
+             " (not a pipeline checkpoint, or its first save never finished)");
+  index.meta = load_safetensors_metadata(index.path);
+  auto format = index.meta.find("format");
+  LOOM_CHECK(format != index.meta.end() && format->second == kFormat, "pipeline checkpoint: ", index.path,
+             " is of format '", format == index.meta.end() ? std::string() : format->second, "', expected ", kFormat);
+  index.generation = parse_number<int64_t>(index.path, "generation", entry(index.meta, "generation", index.path));
+  index.ranks = parse_number<int64_t>(index.path, "pp", entry(index.meta, "pp", index.path));
+  index.stages = parse_number<int64_t>(index.path, "stages", entry(index.meta, "stages", index.path));
+  return index;
+}
+
+// The optimizer's parameter index (its state_dict numbering) -> the parameter's name in the
+// whole model.
+std::vector<std::string> optimizer_names(const optim::Optimizer& opt, const Pipeline& pipe) {
+  std::unordered_map<const TensorImpl*, std::string> name_of;
+  for (const Stage& stage : pipe.stages())
+    for (const auto& [name, p] : stage.module->named_parameters()) name_of.emplace(p.impl(), name);
+  std::vector<std::string> out;
+  for (const auto& group : opt.param_groups())
+    for (const Tensor& p : group.params) {
+      auto it = name_of.find(p.impl());
+      LOOM_CHECK(it != name_of.end(), "pipeline checkpoint: the optimizer steps on a tensor that is none of this "
+                 "rank's stage parameters; build it on the pipeline's parameters()");
+      out.push_back(it->second);
+    }
+  return out;
+}
+
+// "state.<i>.<rest>" (an optimizer state_dict key) -> (i, rest).
+std::pair<size_t, std::string> split_state_key(const std::string& key) {
+  const size_t dot = key.find('.', 6);
+  return {std::stoul(key.substr(6, dot - 6)), key.substr(dot + 1)};
+}
+
+Device device_of(const Pipeline& pipe) {
+  for (const Stage& stage : pipe.stages())
+    for (const Tensor& p : stage.module->parameters()) return p.device();
+  return Device::cpu();
+}
+
+// The generation of this save: one more than the finished checkpoint's in `dir`, as world
+// rank 0 reads it, sent to every rank. A folder holding another kind of checkpoint stops
+// every rank (generation 0 stands for that), rank 0 naming what it found.
+int64_t next_generation(const std::string& dir, ProcessGroup& world, Device device) {
+  int64_t generation = 1;
+  std::string refused;
+  const std::string index = (fs::path(dir) / kIndex).string();
+  if (world.rank() == 0 && fs::exists(index)) {
+    try {
+      generation = read_index(dir).generation + 1;
+    } catch (const Error& e) {
+      refused = e.what();
+      generation = 0;
+    }
+  }
+  Tensor g = from_vector(std::vector<int64_t>{generation}, {1}).to(device);
+  world.broadcast(g, 0)->wait();
+  generation = int64_t(g.item());
+  LOOM_CHECK(generation > 0, "save_pipeline_checkpoint(", dir, "): its ", kIndex,
+             " is not a pipeline checkpoint's, so saving there would mix two checkpoints: save into a new or empty "
+             "folder", refused.empty() ? " (world rank 0 read it)" : " (" + refused + ")");
+  return generation;
+}
+
+void write_stage_file(const std::string& dir, int64_t generation, const PipelineCheckpoint& state) {
+  const Pipeline& pipe = *state.pipeline;
+  const int ranks = pipe.schedule().ranks;
+  nn::NamedTensors tensors;
+  std::map<std::string, std::string> meta{{"pp_rank", std::to_string(pipe.rank())}, {"pp", std::to_string(ranks)}};
+  for (const Stage& stage : pipe.stages()) {
+    std::string names;
+    for (const auto& [name, t] : stage.module->state_dict()) {
+      LOOM_CHECK(!name.starts_with(kOptimizerPrefix), "save_pipeline_checkpoint(", dir, "): stage ", stage.index,
+                 "'s entry '", name, "' starts with '", kOptimizerPrefix, "', which the files keep for the optimizer");
+      tensors.emplace_back(name, t);
+      names += (names.empty() ? "" : ",") + name;
+    }
+    meta["stage." + std::to_string(stage.index)] = names;
+  }
+  if (state.optimizer) {
+    const optim::OptimizerState opt = state.optimizer->state_dict();
+    const std::vector<std::string> names = optimizer_names(*state.optimizer, pipe);
+    for (const auto& [key, t] : opt.tensors) {
+      auto [i, buffer] = split_state_key(key);
+      tensors.emplace_back(kOptimizerPrefix + names.at(i) + "." + buffer, t);
+    }
+    for (const auto& [key, v] : opt.scalars) {
+      if (key.starts_with("state.")) meta["step." + names.at(split_state_key(key).first)] = exact(v);
+      else if (key.ends_with(".size")) meta[key] = exact(v);  // this rank's group sizes
+    }
+  }
+  auto [seed, offset] = rng_state();
+  meta["rng.seed"] = std::to_string(seed);
+  meta["rng.offset"] = std::to_string(offset);
+  save_safetensors(stage_file(dir, generation, pipe.rank(), ranks), tensors, meta);
+}
+
+void write_index(const std::string& dir, int64_t generation, const PipelineCheckpoint& state) {
+  const Schedule& schedule = state.pipeline->schedule();
+  std::map<std::string, std::string> meta{{"format", kFormat},
+                                          {"generation", std::to_string(generation)},
+                                          {"pp", std::to_string(schedule.ranks)},
+                                          {"stages", std::to_string(schedule.stages)}};
+  if (state.optimizer) {
+    meta["optimizer"] = state.optimizer->type_name();
+    for (const auto& [key, v] : state.optimizer->state_dict().scalars)
+      if (key.starts_with("param_groups.") && !key.ends_with(".size")) meta[key] = exact(v);
+  }
+  if (state.scheduler)
+    for (const auto& [key, v] : state.scheduler->state_dict()) meta["scheduler." + key] = exact(v);
+  auto [seed, offset] = rng_state();
+  meta["rng.seed"] = std::to_string(seed);
+  meta["rng.offset"] = std::to_string(offset);
+  for (const auto& [key, v] : state.user) meta["user." + key] = v;
+  save_safetensors((fs::path(dir) / kIndex).string(), {}, meta);
+}
+
+// The stage files of every generation but `generation`: older checkpoints, and saves that
+// never finished. No index names them.
+void remove_other_generations(const std::string& dir, int64_t generation) {
+  const std::string keep = "stage-g" + std::to_string(generation) + "-";
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string file = entry.path().filename().string();
+    if (file.starts_with("stage-g") && !file.starts_with(keep)) fs::remove(entry.path());
+  }
+}
+
+// One stage's entries from its saved file, checked against the stage's module: the same
+// names with the same shapes.
+nn::NamedTensors saved_stage(const Stage& stage, const SafetensorsFile& saved, const std::string& file,
+                             const std::map<std::string, const Tensor*>& by_name) {
+  const std::string key = "stage." + std::to_string(stage.index);
+  auto list = saved.metadata.find(key);
+  LOOM_CHECK(list != saved.metadata.end(), "pipeline checkpoint: ", file, " holds no stage ", stage.index,
+             ", which this rank runs");
+  std::set<std::string> saved_names;
+  for (const std::string& name : split_names(list->second)) saved_names.insert(name);
+  nn::NamedTensors out;
+  for (const auto& [name, t] : stage.module->state_dict()) {
+    auto it = by_name.find(name);
+    LOOM_CHECK(saved_names.count(name) && it != by_name.end(), "pipeline checkpoint: ", file, " has no ", name,
+               " in stage ", stage.index, " (were the blocks cut at other places?)");
+    LOOM_CHECK(it->second->shape() == t.shape(), "pipeline checkpoint: ", name, " has shape ",
+               shape_str(it->second->shape()), " in ", file, " but ", shape_str(t.shape()), " in stage ", stage.index,
+               " of this run (another model config?)");
+    saved_names.erase(name);
+    out.emplace_back(name, *it->second);
+  }
+  LOOM_CHECK(saved_names.empty(), "pipeline checkpoint: ", file, " holds ", *saved_names.begin(), " in stage ",
+             stage.index, ", which this run's stage ", stage.index, " does not (were the blocks cut at other places?)");
+  return out;
+}
+
+// This rank's optimizer state from its stage file and the index, in the optimizer's own
+// numbering, each buffer checked against its parameter's shape.
+optim::OptimizerState saved_optimizer(const optim::Optimizer& opt, const Pipeline& pipe, const Index& index,
+                                      const SafetensorsFile& saved, const std::string& file,
+                                      const std::map<std::string, const Tensor*>& by_name) {
+  LOOM_CHECK(index.meta.count("optimizer"), "pipeline checkpoint: ", index.path,
+             " holds no optimizer state, and this run steps ", opt.type_name());
+  const std::string& type = index.meta.at("optimizer");
+  LOOM_CHECK(type == opt.type_name(), "pipeline checkpoint: ", index.path, " holds the state of ", type,
+             ", but this run uses ", opt.type_name());
+  optim::OptimizerState state;
+  for (const auto& [key, v] : index.meta)
+    if (key.starts_with("param_groups.")) state.scalars[key] = parse_number<double>(index.path, key, v);
+  for (const auto& [key, v] : saved.metadata)
+    if (key.starts_with("param_groups.")) state.scalars[key] = parse_number<double>(file, key, v);
+  const std::vector<std::string> names = optimizer_names(opt, pipe);
+  std::vector<Shape> shapes;
+  for (const auto& group : opt.param_groups())
+    for (const Tensor& p : group.params) shapes.push_back(p.shape());
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto step = saved.metadata.find("step." + names[i]);
+    if (step == saved.metadata.end()) continue;  // never stepped
+    const std::string key = "state." + std::to_string(i) + ".";
+    state.scalars[key + "step"] = parse_number<double>(file, step->first, step->second);
+    const std::string prefix = kOptimizerPrefix + names[i] + ".";
+    for (auto it = by_name.lower_bound(prefix); it != by_name.end() && it->first.starts_with(prefix); ++it) {
+      const std::string buffer = it->first.substr(prefix.size());
+      if (buffer.find('.') != std::string::npos) continue;  // another parameter's, whose name extends this one
+      LOOM_CHECK(it->second->shape() == shapes[i], "pipeline checkpoint: ", it->first, " has shape ",
+                 shape_str(it->second->shape()), " in ", file, " but its parameter has shape ",
+                 shape_str(shapes[i]));
+      state.tensors.emplace_back(key + buffer, *it->second);
+    }
+  }
+  return state;
+}
+
+}  // namespace
+
+void save_pipeline_checkpoint(const std::string& dir, const PipelineCheckpoint& state) {
+  LOOM_CHECK(state.pipeline != nullptr && state.world != nullptr, "save_pipeline_checkpoint(", dir,
+             "): give the pipeline and the world group (every rank of every pipeline)");
+  ProcessGroup& world = *state.world;
+  fs::create_directories(dir);
+  const int64_t generation = next_generation(dir, world, device_of(*state.pipeline));
+  if (state.replica == 0) write_stage_file(dir, generation, state);
+  world.barrier()->wait();
+  if (world.rank() == 0) {
+    write_index(dir, generation, state);
+    remove_other_generations(dir, generation);
+  }
+  world.barrier()->wait();
+}
+
+std::map<std::string, std::string> load_pipeline_checkpoint(const std::string& dir, const PipelineCheckpoint& state) {
+  LOOM_CHECK(state.pipeline != nullptr, "load_pipeline_checkpoint(", dir, "): no pipeline given");
+  NoGradGuard no_grad;
+  const Pipeline& pipe = *state.pipeline;
+  const Index index = read_index(dir);
+  LOOM_CHECK(index.ranks == pipe.schedule().ranks, "pipeline checkpoint: ", dir, " was saved by a pipeline of ",
+             index.ranks, " ranks (pp ", index.ranks, "), and this one has ", pipe.schedule().ranks,
+             ": resume it with pp ", index.ranks);
+  LOOM_CHECK(index.stages == pipe.schedule().stages, "pipeline checkpoint: ", dir, " holds ", index.stages,
+             " stages, and this pipeline has ", pipe.schedule().stages, " (another number of stages per rank?)");
+  const std::string file = stage_file(dir, index.generation, pipe.rank(), int(index.ranks));
+  LOOM_CHECK(fs::exists(file), "pipeline checkpoint: ", file, ", which ", index.path, " names, is missing");
+  const SafetensorsFile saved = load_safetensors(file);
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [name, t] : saved.tensors) by_name.emplace(name, &t);
+
+  // Everything is read and checked first; nothing changes until all of it passed.
+  std::vector<nn::NamedTensors> stages;
+  for (const Stage& stage : pipe.stages()) stages.push_back(saved_stage(stage, saved, file, by_name));
+  optim::OptimizerState opt_state;
+  if (state.optimizer) opt_state = saved_optimizer(*state.optimizer, pipe, index, saved, file, by_name);
+  std::map<std::string, double> schedule_state;
+  for (const auto& [key, v] : under(index.meta, "scheduler."))
+    schedule_state[key] = parse_number<double>(index.path, "scheduler." + key, v);
+  LOOM_CHECK(!state.scheduler || !schedule_state.empty(), "pipeline checkpoint: ", index.path,
+             " holds no learning-rate schedule, and this run has one");
+  const auto seed = parse_number<uint64_t>(file, "rng.seed", entry(saved.metadata, "rng.seed", file));
+  const auto offset = parse_number<uint64_t>(file, "rng.offset", entry(saved.metadata, "rng.offset", file));
+
+  // The optimizer and the schedule check their own state before they change; the stages'
+  // entries were checked above.
+  try {
+    if (state.optimizer) state.optimizer->load_state_dict(opt_state);
+    if (state.scheduler) state.scheduler->load_state_dict(schedule_state);
+    for (size_t i = 0; i < stages.size(); ++i) pipe.stages()[i].module->load_state_dict(stages[i], nn::Strict::yes);
+  } catch (const Error& e) {
+    LOOM_FAIL("pipeline checkpoint: ", file, ": ", e.what());
+  }
+  set_rng_state(seed, offset);
+  return under(index.meta, "user.");
+}
+
+void export_pipeline_checkpoint(const std::string& dir, const std::string& path) {
+  const Index index = read_index(dir);
+  std::vector<SafetensorsFile> files;
+  std::vector<std::map<std::string, const Tensor*>> by_name(size_t(index.ranks));
+  for (int r = 0; r < index.ranks; ++r) {
+    const std::string file = stage_file(dir, index.generation, r, int(index.ranks));
+    LOOM_CHECK(fs::exists(file), "pipeline checkpoint: ", file, ", which ", index.path, " names, is missing");
+    files.push_back(load_safetensors(file));
+  }
+  for (int r = 0; r < index.ranks; ++r)
+    for (const auto& [name, t] : files[size_t(r)].tensors) by_name[size_t(r)].emplace(name, &t);
+  // Stage s is on rank s % pp (pipeline_schedule.h); its names in the order it listed them,
+  // so the stages in order give the whole model's state-dict order.
+  nn::NamedTensors out;
+  std::set<std::string> seen;
+  for (int64_t s = 0; s < index.stages; ++s) {
+    const int rank = int(s % index.ranks);
+    const std::string file = stage_file(dir, index.generation, rank, int(index.ranks));
+    const SafetensorsFile& saved = files[size_t(rank)];
+    for (const std::string& name : split_names(entry(saved.metadata, "stage." + std::to_string(s), file))) {
+      LOOM_CHECK(seen.insert(name).second, "pipeline checkpoint: ", name, " is held by two stages of ", dir);
+      auto found = by_name[size_t(rank)].find(name);
+      LOOM_CHECK(found != by_name[size_t(rank)].end(), "pipeline checkpoint: ", file, " lists ", name, " in stage ",
+                 s, " but holds no such tensor");
+      out.emplace_back(name, *found->second);
+    }
+  }
+  save_safetensors(path, out);
+}
+
+}  // namespace loom::dist::pipeline
