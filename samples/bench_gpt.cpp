@@ -7,11 +7,15 @@
 //   FLOPs per token = 6 N + 12 L d T   (N parameters, L layers, d width, T sequence)
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
 //   bench_gpt [--config gpt2-124m] [--batch 16] [--seq 1024] [--precision bf16|f32]
-//             [--warmup N] [--steps N] [--ddp | --pipeline] [--json FILE] [--profile-step]
+//             [--warmup N] [--steps N] [--ddp | --fsdp | --pipeline] [--json FILE] [--profile-step]
 //             [--deterministic] [--no-weight-copies] [--no-gradient-copies]
 // --ddp measures what data parallelism costs on one GPU: the same model is stepped plainly and
 // through DistributedDataParallel (NCCL, world size 1) in alternating rounds within one run,
-// so both see the same clocks and memory state, and the two medians are compared. --pipeline
+// so both see the same clocks and memory state, and the two medians are compared. --fsdp does
+// the same for FullyShardedDataParallel (parallel/fsdp.h; NCCL, world size 1; one unit per
+// block and one for the embeddings, ZeRO-3, prefetch on; with bf16, its mixed precision: bf16
+// parameters gathered from f32 shards, gradients reduced in f32): what sharding's gathers,
+// copies and hooks cost when there is nobody to share with. --pipeline
 // does the same for the pipeline machinery (parallel/pipeline.h): the model built as one
 // GPTStage and stepped through a Pipeline of one stage and one micro-batch (NCCL, world size
 // 1), what a pipeline adds when it has nothing to overlap.
@@ -37,6 +41,7 @@
 #include "engine/ops.h"
 #include "engine/options.h"
 #include "layers/layers.h"
+#include "parallel/fsdp.h"
 #include "parallel/gpt_pipeline.h"
 #include "parallel/ddp.h"
 #include "samples/common/flags.h"
@@ -50,7 +55,7 @@ using samples::median;
 int main(int argc, char** argv) {
   std::string config_name = "gpt2-124m", precision = "bf16", json;
   int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
-  bool ddp = false, pipeline = false, components = false, profile_step = false;
+  bool ddp = false, fsdp = false, pipeline = false, components = false, profile_step = false;
   Options run_options = options();
   samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
   flags.add("config", &config_name, "model size", {"gpt2-124m", "guide", "tiny"});
@@ -58,8 +63,9 @@ int main(int argc, char** argv) {
   flags.add("seq", &seq, "tokens per sequence (at most the config's context)", 1);
   flags.add("precision", &precision, "bf16 autocast over f32 weights, or f32 (TF32 products)", {"bf16", "f32"});
   flags.add("warmup", &warmup, "untimed steps first", 0);
-  flags.add("steps", &steps, "timed steps (with --ddp: per mode)", 2);
+  flags.add("steps", &steps, "timed steps (with --ddp, --fsdp or --pipeline: per mode)", 2);
   flags.add_switch("ddp", &ddp, "also step through DistributedDataParallel (NCCL, one rank) and compare");
+  flags.add_switch("fsdp", &fsdp, "also step the model through FullyShardedDataParallel (NCCL, one rank) and compare");
   flags.add_switch("pipeline", &pipeline,
                    "also step the model as a one-stage pipeline (NCCL, one rank) and compare");
   flags.add_switch("profile-step", &profile_step, "after the timed steps, one step inside cudaProfilerStart/Stop");
@@ -72,7 +78,8 @@ int main(int argc, char** argv) {
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
     flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
   set_options(run_options);
-  if (ddp && pipeline) flags.fail("--ddp and --pipeline each compare with plain steps: give one");
+  if (int(ddp) + int(fsdp) + int(pipeline) > 1)
+    flags.fail("--ddp, --fsdp and --pipeline each compare with plain steps: give one");
   try {
     if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
     const Device dev = Device::cuda(0);
@@ -111,6 +118,28 @@ int main(int argc, char** argv) {
           d, optim::AdamWOptions{.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
       piped_opt->add_param_group(nd, {.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.0});
     }
+    // --fsdp: the same model (same seed, same draws), sharded over a group of one.
+    std::shared_ptr<nn::GPT> sharded_model;
+    std::unique_ptr<dist::FullyShardedDataParallel> sharded;
+    std::unique_ptr<optim::AdamW> sharded_opt;
+    if (fsdp) {
+      auto store = std::make_shared<dist::TcpStore>("127.0.0.1", 0, dist::TcpStore::Role::server);
+      manual_seed(0);
+      sharded_model = std::make_shared<nn::GPT>(config);
+      sharded_model->to(dev);
+      sharded_model->train();
+      dist::FSDPOptions options;
+      options.units.push_back({sharded_model->wte, sharded_model->wpe});
+      for (auto& block : sharded_model->blocks) options.units.push_back({block});
+      if (precision == "bf16") options.param_dtype = DType::bf16, options.reduce_dtype = DType::f32;
+      sharded = std::make_unique<dist::FullyShardedDataParallel>(sharded_model, dist::new_nccl_group(store, 0, 1, dev),
+                                                                 options);
+      TensorList d, nd;
+      for (const Tensor& p : sharded->parameters()) (p.dim() >= 2 ? d : nd).push_back(p);
+      sharded_opt = std::make_unique<optim::AdamW>(
+          d, optim::AdamWOptions{.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
+      sharded_opt->add_param_group(nd, {.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.0});
+    }
     // Uniform token ids in [0, vocab): U[0, 1) scaled, truncated by the conversion to i64.
     Tensor ids = mul(rand({batch, seq + 1}, DType::f32, dev), double(config.vocab_size)).to(DType::i64);
     Tensor x = ids.slice(1, 0, seq).contiguous(), y = ids.slice(1, 1, seq + 1).contiguous();
@@ -129,6 +158,16 @@ int main(int argc, char** argv) {
       opt.step();
     };
     std::function<void()> plain = [&] { step_with(false); }, data_parallel = [&] { step_with(true); };
+    std::function<void()> fully_sharded = [&] {
+      sharded_opt->zero_grad();
+      Tensor loss;
+      {
+        AutocastGuard guard(cast);
+        loss = sharded->call([&] { return sharded_model->loss(x, y); });
+      }
+      loss.backward();
+      sharded_opt->step();
+    };
     std::function<void()> pipelined = [&] {
       piped_opt->zero_grad();
       {
@@ -141,14 +180,18 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < warmup; ++i) {
       plain();
       if (ddp) data_parallel();
+      if (fsdp) fully_sharded();
       if (pipeline) pipelined();
     }
     synchronize(dev);
     memory::reset_peak(dev);
-    std::vector<double> plain_ms, ddp_ms, pipeline_ms;
+    std::vector<double> plain_ms, ddp_ms, fsdp_ms, pipeline_ms;
     if (pipeline) {
       std::tie(plain_ms, pipeline_ms) =
           samples::alternating_steps(plain, pipelined, 6, std::max<int64_t>(1, steps / 6), dev);
+    } else if (fsdp) {
+      std::tie(plain_ms, fsdp_ms) =
+          samples::alternating_steps(plain, fully_sharded, 6, std::max<int64_t>(1, steps / 6), dev);
     } else if (!ddp) {
       plain_ms = samples::timed_steps(plain, steps, dev);
     } else {
@@ -282,6 +325,13 @@ int main(int argc, char** argv) {
       std::printf("one-stage pipeline (1f1b, one micro-batch, NCCL world size 1) over plain: %+.2f%% per step "
                   "(medians %.2f vs %.2f ms)\n",
                   100.0 * (pipeline_step / plain_step - 1.0), pipeline_step, plain_step);
+    }
+    if (fsdp) {
+      const double fsdp_step = report(fsdp_ms, "fsdp");
+      std::printf("FSDP (NCCL, world size 1, ZeRO-3, %lld units, %lld all_gathers prefetched of %lld) over plain: "
+                  "%+.2f%% per step (medians %.2f vs %.2f ms)\n",
+                  (long long)sharded->unit_names().size(), (long long)sharded->memory().prefetches,
+                  (long long)sharded->memory().gathers, 100.0 * (fsdp_step / plain_step - 1.0), fsdp_step, plain_step);
     }
     if (ddp) {
       const double ddp_step = report(ddp_ms, "ddp");
