@@ -473,6 +473,7 @@ int run(int argc, char** argv) {
     epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_cnn");
     batch = samples::checkpoint_integer(o.resume, user, "batch", "train_cnn");
     step = samples::checkpoint_integer(o.resume, user, "step", "train_cnn");
+    step = samples::resumed_step(user, ctx.size, epoch, step, steps_per_epoch, sched, main_rank);
     if (!o.allow_nonfinite)
       samples::check_finite_parameters(fsdp ? fsdp->named_parameters() : model->named_parameters(),
                                        "--resume " + o.resume);

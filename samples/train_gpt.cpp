@@ -24,6 +24,7 @@
 #include "parallel/ddp.h"
 #include "parallel/device_mesh.h"
 #include "parallel/fsdp.h"
+#include "parallel/sharded_checkpoint.h"
 #include "parallel/gpt_pipeline.h"
 #include "parallel/init.h"
 #include "parallel/pipeline_checkpoint.h"
@@ -43,7 +44,7 @@ struct Options {
   std::string config = "auto", data = data::kFortunesDir, shards, precision = "auto", device = "auto";
   std::string save, resume, metrics = "train_gpt.jsonl", plot = "train_gpt.svg", prompt = "Q: ";
   std::string schedule = "1f1b", trace, reshard_after_forward = "yes";
-  int64_t pp = 1, dp = 0, microbatches = 0, stages_per_rank = 2, min_params = 0;
+  int64_t pp = 1, dp = 0, microbatches = 0, stages_per_rank = 2, min_params = 0, hsdp = 1;
   int64_t epochs = 0, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
   int64_t generate = 300, top_k = 40, timeout_s = 600, scaling = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
@@ -120,9 +121,8 @@ void check_resume_layout(const Options& o, const std::map<std::string, std::stri
       flags.fail("--resume " + o.resume + " is a pipeline checkpoint (a folder saved by train_gpt --pp " +
                  entry("pp") + "): resume it with --pp " + entry("pp") + " under a launcher, or export its weights "
                  "to one file (export_pipeline_checkpoint, parallel/pipeline_checkpoint.h)");
-    if (format == samples::kShardedCheckpoint)
-      flags.fail("--resume " + o.resume + " is a sharded (FSDP) checkpoint, and train_gpt resumes the single-file "
-                 "checkpoints it writes with --save");
+    // --fsdp resumes the folders of shards it writes, a run without it the single files.
+    samples::check_resume_format(flags, o.resume, o.fsdp ? samples::kShardedCheckpoint : samples::kFileCheckpoint);
     return;
   }
   if (format != samples::kPipelineCheckpoint)
@@ -198,6 +198,7 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
     batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
     step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");
+    step = samples::resumed_step(user, ctx.size, epoch, step, steps_per_epoch, sched, main_rank);
     if (!o.allow_nonfinite)
       for (const auto& m : gp.modules) samples::check_finite_parameters(*m, "--resume " + o.resume);
     if (main_rank)
@@ -310,8 +311,8 @@ int run(int argc, char** argv) {
   flags.add_switch("fsdp", &o.fsdp,
                    "data parallel (under a launcher or --gpus N): shard parameters, gradients and optimizer state "
                    "over the ranks (parallel/fsdp.h) instead of replicating them (DDP); one unit per transformer "
-                   "block. Not with --save/--resume (their checkpoints are single files of the whole model), --pp "
-                   "or --scaling");
+                   "block; --save writes a sharded checkpoint (a folder, every rank writing its shards). Not with "
+                   "--pp or --scaling");
   flags.add("reshard-after-forward", &o.reshard_after_forward,
             "FSDP: free a unit's full parameters after its forward (yes: ZeRO-3) or keep them until its backward "
             "(no: ZeRO-2)",
@@ -320,8 +321,14 @@ int run(int argc, char** argv) {
             "FSDP: units by size instead, a module with at least this many parameters becoming one (0: one unit "
             "per transformer block)",
             0);
-  flags.add("save", &o.save, "write a training checkpoint here after every epoch", {}, "FILE");
-  flags.add("resume", &o.resume, "continue the run saved in this checkpoint", {}, "FILE");
+  flags.add("hsdp", &o.hsdp,
+            "FSDP: hybrid sharding (HSDP): N replicas, each sharding the model over ranks / N consecutive ranks "
+            "(one node's GPUs), their gradients averaged between replicas",
+            1);
+  flags.add("save", &o.save,
+            "write a training checkpoint here after every epoch (a file; with --fsdp or --pp, a folder)", {}, "PATH");
+  flags.add("resume", &o.resume, "continue the run saved in this checkpoint (a file, or --fsdp's or --pp's folder)",
+            {}, "PATH");
   flags.add("seed", &o.seed, "seed for weights, data order and sampling", 0);
   flags.add("generate", &o.generate, "bytes to generate at the end (0: none)", 0);
   flags.add("temperature", &o.temperature, "sampling temperature", 1e-3);
@@ -359,7 +366,7 @@ int run(int argc, char** argv) {
                  "(its tokens are not bytes)");
   }
   const bool pipelined = o.pp > 1;
-  for (const char* flag : {"reshard-after-forward", "min-params"})
+  for (const char* flag : {"reshard-after-forward", "min-params", "hsdp"})
     if (!o.fsdp && flags.given(flag)) flags.fail(std::string("--") + flag + " is FSDP's: add --fsdp");
   if (o.fsdp) {
     if (pipelined)
@@ -367,11 +374,6 @@ int run(int argc, char** argv) {
                  "data-parallel ranks, a pipeline cuts it into stages; drop one of them");
     if (flags.given("scaling"))
       flags.fail("--fsdp with --scaling is not available: the scaling runs measure DDP; drop one of them");
-    for (const char* flag : {"save", "resume"})
-      if (flags.given(flag))
-        flags.fail(std::string("--") + flag + " with --fsdp is not available: train_gpt's checkpoints are single "
-                   "files of the whole model and optimizer, and an FSDP rank holds only its shards "
-                   "(parallel/sharded_checkpoint.h saves a sharded model from a program of one's own)");
     if (o.gpus <= 1 && !dist::launched_with_rank())
       flags.fail("--fsdp shards over several ranks, and no launcher started this one: start it with loomrun "
                  "--nproc-per-node N (or torchrun, mpirun, srun), or with --gpus N");
@@ -412,10 +414,14 @@ int run(int argc, char** argv) {
   dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
   const Device device = ctx.device;
   const bool main_rank = ctx.is_main();
+  if (o.hsdp > 1 && (!ctx.active || ctx.size % o.hsdp != 0))
+    flags.fail("--hsdp " + std::to_string(o.hsdp) + ": the " + std::to_string(ctx.size) +
+               " rank(s) started do not divide into that many replicas of equal size");
   // A pipelined run saves its checkpoint as a folder.
   if (main_rank) {
-    samples::check_output_paths(flags, {{"--save", pipelined ? std::string() : o.save}, {"--plot", o.plot}});
-    if (pipelined) samples::check_output_folders(flags, {{"--save", o.save}});
+    const bool folder = pipelined || o.fsdp;
+    samples::check_output_paths(flags, {{"--save", folder ? std::string() : o.save}, {"--plot", o.plot}});
+    if (folder) samples::check_output_folders(flags, {{"--save", o.save}});
   }
   // With no flags: on a GPU the guide's model in bf16 for 3 epochs (about 20 s on an H200,
   // enough to write text with words in it); on the CPU the tiny one for an epoch.
@@ -508,8 +514,7 @@ int run(int argc, char** argv) {
         {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
          {"context", "--context", std::to_string(o.context), "its data position counts windows of that length"},
          {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
-         {"world_size", "the rank count", std::to_string(ctx.size),
-          "each rank's shard of the data depends on the rank count"},
+         samples::saved_rank_count(ctx.size),
          {"train_windows", "the training window count", std::to_string(train_set->size()),
           "its data position is a place in that many windows (the same data)"}});
 
@@ -523,7 +528,15 @@ int run(int argc, char** argv) {
   std::shared_ptr<dist::DistributedDataParallel> ddp;
   std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
   if (o.fsdp) {
-    fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, ctx.group, fsdp_options(o, *model));
+    if (o.hsdp > 1) {
+      // Replicas along the mesh's rows, shards along its columns: a row is consecutive ranks.
+      dist::DeviceMesh mesh(ctx.group, {int(o.hsdp), ctx.size / int(o.hsdp)}, {"replicate", "shard"});
+      if (main_rank) std::printf("HSDP: %lld replicas, each sharded over %d ranks\n%s", (long long)o.hsdp,
+                                 ctx.size / int(o.hsdp), mesh.table().c_str());
+      fsdp = dist::hybrid_shard(model, mesh, fsdp_options(o, *model));
+    } else {
+      fsdp = std::make_unique<dist::FullyShardedDataParallel>(model, ctx.group, fsdp_options(o, *model));
+    }
     if (main_rank) {
       size_t bytes = 0;
       for (const Tensor& p : model->parameters()) bytes += p.nbytes();
@@ -548,11 +561,18 @@ int run(int argc, char** argv) {
   const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
   int64_t epoch = 0, batch = 0, step = 0;
   if (!o.resume.empty()) {
-    auto user = nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched});
+    auto user = fsdp ? dist::load_sharded_checkpoint(o.resume, *fsdp, &opt, &sched)
+                     : nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched});
     epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
     batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
     step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");
-    if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--resume " + o.resume);
+    step = samples::resumed_step(user, ctx.size, epoch, step, steps_per_epoch, sched, main_rank);
+    if (!o.allow_nonfinite)
+      samples::check_finite_parameters(fsdp ? fsdp->named_parameters() : model->named_parameters(),
+                                       "--resume " + o.resume);
+    if (main_rank)
+      std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
+                  (long long)batch, (long long)step);
   }
   if (main_rank)
     std::printf("train_gpt: GPT %s (%lld parameters; %lld layers, width %lld, %lld heads) on %lld tokens "
@@ -630,18 +650,21 @@ int run(int argc, char** argv) {
       samples::write_svg_chart(o.plot, "GPT " + o.config,
                                {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"validation", val_curve}}}});
     const bool finished = batch >= steps_per_epoch;
-    if (main_rank && !o.save.empty())
-      nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched,
-                                   .user = {{"epoch", std::to_string(finished ? epoch + 1 : epoch)},
-                                            {"batch", std::to_string(finished ? 0 : batch)},
-                                            {"step", std::to_string(step)},
-                                            {"program", "train_gpt"},
-                                            {"config", o.config},
-                                            {"context", std::to_string(o.context)},
-                                            {"batch_size", std::to_string(o.batch_size)},
-                                            {"seed", std::to_string(o.seed)},
-                                            {"world_size", std::to_string(ctx.size)},
-                                            {"train_windows", std::to_string(train_set->size())}}});
+    const std::map<std::string, std::string> user{{"epoch", std::to_string(finished ? epoch + 1 : epoch)},
+                                                  {"batch", std::to_string(finished ? 0 : batch)},
+                                                  {"step", std::to_string(step)},
+                                                  {"program", "train_gpt"},
+                                                  {"config", o.config},
+                                                  {"context", std::to_string(o.context)},
+                                                  {"batch_size", std::to_string(o.batch_size)},
+                                                  {"seed", std::to_string(o.seed)},
+                                                  {"world_size", std::to_string(ctx.size)},
+                                                  {"train_windows", std::to_string(train_set->size())}};
+    // Rank 0 writes the whole model; under FSDP every rank writes its shards into the folder.
+    if (!o.save.empty() && fsdp)
+      dist::save_sharded_checkpoint(o.save, *fsdp, &opt, {.scheduler = &sched, .user = user});
+    else if (!o.save.empty() && main_rank)
+      nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched, .user = user});
   }
   if (o.generate > 0 && o.shards.empty()) {
     // A sharded model cannot run alone: its full weights (gathered on every rank, a

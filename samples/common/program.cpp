@@ -160,6 +160,21 @@ SavedSetting saved_rank_count(int ranks) {
           true};
 }
 
+int64_t resumed_step(const std::map<std::string, std::string>& entries, int ranks, int64_t epoch, int64_t step,
+                     int64_t steps_per_epoch, optim::LRScheduler& schedule, bool main_rank) {
+  auto saved = entries.find("world_size");
+  if (saved == entries.end() || saved->second == std::to_string(ranks)) return step;
+  const int64_t moved = epoch * steps_per_epoch;
+  std::map<std::string, double> state = schedule.state_dict();
+  state["last_step"] = double(moved);
+  schedule.load_state_dict(state);
+  if (main_rank)
+    std::printf("saved on %s ranks, resumed on %d: an epoch is %lld steps here, so the run goes on from step %lld "
+                "(step %lld there)\n",
+                saved->second.c_str(), ranks, (long long)steps_per_epoch, (long long)moved, (long long)step);
+  return moved;
+}
+
 void check_saved_settings(const Flags& flags, const std::string& path, const std::map<std::string, std::string>& entries,
                           const std::vector<SavedSetting>& settings) {
   auto batch = entries.find("batch");

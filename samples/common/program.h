@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "layers/module.h"
+#include "layers/optim/schedule.h"
 #include "samples/common/flags.h"
 
 namespace loom::samples {
@@ -74,6 +75,13 @@ struct SavedSetting {
 // The rank count, as a setting: a checkpoint saved within an epoch resumes on as many ranks
 // (its data position is a place in each rank's shard), one saved at an epoch's end on any.
 SavedSetting saved_rank_count(int ranks);
+
+// Where a resumed run goes on from (its step count): the saved `step`, or, for a checkpoint
+// saved at an epoch's end on another rank count, where an epoch is another number of steps,
+// the first step of epoch `epoch` as this run counts them (`steps_per_epoch`), the schedule
+// moved there too. `entries` are the checkpoint's own; prints what changed on the main rank.
+int64_t resumed_step(const std::map<std::string, std::string>& entries, int ranks, int64_t epoch, int64_t step,
+                     int64_t steps_per_epoch, optim::LRScheduler& schedule, bool main_rank);
 // Fails naming the flag, the saved value and this run's for the first setting that differs;
 // entries the checkpoint lacks (older files) are not compared.
 void check_saved_settings(const Flags& flags, const std::string& path, const std::map<std::string, std::string>& entries,

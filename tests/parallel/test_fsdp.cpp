@@ -930,6 +930,13 @@ TEST(FsdpTrainCnn, ASavedShardedRunResumesWhereItStoppedAndAtAnotherRankCount) {
   const testing::RunResult three = train_cnn_fsdp(3, "--epochs 2 --resume " + dir);
   ASSERT_EQ(three.code, 0) << three.output;
   EXPECT_NE(three.output.find("resumed " + dir + " at epoch 2"), std::string::npos) << three.output;
+  // An epoch is 2 whole steps on 3 ranks (170 images each, 64 a step): the run goes on from
+  // step 2, not 4.
+  EXPECT_NE(three.output.find("saved on 2 ranks, resumed on 3: an epoch is 2 steps here, so the run goes on from "
+                              "step 2 (step 4 there)"),
+            std::string::npos)
+      << three.output;
+  EXPECT_NE(epoch_line(three.output, 2), "") << three.output;
 
   // Mid-epoch, the data position needs the same rank count: refused, naming it.
   const std::string mid = temp_path("train_cnn_fsdp_mid");

@@ -5,6 +5,7 @@
 // same way on Debian's fortunes: it learns under DDP, --fsdp prints DDP's losses, and the
 // combinations --fsdp cannot run are named.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "run_command.h"
 
@@ -151,8 +152,8 @@ TEST(TrainGptDist, FsdpCombinationsItCannotRunStopNamingTheFlags) {
   const std::string loomrun = std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 ";
   const std::vector<Case> cases = {
       {loomrun, "--fsdp --pp 2", "--fsdp with --pp 2 is not available"},
-      {loomrun, "--fsdp --save gpt.safetensors", "--save with --fsdp is not available"},
-      {loomrun, "--fsdp --resume gpt.safetensors", "--resume with --fsdp is not available"},
+      {loomrun, "--fsdp --hsdp 3", "--hsdp 3: the 2 rank(s) started do not divide into that many replicas"},
+      {loomrun, "--hsdp 2", "--hsdp is FSDP's: add --fsdp"},
       {"", "--fsdp --scaling 2", "--fsdp with --scaling is not available"},
       {"", "--fsdp", "--fsdp shards over several ranks, and no launcher started this one"},
       {loomrun, "--min-params 1000", "--min-params is FSDP's: add --fsdp"},
@@ -168,6 +169,52 @@ TEST(TrainGptDist, FsdpCombinationsItCannotRunStopNamingTheFlags) {
     EXPECT_EQ(r.output.find("epoch 1"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("terminate called"), std::string::npos) << r.output;
   }
+}
+
+// train_gpt --fsdp --save writes a folder of shards (every rank its own file, an index last);
+// --resume continues it from the next epoch, on the same rank count or, as it was saved at an
+// epoch's end, on another: here 4 ranks as 2 replicas of 2 shards (--hsdp 2), whose first
+// row alone writes the next save. The exactness of a resumed run is train_cnn's test
+// (tests/parallel/test_fsdp.cpp); train_gpt's schedule spans the run, so a shorter first run
+// would not be the same run.
+TEST(TrainGptDist, FsdpSavesShardsAndResumesThemOnAnotherRankCount) {
+  const std::string dir = ::testing::TempDir() + "gpt_fsdp_ckpt_" + std::to_string(::getpid());
+  const std::string next = dir + "_next", corpus = dir + ".txt";
+  {
+    std::ofstream out(corpus);
+    for (int i = 0; i < 300; ++i) out << "a quick brown fox jumps over the lazy dog " << i % 7 << "\n";
+  }
+  const std::string train_gpt = std::string(std::getenv("TRAIN_GPT")) + " --device cpu --config tiny --data " + corpus +
+                                " --batch-size 8 --context 32 --workers 1 --generate 0 --metrics '' --plot '' --fsdp ";
+  auto ranks = [](int n) { return std::string(std::getenv("LOOMRUN")) + " --nproc-per-node " + std::to_string(n) + " "; };
+  RunResult first = run(ranks(2) + train_gpt + "--epochs 1 --save " + dir, 300);
+  ASSERT_EQ(first.code, 0) << first.output;
+  for (const char* file : {"index.safetensors", "shard-g1-00000-of-00002.safetensors", "shard-g1-00001-of-00002.safetensors"})
+    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dir) / file)) << file << "\n" << first.output;
+
+  RunResult same = run(ranks(2) + train_gpt + "--epochs 2 --resume " + dir, 300);
+  ASSERT_EQ(same.code, 0) << same.output;
+  EXPECT_NE(same.output.find("resumed " + dir + " at epoch 2, batch 0"), std::string::npos) << same.output;
+  EXPECT_EQ(gpt_report(same.output).epochs.size(), 1u) << same.output;
+
+  RunResult hybrid = run(ranks(4) + train_gpt + "--hsdp 2 --epochs 2 --resume " + dir + " --save " + next, 300);
+  ASSERT_EQ(hybrid.code, 0) << hybrid.output;
+  EXPECT_NE(hybrid.output.find("HSDP: 2 replicas, each sharded over 2 ranks"), std::string::npos) << hybrid.output;
+  EXPECT_NE(hybrid.output.find("resumed " + dir + " at epoch 2, batch 0"), std::string::npos) << hybrid.output;
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(next)) files += e.is_regular_file();
+  EXPECT_EQ(files, 3) << "an index and the first row's two shards";
+
+  // The folder given to a run without --fsdp: named, with the flag that resumes it.
+  RunResult plain = run(std::string(std::getenv("TRAIN_GPT")) + " --device cpu --config tiny --data " + corpus +
+                            " --context 32 --metrics '' --plot '' --resume " + dir,
+                        60);
+  EXPECT_EQ(plain.code, 2) << plain.output;
+  EXPECT_NE(plain.output.find("--resume " + dir + " is a sharded checkpoint"), std::string::npos) << plain.output;
+  EXPECT_NE(plain.output.find("resume it with --fsdp"), std::string::npos) << plain.output;
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(next);
+  std::filesystem::remove(corpus);
 }
 
 // The most common distributed bug: ranks that would run different numbers of steps (here
