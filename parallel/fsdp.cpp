@@ -253,9 +253,11 @@ struct FSDPState {
       if (replicas) r.work->wait();
       for (ShardedParam& p : units[r.unit].params) {
         if (!p.shard.requires_grad()) continue;
+        // A view of the reduce-scatter's output (one buffer of the unit's S elements, which
+        // the unit's shard gradients share, as DDP's gradients share a bucket), or its cast.
         Tensor g = p.in_shard(r.output, rank()).view(p.shard.shape()).to(p.shard.dtype());
         if (p.shard.grad().defined()) add_(p.shard.grad(), g);
-        else p.shard.set_grad(g.clone());
+        else p.shard.set_grad(g);
       }
     }
     reductions.clear();
