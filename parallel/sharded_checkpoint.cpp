@@ -350,6 +350,77 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
   return finish();
 }
 
+std::map<std::string, std::string> load_checkpoint_into_shards(const std::string& path, FullyShardedDataParallel& fsdp,
+                                                               optim::Optimizer* optimizer, optim::LRScheduler* scheduler) {
+  NoGradGuard no_grad;
+  SafetensorsFile file = load_safetensors(path);
+  const auto& meta = file.metadata;
+  auto format = meta.find("format");
+  LOOM_CHECK(format != meta.end() && format->second == "loom-training-checkpoint", path,
+             ": not a Loom training checkpoint (its metadata has no format = loom-training-checkpoint)");
+  const int rank = fsdp.group().rank(), world = fsdp.group().size();
+  // Everything is read and checked before anything changes.
+  nn::NamedTensors model_state;
+  std::map<std::string, Tensor> optimizer_tensors;
+  for (auto& [name, t] : file.tensors) {
+    if (name.starts_with("optimizer.")) optimizer_tensors.emplace(name.substr(10), t);
+    else model_state.emplace_back(name, t);
+  }
+  std::map<std::string, double> scheduler_state;
+  std::map<std::string, std::string> user;
+  optim::OptimizerState state;
+  for (const auto& [key, v] : meta) {
+    if (key.starts_with("scheduler.")) scheduler_state[key.substr(10)] = parse_number(path, key, v);
+    if (key.starts_with("user.")) user.emplace(key.substr(5), v);
+    if (key.starts_with("optimizer.")) state.scalars[key.substr(10)] = parse_number(path, key, v);
+  }
+  auto entry = [&](const char* key) {
+    auto it = meta.find(key);
+    LOOM_CHECK(it != meta.end(), path, ": the checkpoint has no entry ", key);
+    return it->second;
+  };
+  const uint64_t seed = parse_u64(path, "rng.seed", entry("rng.seed"));
+  const uint64_t offset = parse_u64(path, "rng.offset", entry("rng.offset"));
+  LOOM_CHECK(!scheduler || !scheduler_state.empty(), path, ": the checkpoint holds no learning-rate schedule state");
+  if (optimizer) {
+    const std::string type = entry("optimizer");
+    LOOM_CHECK(type == optimizer->type_name(), path, ": the checkpoint's optimizer is ", type, " but this run uses ",
+               optimizer->type_name(), "; resume with the same optimizer");
+    // "state.<i>.<buffer>": parameter i's buffer at full size, cut to this rank's rows.
+    const std::vector<std::string> names = optimizer_names(*optimizer, fsdp);
+    std::map<std::string, Shape> full_shape;
+    for (const auto& [name, p] : fsdp.module()->named_parameters()) full_shape.emplace(name, p.shape());
+    for (const auto& [key, t] : optimizer_tensors) {
+      LOOM_CHECK(key.starts_with("state."), path, ": unexpected optimizer entry optimizer.", key);
+      const size_t dot = key.find('.', 6);
+      const std::string index = key.substr(6, dot == std::string::npos ? std::string::npos : dot - 6);
+      const int64_t i = parse_count(path, "optimizer." + key, index);
+      LOOM_CHECK(dot != std::string::npos && i < int64_t(names.size()), path, ": optimizer.", key,
+                 " belongs to parameter ", i, ", and this run's optimizer has ", names.size());
+      const Shape& shape = full_shape.at(names[size_t(i)]);
+      LOOM_CHECK(t.shape() == shape, path, ": optimizer.", key, " has shape ", shape_str(t.shape()), ", but parameter ",
+                 names[size_t(i)], " (the optimizer's parameter ", i, ") has ", shape_str(shape),
+                 ": the checkpoint's optimizer listed its parameters in another order");
+      const RowRange mine = shard_rows(rows_of(shape), world, rank);
+      Shape shard_shape = shape.empty() ? Shape{mine.count} : shape;
+      shard_shape[0] = mine.count;
+      const int64_t row_numel = rows_of(shape) == 0 ? 0 : shape_numel(shape) / rows_of(shape);
+      state.tensors.emplace_back(
+          key, t.reshape({rows_of(shape), row_numel}).slice(0, mine.start, mine.start + mine.count).contiguous()
+                   .reshape(shard_shape));
+    }
+  }
+  try {
+    fsdp.load_full_state_dict(model_state);
+    if (optimizer) optimizer->load_state_dict(state);
+    if (scheduler) scheduler->load_state_dict(scheduler_state);
+  } catch (const Error& e) {
+    LOOM_FAIL(path, ": ", e.what());
+  }
+  set_rng_state(seed, offset);
+  return user;
+}
+
 void export_consolidated_safetensors(const std::string& dir, const std::string& path) {
   NoGradGuard no_grad;
   SavedCheckpoint saved(dir);

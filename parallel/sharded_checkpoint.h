@@ -61,6 +61,15 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
                                                            optim::Optimizer* optimizer = nullptr,
                                                            optim::LRScheduler* scheduler = nullptr);
 
+// Loads a single-file training checkpoint (nn::save_checkpoint's: a plain or DDP run's) into
+// `fsdp`: each rank takes its rows of every parameter and of the optimizer's buffers (the
+// optimizer must list the parameters in the model's order, as one built on fsdp.parameters()
+// and the saving run's built on model.parameters() do), the schedule, the generator and the
+// caller's entries, which it returns. Every rank calls it; no communication.
+std::map<std::string, std::string> load_checkpoint_into_shards(const std::string& path, FullyShardedDataParallel& fsdp,
+                                                               optim::Optimizer* optimizer = nullptr,
+                                                               optim::LRScheduler* scheduler = nullptr);
+
 // Writes the full parameters (tied ones under every name) and buffers of the checkpoint in
 // `dir` to one safetensors file, as a plain model's state_dict() would be saved: PyTorch loads
 // it as a state dict. One process, no group.

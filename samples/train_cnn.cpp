@@ -343,7 +343,10 @@ int run(int argc, char** argv) {
       o.resume.empty() ? std::map<std::string, std::string>{} : samples::checkpoint_entries(flags, o.resume, "train_cnn");
   if (!o.resume.empty()) {
     check_resume(o, saved, flags);
-    samples::check_resume_format(flags, o.resume, o.fsdp ? samples::kShardedCheckpoint : samples::kFileCheckpoint);
+    // --fsdp resumes its folders of shards, and a single file of a plain or DDP run too.
+    samples::check_resume_format(flags, o.resume,
+                                 o.fsdp ? std::vector<std::string>{samples::kShardedCheckpoint, samples::kFileCheckpoint}
+                                        : std::vector<std::string>{samples::kFileCheckpoint});
   }
   dist::DistContext ctx = dist::init_distributed(o.device, std::chrono::seconds(o.timeout_s));
   const Device device = ctx.device;
@@ -468,8 +471,10 @@ int run(int argc, char** argv) {
   int64_t epoch = 0, batch = 0, step = 0;
   std::vector<std::pair<double, double>> train_curve, test_loss_curve, test_acc_curve, train_acc_curve;
   if (!o.resume.empty()) {
-    auto user = fsdp ? dist::load_sharded_checkpoint(o.resume, *fsdp, opt.get(), &sched)
-                     : nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched});
+    const bool one_file = samples::checkpoint_format(o.resume) == samples::kFileCheckpoint;
+    auto user = !fsdp    ? nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched})
+                : one_file ? dist::load_checkpoint_into_shards(o.resume, *fsdp, opt.get(), &sched)
+                           : dist::load_sharded_checkpoint(o.resume, *fsdp, opt.get(), &sched);
     epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_cnn");
     batch = samples::checkpoint_integer(o.resume, user, "batch", "train_cnn");
     step = samples::checkpoint_integer(o.resume, user, "step", "train_cnn");

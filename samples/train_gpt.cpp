@@ -122,7 +122,10 @@ void check_resume_layout(const Options& o, const std::map<std::string, std::stri
                  entry("pp") + "): resume it with --pp " + entry("pp") + " under a launcher, or export its weights "
                  "to one file (export_pipeline_checkpoint, parallel/pipeline_checkpoint.h)");
     // --fsdp resumes the folders of shards it writes, a run without it the single files.
-    samples::check_resume_format(flags, o.resume, o.fsdp ? samples::kShardedCheckpoint : samples::kFileCheckpoint);
+    // --fsdp resumes its folders of shards, and a single file of a plain or DDP run too.
+    samples::check_resume_format(flags, o.resume,
+                                 o.fsdp ? std::vector<std::string>{samples::kShardedCheckpoint, samples::kFileCheckpoint}
+                                        : std::vector<std::string>{samples::kFileCheckpoint});
     return;
   }
   if (format != samples::kPipelineCheckpoint)
@@ -561,8 +564,10 @@ int run(int argc, char** argv) {
   const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
   int64_t epoch = 0, batch = 0, step = 0;
   if (!o.resume.empty()) {
-    auto user = fsdp ? dist::load_sharded_checkpoint(o.resume, *fsdp, &opt, &sched)
-                     : nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched});
+    const bool one_file = samples::checkpoint_format(o.resume) == samples::kFileCheckpoint;
+    auto user = !fsdp    ? nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched})
+                : one_file ? dist::load_checkpoint_into_shards(o.resume, *fsdp, &opt, &sched)
+                           : dist::load_sharded_checkpoint(o.resume, *fsdp, &opt, &sched);
     epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
     batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
     step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");

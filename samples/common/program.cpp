@@ -1,5 +1,6 @@
 #include "samples/common/program.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -132,7 +133,8 @@ const CheckpointKind& checkpoint_kind(const std::string& format) {
   static const std::vector<CheckpointKind> kinds{
       {kFileCheckpoint, "a single-file checkpoint (written by a run without --fsdp or --pp)", "single-file checkpoints",
        "this run, without --fsdp or --pp,", "without --fsdp and --pp"},
-      {kShardedCheckpoint, "a sharded checkpoint (a folder written by a run with --fsdp)", "sharded checkpoints",
+      {kShardedCheckpoint, "a sharded checkpoint (a folder written by a run with --fsdp)",
+       "sharded checkpoints (and single files)",
        "this run, with --fsdp,", "with --fsdp"},
       {kPipelineCheckpoint, "a pipeline checkpoint (a folder written by a run with --pp)", "pipeline checkpoints",
        "this run, with --pp,", "with the same --pp"}};
@@ -144,11 +146,11 @@ const CheckpointKind& checkpoint_kind(const std::string& format) {
 
 }  // namespace
 
-void check_resume_format(const Flags& flags, const std::string& path, const std::string& expected) {
+void check_resume_format(const Flags& flags, const std::string& path, const std::vector<std::string>& accepted) {
   const std::string format = checkpoint_format(path);
-  if (format == expected) return;
+  if (std::find(accepted.begin(), accepted.end(), format) != accepted.end()) return;
   const CheckpointKind& got = checkpoint_kind(format);
-  const CheckpointKind& want = checkpoint_kind(expected);
+  const CheckpointKind& want = checkpoint_kind(accepted.front());
   flags.fail("--resume " + path + " is " + got.what + ", and " + want.run + " resumes " + want.plural +
              (got.resumed_by.empty() ? "" : ": resume it " + got.resumed_by));
 }

@@ -57,10 +57,10 @@ std::map<std::string, std::string> checkpoint_entries(const Flags& flags, const 
 int64_t checkpoint_integer(const std::string& path, const std::map<std::string, std::string>& entries,
                            const std::string& key, const std::string& program);
 
-// The checkpoint at --resume `path` must be of the format `expected` (this run's kind: one
-// file, FSDP's shards or a pipeline's stages); another fails naming both kinds and the flag
-// that resumes it.
-void check_resume_format(const Flags& flags, const std::string& path, const std::string& expected);
+// The checkpoint at --resume `path` must be of one of the formats `accepted` (this run's
+// kinds, its own first: one file, FSDP's shards or a pipeline's stages); another fails naming
+// both kinds and the flag that resumes it.
+void check_resume_format(const Flags& flags, const std::string& path, const std::vector<std::string>& accepted);
 
 // One setting a resumed run must share with the run that saved the checkpoint.
 struct SavedSetting {

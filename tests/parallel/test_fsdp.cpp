@@ -219,12 +219,15 @@ optim::AdamWOptions adamw_options() {
 
 constexpr double kMaxNorm = 0.5;
 
-// One process on whole batches: AdamW with clipping; saves the weights, losses and norms.
-void train_reference(Model kind, const std::string& path, int steps) {
+// One process on whole batches: AdamW with clipping; saves the weights, losses and norms,
+// and, when `checkpoint` is given, a single-file training checkpoint after `checkpoint_at` steps.
+void train_reference(Model kind, const std::string& path, int steps, const std::string& checkpoint = "",
+                     int checkpoint_at = -1) {
   auto model = make_model(kind, 0);
   optim::AdamW opt(model->parameters(), adamw_options());
   std::vector<float> losses, norms;
   for (int step = 0; step < steps; ++step) {
+    if (step == checkpoint_at) nn::save_checkpoint(checkpoint, {.model = model.get(), .optimizer = &opt});
     opt.zero_grad();
     Tensor loss = loss_of(*model, kind, global_batch(kind, step));
     loss.backward();
@@ -746,7 +749,9 @@ void train_segment(int world, int from, int to, const std::string& load_dir, con
     auto model = make_model(Model::gpt, load_dir.empty() ? 0 : 50 + rank);  // a resumed run's values are loaded
     FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::yes));
     optim::AdamW opt(fsdp.parameters(), adamw_options());
-    if (!load_dir.empty()) load_sharded_checkpoint(load_dir, fsdp, &opt);
+    // A folder of shards, or a single-file checkpoint of one process.
+    if (load_dir.ends_with(".safetensors")) load_checkpoint_into_shards(load_dir, fsdp, &opt);
+    else if (!load_dir.empty()) load_sharded_checkpoint(load_dir, fsdp, &opt);
     for (int step = from; step < to; ++step) {
       opt.zero_grad();
       Batch mine = rows(global_batch(Model::gpt, step), rank, world);
@@ -775,6 +780,17 @@ TEST(FsdpShardedCheckpoint, TrainingResumedAtOtherWorldSizesFollowsTheRunThatNev
   train_segment(1, 10, 15, dirs[1], dirs[2], reference);
   train_segment(3, 15, 20, dirs[2], dirs[3], reference);
   for (const auto& d : dirs) std::filesystem::remove_all(d);
+  std::filesystem::remove(reference);
+}
+
+TEST(FsdpShardedCheckpoint, ASingleProcessCheckpointLoadsIntoShardsAndTrainingGoesOn) {
+  std::string reference = temp_path("fsdp_single_reference") + ".safetensors";
+  std::string single = temp_path("fsdp_single_ckpt") + ".safetensors", dir = temp_path("fsdp_single_next");
+  run_alone([&] { train_reference(Model::gpt, reference, 20, single, 10); });
+  // Ten steps of one process, then ten on three ranks (uneven shards) from its checkpoint.
+  train_segment(3, 10, 20, single, dir, reference);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(single);
   std::filesystem::remove(reference);
 }
 
@@ -950,7 +966,7 @@ TEST(FsdpTrainCnn, ASavedShardedRunResumesWhereItStoppedAndAtAnotherRankCount) {
   std::filesystem::remove_all(mid);
 }
 
-TEST(FsdpTrainCnn, CheckpointsOfTheOtherKindAndFilesInTheWayAreNamed) {
+TEST(FsdpTrainCnn, CheckpointsOfEitherKindResumeAndFilesInTheWayAreNamed) {
   if (!std::getenv("LOOMRUN") || !std::getenv("TRAIN_CNN")) GTEST_SKIP() << "LOOMRUN and TRAIN_CNN are not set";
   const std::string dir = temp_path("train_cnn_fsdp_kind"), file = temp_path("train_cnn_plain") + ".safetensors";
   ASSERT_EQ(train_cnn_fsdp(2, "--epochs 1 --max-steps 2 --save " + dir).code, 0);
@@ -962,16 +978,19 @@ TEST(FsdpTrainCnn, CheckpointsOfTheOtherKindAndFilesInTheWayAreNamed) {
   EXPECT_EQ(plain.code, 2) << plain.output;
   EXPECT_NE(plain.output.find("--resume " + dir + " is a sharded checkpoint"), std::string::npos) << plain.output;
   EXPECT_NE(plain.output.find("resume it with --fsdp"), std::string::npos) << plain.output;
-  // A single-file checkpoint given to --fsdp.
-  ASSERT_EQ(testing::run_command(std::string(std::getenv("TRAIN_CNN")) + " --device cpu --subset 256 --epochs 1 "
-                                     "--max-steps 1 --metrics '' --plot '' --save " + file,
-                                 60)
+  // A single-file checkpoint of one process, saved at an epoch's end, resumes under --fsdp
+  // on two ranks: each takes its rows of the weights and of the optimizer's state.
+  ASSERT_EQ(testing::run_command(std::string(std::getenv("TRAIN_CNN")) +
+                                     " --device cpu --subset 512 --test-subset 200 --batch-size 64 --schedule none "
+                                     "--epochs 1 --quiet --metrics '' --plot '' --save " + file,
+                                 120)
                 .code,
             0);
-  const testing::RunResult sharded = train_cnn_fsdp(2, "--epochs 1 --resume " + file);
-  EXPECT_EQ(sharded.code, 2) << sharded.output;
-  EXPECT_NE(sharded.output.find("is a single-file checkpoint"), std::string::npos) << sharded.output;
-  EXPECT_NE(sharded.output.find("resume it without --fsdp and --pp"), std::string::npos) << sharded.output;
+  const testing::RunResult sharded = train_cnn_fsdp(2, "--epochs 2 --resume " + file);
+  EXPECT_EQ(sharded.code, 0) << sharded.output;
+  EXPECT_NE(sharded.output.find("resumed " + file + " at epoch 2, batch 0"), std::string::npos) << sharded.output;
+  EXPECT_NE(sharded.output.find("saved on 1 ranks, resumed on 2"), std::string::npos) << sharded.output;
+  EXPECT_NE(epoch_line(sharded.output, 2), "") << sharded.output;
   // --save naming a file, or a folder of other files: refused before any work, nothing touched.
   const testing::RunResult onto_file = train_cnn_fsdp(2, "--epochs 1 --save " + file);
   EXPECT_EQ(onto_file.code, 2) << onto_file.output;
