@@ -16,6 +16,7 @@
 #include "engine/ops.h"
 #include "layers/optim/clip.h"
 #include "parallel/device_mesh.h"
+#include "parallel/sync_tensors.h"
 
 namespace loom::dist {
 
@@ -86,6 +87,7 @@ struct FSDPState {
   std::shared_ptr<ProcessGroup> group;      // the shard group
   std::shared_ptr<ProcessGroup> replicas;  // HSDP's replicate group, or null (step 8)
   FSDPOptions options;
+  TensorList float_buffers, other_buffers;  // the module's, for options.average_buffers
   std::vector<Unit> units;  // the root unit last
   Phase phase = Phase::idle;
   bool sync_gradients = true;
@@ -261,6 +263,14 @@ struct FSDPState {
       }
     }
     reductions.clear();
+    // Buffers averaged over every rank: along the shard group, then the replicas.
+    if (options.average_buffers && sync_gradients) {
+      for (ProcessGroup* g : {group.get(), replicas.get()}) {
+        if (!g) continue;
+        sync_tensors(*g, float_buffers, SyncOp::average);
+        sync_tensors(*g, other_buffers, SyncOp::broadcast_from_rank0);
+      }
+    }
     // A unit still waiting for gradients names its parameters that have none.
     std::string unused;
     for (Unit& unit : units) {
@@ -401,6 +411,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
                " does not own its storage (a view of a larger tensor); its storage is released between uses");
   }
   start_equal(*module_, *group_, device, "");
+  for (auto& [_, b] : module_->named_buffers())
+    (is_floating(b.dtype()) ? state_->float_buffers : state_->other_buffers).push_back(b);
   if (state_->replicas) start_equal(*module_, *state_->replicas, device, " of the replicate group");
 
   // Step 2: shards and flat layouts; the full storages released.

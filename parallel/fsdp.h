@@ -113,7 +113,9 @@
 // communication earlier but overlaps nothing.
 //
 // Buffers (BatchNorm's running statistics) are replicated, broadcast from rank 0 at
-// construction only. Not offered: using the module on its own after wrapping
+// construction; with options.average_buffers the ranks' statistics are averaged after each
+// synchronised backward (over the replicas too under HSDP), so that every rank evaluates
+// with the same ones. Not offered: using the module on its own after wrapping
 // (its parameters' storages stay released; load full_state_dict() into a fresh model).
 #pragma once
 
@@ -147,6 +149,10 @@ struct FSDPOptions {
   std::optional<DType> reduce_dtype;
   // Step 3's prefetch: each unit's all_gather issued while the unit before it computes.
   bool prefetch = true;
+  // Buffers (BatchNorm's running statistics): averaged over every rank at the end of each
+  // synchronised backward, integer ones taken from rank 0, as DDP's sync_buffers_average;
+  // false keeps each rank's own after the broadcast at construction.
+  bool average_buffers = false;
   // HSDP (step 8): the ranks holding the same shards in the other replicas, this rank among
   // them; null for plain FSDP. hybrid_shard() below builds both groups from a mesh.
   std::shared_ptr<ProcessGroup> replicate_group;

@@ -269,7 +269,8 @@ int run(int argc, char** argv) {
             "FILE");
   flags.add("gpus", &o.gpus, "data-parallel over N GPUs of this node: starts N ranks (as loomrun would)", 0, 1024);
   flags.add("bucket-mb", &o.bucket_mb, "data parallel: gradient bucket size in MiB", 1);
-  flags.add_switch("sync-bn-stats", &o.sync_bn_stats, "data parallel: average BatchNorm running statistics over ranks");
+  flags.add_switch("sync-bn-stats", &o.sync_bn_stats,
+                   "data parallel (DDP or FSDP): average BatchNorm running statistics over ranks after each step");
   flags.add_switch("fsdp", &o.fsdp,
                    "data parallel: shard parameters, gradients and optimizer state over the ranks (parallel/fsdp.h) "
                    "instead of replicating them (DDP)");
@@ -326,7 +327,6 @@ int run(int argc, char** argv) {
   }
   if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
   if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
-  if (o.fsdp && o.sync_bn_stats) flags.fail("--sync-bn-stats is DDP's; --fsdp keeps BatchNorm statistics per rank");
   if (!o.fsdp && (flags.given("reshard-after-forward") || flags.given("min-params") || flags.given("hsdp")))
     flags.fail("--reshard-after-forward, --min-params and --hsdp are FSDP's: add --fsdp");
   if (o.gpu_resident && o.augment != "none")
@@ -439,6 +439,7 @@ int run(int argc, char** argv) {
   if (o.fsdp) {
     dist::FSDPOptions fsdp_options;
     fsdp_options.min_num_params = o.min_params;
+    fsdp_options.average_buffers = o.sync_bn_stats;
     fsdp_options.reshard_after_forward =
         o.reshard_after_forward == "yes" ? dist::ReshardAfterForward::yes : dist::ReshardAfterForward::no;
     if (o.hsdp > 1) {

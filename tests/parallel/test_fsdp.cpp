@@ -36,6 +36,7 @@
 #include "engine/ops.h"
 #include "engine/serialization.h"
 #include "layers/layers.h"
+#include "parallel/ddp.h"
 #include "parallel/device_mesh.h"
 #include "parallel/fsdp.h"
 #include "parallel/sharded_checkpoint.h"
@@ -575,6 +576,73 @@ TEST(FsdpPolicy, ResNetUnitsBySizeTrainLikeOneProcess) {
     require_close(fsdp.full_state_dict(), load_safetensors_map(reference), 1e-5);
   });
   std::filesystem::remove(reference);
+}
+
+// In training mode each rank's BatchNorm normalises its own rows and updates its own running
+// statistics. With average_buffers FSDP averages them after each backward, as DDP's
+// sync_buffers_average does: both end with the same parameters and the same statistics on
+// every rank; without it the ranks' statistics part.
+TEST(FsdpBuffers, AveragedBatchNormStatisticsAreDdpsOnEveryRank) {
+  constexpr int kSteps = 3;
+  auto make = [] {
+    manual_seed(11);
+    return std::make_shared<nn::ResNet>(std::array<int, 4>{1, 1, 1, 1}, 10, 3);
+  };
+  auto batch = [](int step) {
+    manual_seed(3000 + step);
+    std::vector<int64_t> labels{1, 3, 5, 7};
+    return Batch{randn({4, 3, 32, 32}), from_vector(labels, {4})};
+  };
+  optim::SGDOptions sgd;
+  sgd.lr = 0.05;
+  sgd.momentum = 0.9;
+  const std::string stem = temp_path("fsdp_buffers");
+  auto file = [&](const std::string& kind, int rank) { return stem + "_" + kind + std::to_string(rank) + ".safetensors"; };
+  run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto model = make();
+    DDPOptions options;
+    options.sync_buffers_average = true;
+    DistributedDataParallel ddp(model, group, options);
+    optim::SGD opt(model->parameters(), sgd);
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      Batch mine = rows(batch(step), rank, 2);
+      cross_entropy(ddp.forward(mine.x), mine.y).backward();
+      opt.step();
+    }
+    save_safetensors(file("ddp", rank), model->state_dict());
+  });
+  for (bool average : {true, false}) {
+    run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+      auto model = make();
+      FSDPOptions options;
+      options.min_num_params = 100000;
+      options.average_buffers = average;
+      FullyShardedDataParallel fsdp(model, group, options);
+      optim::SGD opt(fsdp.parameters(), sgd);
+      for (int step = 0; step < kSteps; ++step) {
+        opt.zero_grad();
+        Batch mine = rows(batch(step), rank, 2);
+        cross_entropy(fsdp.forward(mine.x), mine.y).backward();
+        opt.step();
+      }
+      save_safetensors(file(average ? "avg" : "own", rank), fsdp.full_state_dict());
+    });
+  }
+  run_alone([&] {
+    const auto ddp = load_safetensors_map(file("ddp", 0));
+    for (int rank = 0; rank < 2; ++rank) {
+      const auto avg = load_safetensors_map(file("avg", rank));
+      for (const auto& [name, t] : ddp)
+        require(relative_difference(avg.at(name), t) <= 1e-5, "rank ", rank, ": ", name, " differs from DDP's by ",
+                relative_difference(avg.at(name), t));
+    }
+    const auto own0 = load_safetensors_map(file("own", 0)), own1 = load_safetensors_map(file("own", 1));
+    require(relative_difference(own0.at("bn1.running_mean"), own1.at("bn1.running_mean")) > 1e-3,
+            "without average_buffers the ranks' statistics should part");
+  });
+  for (const char* kind : {"ddp", "avg", "own"})
+    for (int rank = 0; rank < 2; ++rank) std::filesystem::remove(file(kind, rank));
 }
 
 // One process with FSDP's mixed precision by hand: the model computes in bf16, f32 master
