@@ -120,8 +120,8 @@ struct FSDPState {
     drop_prefetch();
   }
 
-  // A prefetch that will not be used: its all_gather is waited for (its buffer must outlive
-  // it) and its buffer dropped.
+  // A prefetch that will not be used: its all_gather is waited for (so that the streams stay
+  // ordered before its buffer goes back to the allocator) and its buffer dropped.
   void drop_prefetch() {
     if (!prefetched) return;
     prefetched->work->wait();
@@ -152,8 +152,10 @@ struct FSDPState {
   // Step 3's prefetch: after unit u is first gathered in a pass, the all_gather of the unit
   // the first step gathered after it in the same pass is issued without waiting, so that on
   // a GPU it runs on the communication stream while u computes. A unit gathered again in the
-  // same pass (a tied weight read by a later layer) prefetches nothing. Under ZeRO-3 the
-  // prefetch takes a slot: at most two units unsharded, u among them.
+  // same pass (a tied weight read by a later layer) prefetches nothing. It releases nothing:
+  // the op that made u gather may still be reading the unit gathered before it (one kernel
+  // reads the token and the position embeddings), so the earliest unit goes when the
+  // prefetched one is gathered, as on demand.
   void prefetch_after(size_t u) {
     const bool forward = phase == Phase::forward;
     const std::vector<size_t>& order = forward ? forward_order : backward_order;
@@ -162,9 +164,6 @@ struct FSDPState {
     if (pos == order.end() || pos + 1 == order.end()) return;
     const size_t v = *(pos + 1);
     if (units[v].gathered) return;
-    if (options.reshard_after_forward == ReshardAfterForward::yes)
-      while (units_unsharded() >= 2 && held.front() != u) release(held.front());
-    if (options.reshard_after_forward == ReshardAfterForward::yes && units_unsharded() >= 2) return;
     NoGradGuard no_grad;
     WorkPtr work;
     Tensor gathered = issue_gather(units[v], units[v].compute_dtype, &work);
@@ -201,15 +200,15 @@ struct FSDPState {
     const bool first_in_pass = note_gather(u);
     NoGradGuard no_grad;
     Tensor gathered;
+    // fsdp.h, step 4: ZeRO-3 holds at most two units, so the earliest goes first.
+    if (options.reshard_after_forward == ReshardAfterForward::yes)
+      while (held.size() >= 2) release(held.front());
     if (prefetched && prefetched->unit == u) {
       prefetched->work->wait();  // on a GPU: the compute stream waits, not the host
       gathered = prefetched->gathered;
       prefetched.reset();  // its bytes were counted when it was issued
     } else {
       drop_prefetch();  // the order changed: this step reads another unit first
-      // fsdp.h, step 4: ZeRO-3 holds at most two units, so the earliest goes first.
-      if (options.reshard_after_forward == ReshardAfterForward::yes)
-        while (held.size() >= 2) release(held.front());
       gathered = gather_flat(unit, unit.compute_dtype);
       memory.full_parameter_bytes += unit.full_bytes;
     }

@@ -325,14 +325,18 @@ TEST(FsdpShards, UnevenAndEmptyShardsCoverEveryRowOnce) {
   });
 }
 
+// ZeRO-3 holds at most two units, and a third while a prefetch is in flight; ZeRO-2 all.
 TEST(FsdpMemory, ZeRO3HoldsAtMostTheTwoLargestUnitsAndZeRO2HoldsThemAll) {
   run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> group) {
-    for (auto reshard : {ReshardAfterForward::yes, ReshardAfterForward::no}) {
+    for (auto [reshard, prefetch] : {std::pair{ReshardAfterForward::yes, false}, std::pair{ReshardAfterForward::yes, true},
+                                     std::pair{ReshardAfterForward::no, true}}) {
       auto model = make_model(Model::gpt, 0, 6);
       size_t total = 0;
       for (const Tensor& p : model->parameters()) total += p.nbytes();
       const size_t before = memory::stats(Device::cpu()).allocated;
-      FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, reshard));
+      FSDPOptions options = fsdp_options(*model, Model::gpt, reshard);
+      options.prefetch = prefetch;
+      FullyShardedDataParallel fsdp(model, group, options);
       const size_t after = memory::stats(Device::cpu()).allocated;
       const FSDPMemory m0 = fsdp.memory();
       require(m0.full_parameter_bytes == 0, "full parameters held after wrapping: ", m0.full_parameter_bytes);
@@ -351,22 +355,23 @@ TEST(FsdpMemory, ZeRO3HoldsAtMostTheTwoLargestUnitsAndZeRO2HoldsThemAll) {
       }
       std::sort(unit_bytes.rbegin(), unit_bytes.rend());
       optim::AdamW opt(fsdp.parameters(), adamw_options());
-      for (int step = 0; step < 2; ++step) {
+      for (int step = 0; step < 3; ++step) {
         opt.zero_grad();
         Batch mine = rows(global_batch(Model::gpt, step), rank, 2);
         fsdp.call([&] { return loss_of(*model, Model::gpt, mine); }).backward();
         opt.step();
       }
       const FSDPMemory m = fsdp.memory();
+      const size_t bound = unit_bytes[0] + unit_bytes[1] + (prefetch ? unit_bytes[2] : 0);
       if (rank == 0)
-        std::fprintf(stderr, "%s: parameters %zu bytes, shards %zu bytes per rank, full parameters at most %zu bytes "
-                     "(two largest units %zu)\n", reshard == ReshardAfterForward::yes ? "ZeRO-3" : "ZeRO-2", total,
-                     m.shard_parameter_bytes, m.peak_full_parameter_bytes, unit_bytes[0] + unit_bytes[1]);
+        std::fprintf(stderr, "%s, prefetch %s: parameters %zu bytes, shards %zu bytes per rank, full parameters at "
+                     "most %zu bytes (%s largest units %zu)\n", reshard == ReshardAfterForward::yes ? "ZeRO-3" : "ZeRO-2",
+                     prefetch ? "on" : "off", total, m.shard_parameter_bytes, m.peak_full_parameter_bytes,
+                     prefetch ? "three" : "two", bound);
       require(m.full_parameter_bytes == 0, "full parameters held after the step: ", m.full_parameter_bytes);
       if (reshard == ReshardAfterForward::yes)
-        require(m.peak_full_parameter_bytes <= unit_bytes[0] + unit_bytes[1], "ZeRO-3 held ",
-                m.peak_full_parameter_bytes, " bytes of full parameters; the two largest units have ",
-                unit_bytes[0] + unit_bytes[1]);
+        require(m.peak_full_parameter_bytes <= bound, "ZeRO-3 held ", m.peak_full_parameter_bytes,
+                " bytes of full parameters; the ", prefetch ? "three" : "two", " largest units have ", bound);
       else
         require(m.peak_full_parameter_bytes == total, "ZeRO-2 held ", m.peak_full_parameter_bytes,
                 " bytes of full parameters at most, the model has ", total);
@@ -376,15 +381,23 @@ TEST(FsdpMemory, ZeRO3HoldsAtMostTheTwoLargestUnitsAndZeRO2HoldsThemAll) {
 
 // Prefetching changes when each all_gather is issued, never what it gathers: the same steps
 // with and without it give the same losses and weights to the bit, and with it every unit but
-// the first of each pass arrives prefetched from the second step on.
+// the first of each pass arrives prefetched from the second step on. Also with the token and
+// the position embeddings in units of their own: one kernel reads both, so the second one's
+// gather (and the prefetch it starts) must not release the first.
 TEST(FsdpPrefetch, TheNextUnitIsGatheredAheadAndTheStepsAreBitForBitTheSame) {
-  run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> group) {
+  for (bool split_embeddings : {false, true})
+  run_ranks(2, [split_embeddings](int rank, std::shared_ptr<ProcessGroup> group) {
     std::vector<std::vector<double>> losses;
     std::vector<nn::NamedTensors> states;
     std::vector<int64_t> gathers;
     for (bool prefetch : {true, false}) {
       auto model = make_model(Model::gpt, 0, 6);
       FSDPOptions options = fsdp_options(*model, Model::gpt, ReshardAfterForward::yes);
+      if (split_embeddings) {
+        auto& gpt = static_cast<nn::GPT&>(*model);
+        options.units.front() = {gpt.wte};
+        options.units.insert(options.units.begin() + 1, {gpt.wpe});
+      }
       options.prefetch = prefetch;
       FullyShardedDataParallel fsdp(model, group, options);
       optim::AdamW opt(fsdp.parameters(), adamw_options());
@@ -409,8 +422,10 @@ TEST(FsdpPrefetch, TheNextUnitIsGatheredAheadAndTheStepsAreBitForBitTheSame) {
       } else {
         // The first step records the order of each pass; each later one prefetches in both.
         require(prefetches[0] == 0, "the first step prefetched ", prefetches[0], " units before knowing the order");
+        // Forward: after each unit but the last; backward: after each of the 6 blocks but the
+        // last (the embeddings' backward reads no weight, the root is still held from forward).
         for (int step = 1; step < 3; ++step)
-          require(prefetches[step] - prefetches[step - 1] >= 2 * (units - 2), "step ", step, " prefetched ",
+          require(prefetches[step] - prefetches[step - 1] == (units - 1) + (6 - 1), "step ", step, " prefetched ",
                   prefetches[step] - prefetches[step - 1], " units; the ", units, " units run one after the other");
       }
       require(fsdp.memory().full_parameter_bytes == 0, "full parameters held after the steps");
