@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <unordered_map>
@@ -468,16 +469,25 @@ FullyShardedDataParallel::ForwardScope::ForwardScope(FullyShardedDataParallel& f
   fsdp_.state_->begin_forward();
 }
 
-FullyShardedDataParallel::ForwardScope::~ForwardScope() {
+FullyShardedDataParallel::ForwardScope::~ForwardScope() noexcept(false) {
   FSDPState& state = *fsdp_.state_;
   state.forward_known = true;  // the first forward has shown the order of its gathers
-  if (!grad_enabled()) {
-    // Without a backward to come, nothing releases the units: do it here.
-    state.release_all();
-    state.phase = Phase::idle;
-  } else {
+  if (grad_enabled()) {
     // What reads weights from now on is the backward.
     state.begin_pass(Phase::backward);
+    return;
+  }
+  // Without a backward to come, nothing releases the units: do it here. Waiting for a
+  // prefetch can fail (a collective that timed out); while a failed forward unwinds, its own
+  // error is the one reported.
+  state.phase = Phase::idle;
+  if (std::uncaught_exceptions() > 0) {
+    try {
+      state.release_all();
+    } catch (...) {
+    }
+  } else {
+    state.release_all();
   }
 }
 

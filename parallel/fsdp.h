@@ -247,7 +247,7 @@ class FullyShardedDataParallel {
   class ForwardScope {
    public:
     explicit ForwardScope(FullyShardedDataParallel& fsdp);
-    ~ForwardScope();
+    ~ForwardScope() noexcept(false);
     ForwardScope(const ForwardScope&) = delete;
     ForwardScope& operator=(const ForwardScope&) = delete;
 

@@ -93,6 +93,10 @@ Index read_index(const std::string& dir) {
   index.generation = parse_number<int64_t>(index.path, "generation", entry(index.meta, "generation", index.path));
   index.ranks = parse_number<int64_t>(index.path, "pp", entry(index.meta, "pp", index.path));
   index.stages = parse_number<int64_t>(index.path, "stages", entry(index.meta, "stages", index.path));
+  LOOM_CHECK(index.ranks >= 1 && index.ranks <= (int64_t(1) << 20) && index.stages >= index.ranks &&
+                 index.stages % index.ranks == 0 && index.generation >= 1,
+             "pipeline checkpoint: ", index.path, " says pp ", index.ranks, ", stages ", index.stages, ", generation ",
+             index.generation, ": expected pp >= 1 and a whole number of stages per rank, generation >= 1");
   return index;
 }
 

@@ -83,6 +83,14 @@ Shape parse_shape(const std::string& text, const std::string& where) {
   return shape;
 }
 
+// Entry `key` of `meta`, read from `file`; a missing one names the file.
+const std::string& entry_of(const std::map<std::string, std::string>& meta, const std::string& file,
+                            const std::string& key) {
+  auto it = meta.find(key);
+  LOOM_CHECK(it != meta.end(), "sharded checkpoint: ", file, " has no entry ", key);
+  return it->second;
+}
+
 std::string number_text(double v) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%.17g", v);
@@ -117,9 +125,11 @@ class SavedCheckpoint {
     meta_ = load_safetensors_metadata(index);
     LOOM_CHECK(meta_.count("format") && meta_.at("format") == kFormat, "sharded checkpoint: ", index,
                " is not an index of format ", kFormat);
-    world_ = int(parse_count(index, "world_size", entry("world_size")));
+    const int64_t world = parse_count(index, "world_size", entry("world_size"));
     generation_ = parse_count(index, "generation", entry("generation"));
-    LOOM_CHECK(world_ >= 1, "sharded checkpoint: ", index, ": world_size is 0");
+    LOOM_CHECK(world >= 1 && world <= (int64_t(1) << 20), "sharded checkpoint: ", index, ": world_size is ", world,
+               ", expected 1 to 2^20");
+    world_ = int(world);
   }
 
   // The index's entry `key`; a missing one names the index.
@@ -189,16 +199,30 @@ void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullySharded
   const Device device = shards.empty() ? Device::cpu() : shards.front().second.device();
   fs::create_directories(dir);
 
-  // The generation: one more than the finished checkpoint's, as rank 0 reads it.
+  // The generation: one more than the finished checkpoint's, as rank 0 reads it. An index of
+  // another kind (a pipeline's checkpoint) or one that cannot be read stops every rank (0 is
+  // broadcast), so that nothing in the folder is overwritten and no rank waits for the others.
   int64_t generation = 1;
+  std::string refusal;
   const std::string index = (fs::path(dir) / kIndex).string();
   if (rank == 0 && fs::exists(index)) {
-    auto meta = load_safetensors_metadata(index);
-    if (meta.count("generation")) generation = parse_count(index, "generation", meta.at("generation")) + 1;
+    try {
+      auto meta = load_safetensors_metadata(index);
+      auto format = meta.find("format");
+      LOOM_CHECK(format != meta.end() && format->second == kFormat, index, " is the index of a checkpoint of format '",
+                 format == meta.end() ? std::string() : format->second, "', not a sharded one (", kFormat,
+                 "): save into another folder, so that it is not overwritten");
+      generation = parse_count(index, "generation", entry_of(meta, index, "generation")) + 1;
+    } catch (const Error& e) {
+      refusal = e.what();
+      generation = 0;
+    }
   }
   Tensor g = from_vector(std::vector<int64_t>{generation}, {1}).to(device);
   group.broadcast(g, 0)->wait();
   generation = int64_t(g.item());
+  LOOM_CHECK(generation > 0, "sharded checkpoint: ",
+             rank == 0 ? refusal : "rank 0 could not read the index in " + dir + " and saved nothing (its message says why)");
 
   nn::NamedTensors tensors;
   std::map<std::string, std::string> meta{{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}};
@@ -294,8 +318,10 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
   }
   LOOM_CHECK(!scheduler || !scheduler_state.empty(), "sharded checkpoint: ", index,
              " holds no learning-rate schedule state (saved without one)");
-  const uint64_t seed = parse_u64(index, "rng.seed", saved.entry("rng.seed"));
-  const uint64_t offset = parse_u64(index, "rng.offset", saved.entry("rng.offset"));
+  // The generator, where the index has it (checkpoints saved before it was kept have not).
+  const bool has_rng = saved.meta().count("rng.seed") && saved.meta().count("rng.offset");
+  const uint64_t seed = has_rng ? parse_u64(index, "rng.seed", saved.entry("rng.seed")) : 0;
+  const uint64_t offset = has_rng ? parse_u64(index, "rng.offset", saved.entry("rng.offset")) : 0;
   const int rank = fsdp.group().rank(), world = fsdp.group().size();
   nn::NamedTensors full = fsdp.module()->named_parameters();  // shapes only: their storages stay released
   nn::NamedTensors shards = fsdp.named_parameters();
@@ -315,7 +341,7 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
   }
   auto finish = [&] {
     if (scheduler) scheduler->load_state_dict(scheduler_state);
-    set_rng_state(seed, offset);
+    if (has_rng) set_rng_state(seed, offset);
     return user;
   };
   if (!optimizer) return finish();
@@ -359,7 +385,8 @@ std::map<std::string, std::string> load_checkpoint_into_shards(const std::string
   LOOM_CHECK(format != meta.end() && format->second == "loom-training-checkpoint", path,
              ": not a Loom training checkpoint (its metadata has no format = loom-training-checkpoint)");
   const int rank = fsdp.group().rank(), world = fsdp.group().size();
-  // Everything is read and checked before anything changes.
+  // The file is read and its entries checked before anything changes; the weights' names and
+  // shapes are checked as they are copied in.
   nn::NamedTensors model_state;
   std::map<std::string, Tensor> optimizer_tensors;
   for (auto& [name, t] : file.tensors) {
@@ -435,7 +462,7 @@ void export_consolidated_safetensors(const std::string& dir, const std::string& 
   };
   nn::NamedTensors out;
   std::map<std::string, Tensor> by_name;
-  for (const std::string& name : list(meta.at("params"))) {
+  for (const std::string& name : list(saved.entry("params"))) {
     const Shape shape = saved.shape(name);
     const Tensor* first = saved.find(0, "param." + name);
     LOOM_CHECK(first != nullptr, "sharded checkpoint: ", dir, " has no param.", name, " in rank 0's file");
@@ -445,8 +472,12 @@ void export_consolidated_safetensors(const std::string& dir, const std::string& 
     by_name.emplace(name, t);
   }
   for (const auto& [key, target] : meta)
-    if (key.starts_with("tied.")) out.emplace_back(key.substr(5), by_name.at(target));
-  for (const std::string& name : list(meta.at("buffers"))) {
+    if (key.starts_with("tied.")) {
+      LOOM_CHECK(by_name.count(target), "sharded checkpoint: ", saved.index_path(), " ties ", key.substr(5), " to ",
+                 target, ", which it does not hold");
+      out.emplace_back(key.substr(5), by_name.at(target));
+    }
+  for (const std::string& name : list(saved.entry("buffers"))) {
     const Tensor* t = saved.find(0, "buffer." + name);
     LOOM_CHECK(t != nullptr, "sharded checkpoint: ", dir, " has no buffer ", name);
     out.emplace_back(name, *t);

@@ -326,7 +326,7 @@ int run(int argc, char** argv) {
     if (!on_gpu) std::printf("no GPU: training %lld epochs on the CPU (--epochs N for more)\n", (long long)o.epochs);
   }
   if (o.augment == "auto") o.augment = o.data.starts_with("cifar") ? "crop-flip" : "none";
-  if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save FILE");
+  if (o.save_every > 0 && o.save.empty()) flags.fail("--save-every needs --save PATH");
   if (!o.fsdp && (flags.given("reshard-after-forward") || flags.given("min-params") || flags.given("hsdp")))
     flags.fail("--reshard-after-forward, --min-params and --hsdp are FSDP's: add --fsdp");
   if (o.gpu_resident && o.augment != "none")
@@ -356,7 +356,7 @@ int run(int argc, char** argv) {
                " rank(s) started do not divide into that many replicas of equal size");
   if (main_rank) {
     samples::check_output_paths(flags, {{"--save", o.fsdp ? "" : o.save}, {"--plot", o.plot}});
-    samples::check_output_folders(flags, {{"--save", o.fsdp ? o.save : ""}});
+    samples::check_output_folders(flags, {{"--save", o.fsdp ? o.save : ""}}, samples::kShardedCheckpoint);
   }
   if (device.is_cuda() && device.index >= cuda_device_count())
     flags.fail("--device " + o.device + ": there is no such GPU (" + std::to_string(cuda_device_count()) +
@@ -561,7 +561,9 @@ int run(int argc, char** argv) {
         samples::check_finite_loss(l.item(), step, !device.is_cuda());
       if (redraw)
         progress.update(batch, batch * o.batch_size, l.item(), samples::device_note(device, batches.stall_seconds()));
-      if (o.save_every > 0 && step % o.save_every == 0) save(epoch, batch);
+      // A save on an epoch's last batch is the next epoch's start.
+      if (o.save_every > 0 && step % o.save_every == 0)
+        batch == steps_per_epoch ? save(epoch + 1, 0) : save(epoch, batch);
       if (step >= total_steps) break;
     }
     if (main_rank && !o.quiet) progress.finish();

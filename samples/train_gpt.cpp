@@ -121,7 +121,6 @@ void check_resume_layout(const Options& o, const std::map<std::string, std::stri
       flags.fail("--resume " + o.resume + " is a pipeline checkpoint (a folder saved by train_gpt --pp " +
                  entry("pp") + "): resume it with --pp " + entry("pp") + " under a launcher, or export its weights "
                  "to one file (export_pipeline_checkpoint, parallel/pipeline_checkpoint.h)");
-    // --fsdp resumes the folders of shards it writes, a run without it the single files.
     // --fsdp resumes its folders of shards, and a single file of a plain or DDP run too.
     samples::check_resume_format(flags, o.resume,
                                  o.fsdp ? std::vector<std::string>{samples::kShardedCheckpoint, samples::kFileCheckpoint}
@@ -424,7 +423,9 @@ int run(int argc, char** argv) {
   if (main_rank) {
     const bool folder = pipelined || o.fsdp;
     samples::check_output_paths(flags, {{"--save", folder ? std::string() : o.save}, {"--plot", o.plot}});
-    if (folder) samples::check_output_folders(flags, {{"--save", o.save}});
+    if (folder)
+      samples::check_output_folders(flags, {{"--save", o.save}},
+                                    pipelined ? samples::kPipelineCheckpoint : samples::kShardedCheckpoint);
   }
   // With no flags: on a GPU the guide's model in bf16 for 3 epochs (about 20 s on an H200,
   // enough to write text with words in it); on the CPU the tiny one for an epoch.

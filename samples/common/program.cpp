@@ -49,7 +49,17 @@ void check_output_paths(const Flags& flags, const std::vector<std::pair<std::str
   }
 }
 
-void check_output_folders(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths) {
+namespace {
+
+// What a killed save leaves in a checkpoint folder: shard or stage files, and temporary files.
+bool checkpoint_leftover(const std::string& name) {
+  return name.starts_with("shard-g") || name.starts_with("stage-g") || name.find(".tmp-") != std::string::npos;
+}
+
+}  // namespace
+
+void check_output_folders(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths,
+                          const std::string& format) {
   namespace fs = std::filesystem;
   for (const auto& [flag, path] : paths) {
     if (path.empty()) continue;
@@ -59,10 +69,23 @@ void check_output_folders(const Flags& flags, const std::vector<std::pair<std::s
       flags.fail(flag + " " + path + " is a file, and this run saves its checkpoint as a folder (one file per "
                  "rank and an index): give the path of a folder, new or holding such a checkpoint");
     if (fs::is_directory(st)) {
-      const bool empty = fs::directory_iterator(path, ec) == fs::directory_iterator();
-      if (!empty && !fs::exists(fs::path(path) / "index.safetensors"))
-        flags.fail(flag + " " + path + " is a folder that holds other files and no checkpoint (no "
-                   "index.safetensors): give a new or empty folder, so that nothing in it is overwritten");
+      if (fs::exists(fs::path(path) / "index.safetensors")) {
+        std::string found;
+        try {
+          found = checkpoint_format(path);
+        } catch (const Error& e) {
+          flags.fail(flag + " " + path + ": " + e.what());
+        }
+        if (found != format)
+          flags.fail(flag + " " + path + " holds a checkpoint of format '" + found + "', and this run saves " + format +
+                     " checkpoints: give another folder, so that it is not overwritten");
+      } else {
+        for (const auto& entry : fs::directory_iterator(path, ec))
+          if (!checkpoint_leftover(entry.path().filename().string()))
+            flags.fail(flag + " " + path + " is a folder that holds other files (" +
+                       entry.path().filename().string() + ") and no checkpoint: give a new or empty folder, so that "
+                       "nothing in it is overwritten");
+      }
     }
     // A probe file in the folder, or beside it when it is still to be made.
     const std::string probe_at = fs::is_directory(st) ? (fs::path(path) / "probe").string() : path;

@@ -30,17 +30,20 @@ void reject_positional(const Flags& flags, const std::vector<std::string>& posit
 // device, fails before any work with the flag and the path named.
 void check_output_paths(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths);
 
-// Checkpoints saved as folders (FSDP's sharded checkpoints, parallel/sharded_checkpoint.h; a
-// pipeline's per-stage files): each (flag, path) with a non-empty path must be a folder that
-// is empty or holds a checkpoint (an index.safetensors), or one that can be created, and a
-// probe file must be creatable in it (or in its parent), checked before any work.
-void check_output_folders(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths);
-
 // The formats of the checkpoints the programs write: one file (nn::save_checkpoint), or a
 // folder whose index.safetensors says what it is.
 inline constexpr const char* kFileCheckpoint = "loom-training-checkpoint";
 inline constexpr const char* kShardedCheckpoint = "loom-sharded-1";
 inline constexpr const char* kPipelineCheckpoint = "loom-pipeline-1";
+
+// Checkpoints saved as folders (FSDP's sharded checkpoints, parallel/sharded_checkpoint.h; a
+// pipeline's per-stage files), checked before any work: each (flag, path) with a non-empty
+// path must be a new folder in an existing directory, or a folder that is empty, holds a
+// checkpoint of `format` (its index.safetensors says so), or holds only what a killed first
+// save left (shard and stage files, no index); and a probe file must be creatable in it (or
+// beside it).
+void check_output_folders(const Flags& flags, const std::vector<std::pair<std::string, std::string>>& paths,
+                          const std::string& format);
 
 // The format of the checkpoint at `path` (a file's "format" metadata, or a folder's
 // index.safetensors's), "" when it has none. Throws naming the file when it cannot be read.

@@ -877,6 +877,31 @@ TEST(FsdpShardedCheckpoint, ASingleProcessCheckpointLoadsIntoShardsAndTrainingGo
   std::filesystem::remove(reference);
 }
 
+// A folder whose index is another kind of checkpoint's (a pipeline's) is not written into:
+// every rank stops with a message, and the folder keeps what it held.
+TEST(FsdpShardedCheckpoint, AFolderOfAnotherKindOfCheckpointIsRefusedOnEveryRank) {
+  const std::string dir = temp_path("fsdp_other_kind");
+  std::filesystem::create_directories(dir);
+  const std::string index = dir + "/index.safetensors";
+  save_safetensors(index, {}, {{"format", "loom-pipeline-1"}, {"generation", "4"}});
+  run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+    auto model = make_model(Model::gpt, 5);
+    FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::gpt, ReshardAfterForward::yes));
+    try {
+      save_sharded_checkpoint(dir, fsdp);
+      require(false, "saving into a pipeline checkpoint's folder must fail");
+    } catch (const Error& e) {
+      const std::string want = rank == 0 ? "format 'loom-pipeline-1', not a sharded one" : "rank 0 could not read";
+      require(std::string(e.what()).find(want) != std::string::npos, e.what());
+    }
+  });
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) files += e.is_regular_file();
+  EXPECT_EQ(files, 1);
+  EXPECT_EQ(load_safetensors_metadata(index).at("format"), "loom-pipeline-1");
+  std::filesystem::remove_all(dir);
+}
+
 TEST(FsdpShardedCheckpoint, TheExportIsTheFullStateDictAndAnUnindexedSaveIsIgnored) {
   std::string dir = temp_path("fsdp_ckpt"), exported = temp_path("fsdp_export") + ".safetensors";
   std::string full = temp_path("fsdp_full") + ".safetensors";
@@ -1083,7 +1108,8 @@ TEST(FsdpTrainCnn, CheckpointsOfEitherKindResumeAndFilesInTheWayAreNamed) {
   std::ofstream(std::filesystem::path(busy) / "notes.txt") << "keep me\n";
   const testing::RunResult onto_busy = train_cnn_fsdp(2, "--epochs 1 --save " + busy);
   EXPECT_EQ(onto_busy.code, 2) << onto_busy.output;
-  EXPECT_NE(onto_busy.output.find("holds other files and no checkpoint"), std::string::npos) << onto_busy.output;
+  EXPECT_NE(onto_busy.output.find("holds other files (notes.txt) and no checkpoint"), std::string::npos)
+      << onto_busy.output;
   EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(busy) / "notes.txt"));
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(busy);

@@ -365,6 +365,7 @@ TEST(TrainGptPipelineCheckpoint, ARunKilledAfterItsFirstSaveResumesToTheUninterr
       {"--pp 2 --resume " + file, {"--resume " + file, "single-file training checkpoint", "--pp 2"}},
       {"--resume " + dir, {"--resume " + dir, "is a pipeline checkpoint", "--pp 2"}},
       {"--pp 2 --save " + file, {"--save " + file, "is a file", "folder"}},
+      {"--fsdp --save " + dir, {"--save " + dir, "holds a checkpoint of format 'loom-pipeline-1'"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);
