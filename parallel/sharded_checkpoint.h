@@ -16,7 +16,10 @@
 //                                       0's random generator ("rng.seed", "rng.offset") and the
 //                                       caller's entries ("user.<key>": epoch, data position, ...)
 //
-// Under HSDP (fsdp.h, step 8) the first replica writes and the others wait for it.
+// Under HSDP (fsdp.h, step 8) the first replica writes and the others wait for it. Buffers
+// (BatchNorm's running statistics) are rank 0's: with FSDPOptions::average_buffers every rank
+// holds those; without it each rank's own differ, and a resumed run starts all ranks from
+// rank 0's, so its evaluation can differ from a run that never stopped.
 //
 // Saving: every rank writes its shard file (atomically, engine/serialization.h), a barrier
 // waits for all of them, then rank 0 writes the index (atomically, hence last and whole) and
