@@ -225,10 +225,11 @@ TEST_P(FsdpCudaTraining, OneRankOverNcclTrainsLikeThePlainGptOnTheGpu) {
   // From the second step on, units arrived prefetched (their all_gathers issued on NCCL's
   // stream ahead of their first read), and the steps above followed the plain run all the same.
   EXPECT_GT(fsdp.memory().prefetches, 0);
-  // ZeRO-3 held at most two units in full; ZeRO-2 all three at the turn from forward to backward.
+  // ZeRO-3 held at most two units in full and a third arriving (with three units, up to all of
+  // them); ZeRO-2 all three at the turn from forward to backward.
   size_t all_bytes = 0;
   for (const Tensor& p : model->parameters()) all_bytes += p.nbytes();
-  if (c.reshard == ReshardAfterForward::yes) EXPECT_LT(fsdp.memory().peak_full_parameter_bytes, all_bytes);
+  if (c.reshard == ReshardAfterForward::yes) EXPECT_LE(fsdp.memory().peak_full_parameter_bytes, all_bytes);
   else EXPECT_EQ(fsdp.memory().peak_full_parameter_bytes, all_bytes);
 
   std::map<std::string, Tensor> got;
