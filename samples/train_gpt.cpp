@@ -142,10 +142,10 @@ void check_resume_layout(const Options& o, const std::map<std::string, std::stri
                ": resume with the same --schedule and --stages-per-rank");
 }
 
-// The entries a pipelined run's checkpoint carries: where the data stands, and the settings
-// a resumed run must share (those of the single-file checkpoints, and the pipeline's shape).
-std::map<std::string, std::string> pipeline_entries(const Options& o, int world_size, int stages, int64_t train_windows,
-                                                    int64_t epoch, int64_t batch, int64_t step) {
+// The entries a checkpoint carries: where the data stands (the next epoch and batch, the step
+// count), and the settings a resumed run must share.
+std::map<std::string, std::string> saved_entries(const Options& o, int world_size, int64_t train_windows, int64_t epoch,
+                                                 int64_t batch, int64_t step) {
   return {{"epoch", std::to_string(epoch)},
           {"batch", std::to_string(batch)},
           {"step", std::to_string(step)},
@@ -155,10 +155,17 @@ std::map<std::string, std::string> pipeline_entries(const Options& o, int world_
           {"batch_size", std::to_string(o.batch_size)},
           {"seed", std::to_string(o.seed)},
           {"world_size", std::to_string(world_size)},
-          {"train_windows", std::to_string(train_windows)},
-          {"pp", std::to_string(o.pp)},
-          {"schedule", o.schedule},
-          {"stages", std::to_string(stages)}};
+          {"train_windows", std::to_string(train_windows)}};
+}
+
+// A pipelined run's: the same, and the pipeline's shape.
+std::map<std::string, std::string> pipeline_entries(const Options& o, int world_size, int stages, int64_t train_windows,
+                                                    int64_t epoch, int64_t batch, int64_t step) {
+  std::map<std::string, std::string> entries = saved_entries(o, world_size, train_windows, epoch, batch, step);
+  entries.emplace("pp", std::to_string(o.pp));
+  entries.emplace("schedule", o.schedule);
+  entries.emplace("stages", std::to_string(stages));
+  return entries;
 }
 
 // --pp N: the model cut into stages over a pp x dp mesh of ranks (parallel/pipeline.h);
@@ -656,16 +663,8 @@ int run(int argc, char** argv) {
       samples::write_svg_chart(o.plot, "GPT " + o.config,
                                {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"validation", val_curve}}}});
     const bool finished = batch >= steps_per_epoch;
-    const std::map<std::string, std::string> user{{"epoch", std::to_string(finished ? epoch + 1 : epoch)},
-                                                  {"batch", std::to_string(finished ? 0 : batch)},
-                                                  {"step", std::to_string(step)},
-                                                  {"program", "train_gpt"},
-                                                  {"config", o.config},
-                                                  {"context", std::to_string(o.context)},
-                                                  {"batch_size", std::to_string(o.batch_size)},
-                                                  {"seed", std::to_string(o.seed)},
-                                                  {"world_size", std::to_string(ctx.size)},
-                                                  {"train_windows", std::to_string(train_set->size())}};
+    const std::map<std::string, std::string> user =
+        saved_entries(o, ctx.size, train_set->size(), finished ? epoch + 1 : epoch, finished ? 0 : batch, step);
     // Rank 0 writes the whole model; under FSDP every rank writes its shards into the folder.
     if (!o.save.empty() && fsdp)
       dist::save_sharded_checkpoint(o.save, *fsdp, &opt, {.scheduler = &sched, .user = user});

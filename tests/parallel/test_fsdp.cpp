@@ -539,6 +539,18 @@ TEST(FsdpStateDict, AFullStateDictLoadsBackIntoShardsOnAnotherWorldSize) {
   std::filesystem::remove(path);
 }
 
+// A ResNet of one block per stage (seed 11), and a batch of four CIFAR-sized images.
+std::shared_ptr<nn::ResNet> make_small_resnet() {
+  manual_seed(11);
+  return std::make_shared<nn::ResNet>(std::array<int, 4>{1, 1, 1, 1}, 10, 3);
+}
+
+Batch resnet_batch(uint64_t seed) {
+  manual_seed(seed);
+  std::vector<int64_t> labels{1, 3, 5, 7};
+  return Batch{randn({4, 3, 32, 32}), from_vector(labels, {4})};
+}
+
 TEST(FsdpPolicy, ResNetUnitsBySizeTrainLikeOneProcess) {
   // ResNet with one block per stage. min_num_params 100000, bottom-up: every convolution of at
   // least 100k weights becomes a unit (layer2.0.conv2, 147k, ...); what is left below, never
@@ -546,16 +558,11 @@ TEST(FsdpPolicy, ResNetUnitsBySizeTrainLikeOneProcess) {
   // running statistics, so each rank's rows are treated as in the whole batch.
   constexpr int kSteps = 2;
   auto make = [] {
-    manual_seed(11);
-    auto m = std::make_shared<nn::ResNet>(std::array<int, 4>{1, 1, 1, 1}, 10, 3);
+    auto m = make_small_resnet();
     m->eval();
     return m;
   };
-  auto batch = [](int step) {
-    manual_seed(2000 + step);
-    std::vector<int64_t> labels{1, 3, 5, 7};
-    return Batch{randn({4, 3, 32, 32}), from_vector(labels, {4})};
-  };
+  auto batch = [](int step) { return resnet_batch(2000 + step); };
   optim::SGDOptions sgd;
   sgd.lr = 0.1;
   sgd.momentum = 0.9;
@@ -599,15 +606,8 @@ TEST(FsdpPolicy, ResNetUnitsBySizeTrainLikeOneProcess) {
 // every rank; without it the ranks' statistics part.
 TEST(FsdpBuffers, AveragedBatchNormStatisticsAreDdpsOnEveryRank) {
   constexpr int kSteps = 3;
-  auto make = [] {
-    manual_seed(11);
-    return std::make_shared<nn::ResNet>(std::array<int, 4>{1, 1, 1, 1}, 10, 3);
-  };
-  auto batch = [](int step) {
-    manual_seed(3000 + step);
-    std::vector<int64_t> labels{1, 3, 5, 7};
-    return Batch{randn({4, 3, 32, 32}), from_vector(labels, {4})};
-  };
+  auto make = [] { return make_small_resnet(); };
+  auto batch = [](int step) { return resnet_batch(3000 + step); };
   optim::SGDOptions sgd;
   sgd.lr = 0.05;
   sgd.momentum = 0.9;
