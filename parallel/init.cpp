@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <climits>
+#include <optional>
 
 #include "engine/ops.h"
 #include "parallel/launcher.h"
@@ -91,6 +92,23 @@ void check_same_on_every_rank(const DistContext& ctx, const std::vector<SharedVa
     LOOM_CHECK(differ.empty(), "rank ", ctx.rank, ": ranks ", r, " and 0 disagree before the first step (", differ,
                "), so they would run different numbers of steps and collectives: ", hint);
   }
+}
+
+void check_on_every_rank(const DistContext& ctx, const std::function<void()>& check, const std::string& what) {
+  if (!ctx.active) return check();
+  std::optional<Error> mine;
+  try {
+    check();
+  } catch (const Error& e) {
+    mine = e;
+  }
+  // The lowest failing rank, or size() when none failed.
+  Tensor failed = full({1}, double(mine ? ctx.rank : ctx.size), DType::i64, ctx.device);
+  ctx.group->all_reduce(failed, ReduceOp::min)->wait();
+  const int64_t first = int64_t(failed.to(Device::cpu()).item());
+  if (mine) throw *mine;
+  LOOM_CHECK(first >= ctx.size, "rank ", ctx.rank, ": rank ", first, " failed ", what,
+             " (its message says why), so every rank stops");
 }
 
 double mean_over_ranks(const DistContext& ctx, double value) {

@@ -18,6 +18,7 @@
 // it again through the launcher behind loomrun (launcher.h) and waits for them.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +67,12 @@ struct SharedValue {
 // 0, each value that differs with both ranks' numbers, and `hint` (what the user should make
 // the same on every rank). Every rank must call it; nothing happens when ctx is not active.
 void check_same_on_every_rank(const DistContext& ctx, const std::vector<SharedValue>& values, const std::string& hint);
+
+// Runs `check` on every rank and ends every rank alike: a rank whose check throws rethrows
+// its own error; the others throw one naming that rank and `what` (what was checked), so
+// that a fault found on one rank (a NaN in its shard) does not leave the others waiting in
+// their next collective. Every rank must call it; without an active context it runs `check`.
+void check_on_every_rank(const DistContext& ctx, const std::function<void()>& check, const std::string& what);
 
 // The mean over ranks of a host value, such as each rank's loss (every rank must call it;
 // the value itself when the context is not active).

@@ -480,9 +480,15 @@ int run(int argc, char** argv) {
     batch = samples::checkpoint_integer(o.resume, user, "batch", "train_cnn");
     step = samples::checkpoint_integer(o.resume, user, "step", "train_cnn");
     step = samples::resumed_step(user, ctx.size, epoch, step, steps_per_epoch, sched, main_rank);
+    // Under FSDP each rank checks its own shards, and all stop if one finds a fault.
     if (!o.allow_nonfinite)
-      samples::check_finite_parameters(fsdp ? fsdp->named_parameters() : model->named_parameters(),
-                                       "--resume " + o.resume);
+      dist::check_on_every_rank(
+          ctx,
+          [&] {
+            samples::check_finite_parameters(fsdp ? fsdp->named_parameters() : model->named_parameters(),
+                                             "--resume " + o.resume);
+          },
+          "the check of the resumed weights");
     if (main_rank) std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
                 (long long)batch, (long long)step);
   }

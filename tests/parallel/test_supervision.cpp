@@ -100,8 +100,8 @@ TEST(Rendezvous, ARankOfAnotherJobLeavesTheFirstJobsStoreAlone) {
 
 // ---- ranks that disagree before the first step ------------------------------------------
 
-// Runs check_same_on_every_rank in two forked Gloo ranks; returns what each one threw.
-std::vector<std::string> check_in_two_ranks(const std::vector<std::vector<SharedValue>>& values) {
+// Runs `body` in two forked Gloo ranks; returns what each one threw.
+std::vector<std::string> in_two_ranks(const std::function<void(const DistContext&, int rank)>& body) {
   const std::string dir = ::testing::TempDir();
   const std::string store_path = dir + "/supervision_store_" + std::to_string(::getpid());
   std::filesystem::remove(store_path);
@@ -116,7 +116,7 @@ std::vector<std::string> check_in_two_ranks(const std::vector<std::vector<Shared
         ctx.active = true, ctx.rank = rank, ctx.size = 2;
         ctx.store = std::make_shared<FileStore>(store_path, 0, 20s);
         ctx.group = new_gloo_group(ctx.store, rank, 2, {.timeout = 20s});
-        check_same_on_every_rank(ctx, values[size_t(rank)], "use the same flags");
+        body(ctx, rank);
       } catch (const std::exception& e) {
         message = e.what();
       }
@@ -139,6 +139,12 @@ std::vector<std::string> check_in_two_ranks(const std::vector<std::vector<Shared
   return out;
 }
 
+std::vector<std::string> check_in_two_ranks(const std::vector<std::vector<SharedValue>>& values) {
+  return in_two_ranks([&](const DistContext& ctx, int rank) {
+    check_same_on_every_rank(ctx, values[size_t(rank)], "use the same flags");
+  });
+}
+
 TEST(SameOnEveryRank, RanksThatAgreeGoOn) {
   const std::vector<SharedValue> same = {{"training images", 600}, {"steps per epoch", 12}};
   for (const std::string& message : check_in_two_ranks({same, same})) EXPECT_EQ(message, "(no error)");
@@ -155,6 +161,20 @@ TEST(SameOnEveryRank, RanksThatDisagreeStopNamingBothRanksAndValues) {
     EXPECT_FALSE(contains(m, "batch size")) << m;
     EXPECT_TRUE(contains(m, "use the same flags")) << m;
   }
+}
+
+// A check that fails on one rank (rank 1's shard holds a NaN) ends both: rank 1 with its own
+// error, rank 0 with one naming rank 1, instead of waiting in its next collective.
+TEST(CheckOnEveryRank, AFaultFoundOnOneRankEndsEveryRank) {
+  const std::vector<std::string> messages = in_two_ranks([](const DistContext& ctx, int rank) {
+    check_on_every_rank(
+        ctx, [&] { LOOM_CHECK(rank != 1, "shard 1 holds NaN"); }, "the check of the resumed weights");
+  });
+  EXPECT_TRUE(contains(messages[1], "shard 1 holds NaN")) << messages[1];
+  EXPECT_TRUE(contains(messages[0], "rank 0: rank 1 failed the check of the resumed weights")) << messages[0];
+  const std::vector<std::string> fine =
+      in_two_ranks([](const DistContext& ctx, int) { check_on_every_rank(ctx, [] {}, "nothing"); });
+  for (const std::string& m : fine) EXPECT_EQ(m, "(no error)");
 }
 
 // ---- loomrun ------------------------------------------------------------------------------
