@@ -262,7 +262,7 @@ std::string program(const char* name) {
   return path ? path : "";
 }
 
-// A small corpus of words: 26 steps an epoch at --context 16 --batch-size 8.
+// A small corpus of words: 27 steps an epoch at --context 16 --batch-size 8 (one pipeline).
 std::string write_corpus() {
   const std::string path = temp_path("pp_corpus") + ".txt";
   const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven"};
@@ -379,4 +379,28 @@ TEST(TrainGptPipelineCheckpoint, ARunKilledAfterItsFirstSaveResumesToTheUninterr
 }
 
 }  // namespace
+// Saved at an epoch's end by one pipeline of 2 ranks, the checkpoint resumes as two pipelines
+// (--dp 2, 4 ranks): every replica reads its stage's file, and the run goes on from the next
+// epoch's first step as 4 ranks count steps (13 an epoch where one pipeline took 27).
+TEST(TrainGptPipelineCheckpoint, SavedAtAnEpochsEndItResumesWithAnotherDp) {
+  ASSERT_FALSE(program("LOOMRUN").empty() || program("TRAIN_GPT").empty()) << "meson test sets LOOMRUN, TRAIN_GPT";
+  const std::string corpus = write_corpus(), dir = temp_path("pp_dp_ckpt");
+  auto command = [&](int ranks, const std::string& extra) {
+    return program("LOOMRUN") + " --nproc-per-node " + std::to_string(ranks) + " " + program("TRAIN_GPT") +
+           " --device cpu --config tiny --data " + corpus +
+           " --context 16 --batch-size 8 --workers 1 --plot '' --metrics '' --pp 2 " + extra;
+  };
+  auto first = testing::run_command(command(2, "--epochs 1 --save " + dir), 120);
+  ASSERT_EQ(first.code, 0) << first.output;
+  auto wider = testing::run_command(command(4, "--dp 2 --epochs 2 --resume " + dir), 120);
+  ASSERT_EQ(wider.code, 0) << wider.output;
+  EXPECT_NE(wider.output.find("saved on 2 ranks, resumed on 4: an epoch is 13 steps here, so the run goes on from "
+                              "step 13 (step 27 there)"),
+            std::string::npos)
+      << wider.output;
+  EXPECT_NE(wider.output.find("resumed " + dir + " at epoch 2, batch 0"), std::string::npos) << wider.output;
+  EXPECT_NE(wider.output.find("epoch 2:"), std::string::npos) << wider.output;
+  for (const std::string& path : {corpus, dir}) fs::remove_all(path);
+}
+
 }  // namespace loom::dist::pipeline
