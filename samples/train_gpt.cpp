@@ -28,6 +28,7 @@
 #include "parallel/gpt_pipeline.h"
 #include "parallel/init.h"
 #include "parallel/pipeline_checkpoint.h"
+#include "parallel/pipeline_gather.h"
 #include "parallel/trace.h"
 #include "parallel/rendezvous.h"
 #include "samples/common/flags.h"
@@ -170,8 +171,10 @@ std::map<std::string, std::string> pipeline_entries(const Options& o, int world_
 
 // --pp N: the model cut into stages over a pp x dp mesh of ranks (parallel/pipeline.h);
 // each rank builds only its stages, trains with the schedule chosen, and the loss and
-// throughput are reported per epoch. Validation and generation need the whole model on one
-// rank, so a pipelined run does neither. --save writes a pipeline checkpoint after every epoch
+// throughput are reported per epoch. Validation would need the whole model on one rank, so a
+// pipelined run does none; for generation the first pipeline's ranks send their stages to
+// rank 0 (parallel/pipeline_gather.h), which builds the whole GPT and generates from it. --save
+// writes a pipeline checkpoint after every epoch
 // (parallel/pipeline_checkpoint.h: a folder, one file per pipeline rank) and --resume
 // continues one exactly.
 int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& config, const samples::Flags& flags,
@@ -287,6 +290,17 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
   if (!o.trace.empty()) {
     dist::trace::write_merged_trace(ctx.group.get(), ctx.device, o.trace);
     if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
+  }
+  if (o.generate > 0 && o.shards.empty() && mesh.coordinate("dp") == 0) {
+    const std::vector<std::shared_ptr<nn::Module>> stages_here(gp.modules.begin(), gp.modules.end());
+    const nn::NamedTensors whole_state = gather_state_dicts(*mesh.group("pp"), stages_here);
+    if (main_rank) {
+      nn::GPT whole(config);
+      whole.to(ctx.device);
+      whole.load_state_dict(whole_state);
+      std::printf("\n--- sample (temperature %.2f, top-k %lld) ---\n%s\n", o.temperature, (long long)o.top_k,
+                  generate(whole, o.prompt, o.generate, o.temperature, o.top_k, ctx.device, uint64_t(o.seed)).c_str());
+    }
   }
   return 0;
 }

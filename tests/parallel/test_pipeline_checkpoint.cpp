@@ -28,6 +28,7 @@
 #include "parallel/device_mesh.h"
 #include "parallel/gpt_pipeline.h"
 #include "parallel/pipeline_checkpoint.h"
+#include "parallel/pipeline_gather.h"
 #include "ranks.h"
 #include "run_command.h"
 
@@ -255,6 +256,37 @@ TEST(PipelineCheckpoint, ExportsAPlainGptStateDictThatGivesThePipelinesLoss) {
   fs::remove(path);
 }
 
+// gather_state_dicts brings every stage to pp rank 0 under the whole model's names: the same
+// tensors, to the bit, as the export of a checkpoint saved at that point; the other ranks get
+// nothing. On 2 ranks, interleaved (rank 0 holds stages 0 and 2 of 4, the tied embedding's
+// two copies on ranks 0 and 1).
+TEST(PipelineGather, EveryStageReachesRankZeroAsTheExportHasIt) {
+  const std::string dir = temp_path("pipeline_gather_ckpt"), path = temp_path("pipeline_gather") + ".safetensors";
+  const std::string gathered = temp_path("pipeline_gathered") + ".safetensors";
+  run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> world) {
+    DeviceMesh mesh(world, {2, 1}, {"pp", "dp"});
+    nn::GPTConfig config = kConfig;
+    config.layers = 4;
+    Training a(mesh, 7, ScheduleKind::interleaved, DType::f64, config);
+    a.step(0);
+    save_pipeline_checkpoint(dir, a.checkpoint());
+    const std::vector<std::shared_ptr<nn::Module>> stages(a.gp.modules.begin(), a.gp.modules.end());
+    const nn::NamedTensors all = gather_state_dicts(*mesh.group("pp"), stages);
+    require(rank == 0 || all.empty(), "rank ", rank, " got ", all.size(), " tensors");
+    if (rank == 0) save_safetensors(gathered, all);
+  });
+  export_pipeline_checkpoint(dir, path);
+  const auto want = load_safetensors(path).tensors;
+  std::map<std::string, Tensor> got;
+  for (auto& [name, t] : load_safetensors(gathered).tensors) got.emplace(name, t);
+  ASSERT_EQ(got.size(), want.size()) << "tensors gathered against exported";
+  for (const auto& [name, t] : want) {
+    ASSERT_TRUE(got.count(name)) << name << " was not gathered";
+    EXPECT_TRUE(same_bits(got.at(name), t)) << name << " differs from the export";
+  }
+  for (const std::string& p : {dir, path, gathered}) fs::remove_all(p);
+}
+
 // ---- train_gpt --pp under loomrun ---------------------------------------------------------
 
 std::string program(const char* name) {
@@ -381,7 +413,8 @@ TEST(TrainGptPipelineCheckpoint, ARunKilledAfterItsFirstSaveResumesToTheUninterr
 }  // namespace
 // Saved at an epoch's end by one pipeline of 2 ranks, the checkpoint resumes as two pipelines
 // (--dp 2, 4 ranks): every replica reads its stage's file, and the run goes on from the next
-// epoch's first step as 4 ranks count steps (13 an epoch where one pipeline took 27).
+// epoch's first step as 4 ranks count steps (13 an epoch where one pipeline took 27). At the
+// end rank 0 generates text from the first pipeline's stages.
 TEST(TrainGptPipelineCheckpoint, SavedAtAnEpochsEndItResumesWithAnotherDp) {
   ASSERT_FALSE(program("LOOMRUN").empty() || program("TRAIN_GPT").empty()) << "meson test sets LOOMRUN, TRAIN_GPT";
   const std::string corpus = write_corpus(), dir = temp_path("pp_dp_ckpt");
@@ -400,6 +433,8 @@ TEST(TrainGptPipelineCheckpoint, SavedAtAnEpochsEndItResumesWithAnotherDp) {
       << wider.output;
   EXPECT_NE(wider.output.find("resumed " + dir + " at epoch 2, batch 0"), std::string::npos) << wider.output;
   EXPECT_NE(wider.output.find("epoch 2:"), std::string::npos) << wider.output;
+  // The first pipeline's stages gathered on rank 0, which generates.
+  EXPECT_NE(wider.output.find("--- sample (temperature 0.80, top-k 40) ---"), std::string::npos) << wider.output;
   for (const std::string& path : {corpus, dir}) fs::remove_all(path);
 }
 
