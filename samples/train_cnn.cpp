@@ -472,25 +472,9 @@ int run(int argc, char** argv) {
   int64_t epoch = 0, batch = 0, step = 0;
   std::vector<std::pair<double, double>> train_curve, test_loss_curve, test_acc_curve, train_acc_curve;
   if (!o.resume.empty()) {
-    const bool one_file = samples::checkpoint_format(o.resume) == samples::kFileCheckpoint;
-    auto user = !fsdp    ? nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched})
-                : one_file ? dist::load_checkpoint_into_shards(o.resume, *fsdp, opt.get(), &sched)
-                           : dist::load_sharded_checkpoint(o.resume, *fsdp, opt.get(), &sched);
-    epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_cnn");
-    batch = samples::checkpoint_integer(o.resume, user, "batch", "train_cnn");
-    step = samples::checkpoint_integer(o.resume, user, "step", "train_cnn");
-    step = samples::resumed_step(user, ctx.size, epoch, step, steps_per_epoch, sched, main_rank);
-    // Under FSDP each rank checks its own shards, and all stop if one finds a fault.
-    if (!o.allow_nonfinite)
-      dist::check_on_every_rank(
-          ctx,
-          [&] {
-            samples::check_finite_parameters(fsdp ? fsdp->named_parameters() : model->named_parameters(),
-                                             "--resume " + o.resume);
-          },
-          "the check of the resumed weights");
-    if (main_rank) std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
-                (long long)batch, (long long)step);
+    const samples::ResumedAt at = samples::resume_data_parallel(o.resume, "train_cnn", *model, fsdp.get(), *opt,
+                                                                sched, ctx, steps_per_epoch, o.allow_nonfinite);
+    epoch = at.epoch, batch = at.batch, step = at.step;
   }
 
   if (main_rank) std::printf("train_cnn: %s (%lld parameters) on %s: %lld training and %lld test images of %lldx%lldx%lld, "

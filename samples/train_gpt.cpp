@@ -586,26 +586,9 @@ int run(int argc, char** argv) {
   const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
   int64_t epoch = 0, batch = 0, step = 0;
   if (!o.resume.empty()) {
-    const bool one_file = samples::checkpoint_format(o.resume) == samples::kFileCheckpoint;
-    auto user = !fsdp    ? nn::load_checkpoint(o.resume, {.model = model.get(), .optimizer = &opt, .scheduler = &sched})
-                : one_file ? dist::load_checkpoint_into_shards(o.resume, *fsdp, &opt, &sched)
-                           : dist::load_sharded_checkpoint(o.resume, *fsdp, &opt, &sched);
-    epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
-    batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
-    step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");
-    step = samples::resumed_step(user, ctx.size, epoch, step, steps_per_epoch, sched, main_rank);
-    // Under FSDP each rank checks its own shards, and all stop if one finds a fault.
-    if (!o.allow_nonfinite)
-      dist::check_on_every_rank(
-          ctx,
-          [&] {
-            samples::check_finite_parameters(fsdp ? fsdp->named_parameters() : model->named_parameters(),
-                                             "--resume " + o.resume);
-          },
-          "the check of the resumed weights");
-    if (main_rank)
-      std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
-                  (long long)batch, (long long)step);
+    const samples::ResumedAt at = samples::resume_data_parallel(o.resume, "train_gpt", *model, fsdp.get(), opt,
+                                                                sched, ctx, steps_per_epoch, o.allow_nonfinite);
+    epoch = at.epoch, batch = at.batch, step = at.step;
   }
   if (main_rank)
     std::printf("train_gpt: GPT %s (%lld parameters; %lld layers, width %lld, %lld heads) on %lld tokens "

@@ -12,6 +12,8 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "engine/serialization.h"
+#include "layers/checkpoint.h"
+#include "parallel/sharded_checkpoint.h"
 #include "kernels/core/error.h"
 
 namespace loom::samples {
@@ -210,6 +212,32 @@ void check_saved_settings(const Flags& flags, const std::string& path, const std
     flags.fail("--resume " + path + " was saved with " + s.flag + " " + it->second + ", this run has " + s.flag + " " +
                s.value + ": " + s.why + "; resume with " + s.flag + " " + it->second);
   }
+}
+
+ResumedAt resume_data_parallel(const std::string& path, const std::string& program, nn::Module& model,
+                               dist::FullyShardedDataParallel* fsdp, optim::Optimizer& opt,
+                               optim::LRScheduler& schedule, const dist::DistContext& ctx, int64_t steps_per_epoch,
+                               bool allow_nonfinite) {
+  const bool one_file = checkpoint_format(path) == kFileCheckpoint;
+  const std::map<std::string, std::string> entries =
+      !fsdp      ? nn::load_checkpoint(path, {.model = &model, .optimizer = &opt, .scheduler = &schedule})
+      : one_file ? dist::load_checkpoint_into_shards(path, *fsdp, &opt, &schedule)
+                 : dist::load_sharded_checkpoint(path, *fsdp, &opt, &schedule);
+  ResumedAt at;
+  at.epoch = checkpoint_integer(path, entries, "epoch", program);
+  at.batch = checkpoint_integer(path, entries, "batch", program);
+  at.step = checkpoint_integer(path, entries, "step", program);
+  at.step = resumed_step(entries, ctx.size, at.epoch, at.step, steps_per_epoch, schedule, ctx.is_main());
+  // Under FSDP each rank checks its own shards, and all stop if one finds a fault.
+  if (!allow_nonfinite)
+    dist::check_on_every_rank(
+        ctx,
+        [&] { check_finite_parameters(fsdp ? fsdp->named_parameters() : model.named_parameters(), "--resume " + path); },
+        "the check of the resumed weights");
+  if (ctx.is_main())
+    std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", path.c_str(), (long long)at.epoch + 1,
+                (long long)at.batch, (long long)at.step);
+  return at;
 }
 
 void check_finite_parameters(const nn::Module& model, const std::string& source) {

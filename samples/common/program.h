@@ -13,6 +13,8 @@
 
 #include "layers/module.h"
 #include "layers/optim/schedule.h"
+#include "parallel/fsdp.h"
+#include "parallel/init.h"
 #include "samples/common/flags.h"
 
 namespace loom::samples {
@@ -89,6 +91,22 @@ int64_t resumed_step(const std::map<std::string, std::string>& entries, int rank
 // entries the checkpoint lacks (older files) are not compared.
 void check_saved_settings(const Flags& flags, const std::string& path, const std::map<std::string, std::string>& entries,
                           const std::vector<SavedSetting>& settings);
+
+// Where a resumed run goes on from.
+struct ResumedAt {
+  int64_t epoch = 0, batch = 0, step = 0;
+};
+
+// Resumes a plain, DDP or FSDP run from --resume `path`: a single-file checkpoint into `model`
+// (or, under FSDP, into `fsdp`'s shards), or a folder of shards into `fsdp`; the optimizer, the
+// schedule and the generator with it. Reads the data position (resumed_step moves it for
+// another rank count), checks the weights are finite on every rank unless `allow_nonfinite`,
+// and prints where the run goes on from on the main rank. `program` names the checkpoints'
+// writer in the messages.
+ResumedAt resume_data_parallel(const std::string& path, const std::string& program, nn::Module& model,
+                               dist::FullyShardedDataParallel* fsdp, optim::Optimizer& opt,
+                               optim::LRScheduler& schedule, const dist::DistContext& ctx, int64_t steps_per_epoch,
+                               bool allow_nonfinite);
 
 // Throws a loom::Error naming `source` (the flag and file the weights came from), the first
 // parameter holding a NaN or an infinity, and the element, unless every value is finite.
