@@ -2,11 +2,10 @@
 // optimizer's under "optimizer.", every scalar in the metadata as exact decimal text.
 #include "layers/checkpoint.h"
 
-#include <charconv>
-#include <cstdio>
 
 #include "engine/ops.h"
 #include "engine/serialization.h"
+#include "layers/checkpoint_text.h"
 
 namespace loom::nn {
 namespace {
@@ -14,35 +13,8 @@ namespace {
 constexpr const char* kFormat = "loom-training-checkpoint";
 const std::string kOptimizerPrefix = "optimizer.";
 
-std::string exact(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
-
-double parse_double(const std::string& path, const std::string& key, const std::string& text) {
-  double v = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  LOOM_CHECK(ec == std::errc() && end == text.data() + text.size(), path, ": checkpoint entry ", key, " = '", text,
-             "' is not a number");
-  return v;
-}
-
-uint64_t parse_u64(const std::string& path, const std::string& key, const std::string& text) {
-  uint64_t v = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  LOOM_CHECK(ec == std::errc() && end == text.data() + text.size(), path, ": checkpoint entry ", key, " = '", text,
-             "' is not an unsigned integer");
-  return v;
-}
-
-// The entries of `meta` under `prefix`, prefix removed.
-std::map<std::string, std::string> under(const std::map<std::string, std::string>& meta, const std::string& prefix) {
-  std::map<std::string, std::string> out;
-  for (auto it = meta.lower_bound(prefix); it != meta.end() && it->first.starts_with(prefix); ++it)
-    out.emplace(it->first.substr(prefix.size()), it->second);
-  return out;
-}
+using checkpoint_text::exact;
+using checkpoint_text::under;
 
 }  // namespace
 
@@ -59,11 +31,8 @@ void save_checkpoint(const std::string& path, const TrainingCheckpoint& state) {
     for (const auto& [key, v] : o.scalars) meta["optimizer." + key] = exact(v);
     meta["optimizer"] = state.optimizer->type_name();
   }
-  if (state.scheduler)
-    for (const auto& [key, v] : state.scheduler->state_dict()) meta["scheduler." + key] = exact(v);
-  auto [seed, offset] = rng_state();
-  meta["rng.seed"] = std::to_string(seed);
-  meta["rng.offset"] = std::to_string(offset);
+  if (state.scheduler) checkpoint_text::write_schedule(meta, *state.scheduler);
+  checkpoint_text::write_generator(meta);
   for (const auto& [key, v] : state.user) meta["user." + key] = v;
   save_safetensors(path, tensors, meta);
 }
@@ -86,15 +55,11 @@ std::map<std::string, std::string> load_checkpoint(const std::string& path, cons
       model_tensors.emplace_back(name, t);
   }
   for (const auto& [key, v] : under(meta, "optimizer."))
-    optimizer_state.scalars[key] = parse_double(path, "optimizer." + key, v);
-  std::map<std::string, double> scheduler_state;
-  for (const auto& [key, v] : under(meta, "scheduler."))
-    scheduler_state[key] = parse_double(path, "scheduler." + key, v);
-  auto rng_seed = meta.find("rng.seed"), rng_offset = meta.find("rng.offset");
-  LOOM_CHECK(rng_seed != meta.end() && rng_offset != meta.end(), path,
-             ": the checkpoint has no random generator state (rng.seed, rng.offset)");
-  const uint64_t seed = parse_u64(path, "rng.seed", rng_seed->second);
-  const uint64_t offset = parse_u64(path, "rng.offset", rng_offset->second);
+    optimizer_state.scalars[key] = checkpoint_text::parse<double>(path, "optimizer." + key, v);
+  const std::map<std::string, double> scheduler_state = checkpoint_text::read_schedule(meta, path);
+  const auto generator = checkpoint_text::read_generator(meta, path);
+  LOOM_CHECK(generator.has_value(), path, ": the checkpoint has no random generator state (rng.seed, rng.offset)");
+  const auto [seed, offset] = *generator;
   if (state.optimizer) {
     auto type = meta.find("optimizer");
     LOOM_CHECK(type != meta.end(), path, ": the checkpoint holds no optimizer state, but this run uses ",

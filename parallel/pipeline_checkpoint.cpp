@@ -4,7 +4,6 @@
 // is filed under those names, so that it reads back whatever order the optimizer lists them.
 #include "parallel/pipeline_checkpoint.h"
 
-#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <set>
@@ -14,6 +13,7 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "engine/serialization.h"
+#include "layers/checkpoint_text.h"
 
 namespace loom::dist::pipeline {
 
@@ -34,37 +34,7 @@ std::string stage_file(const std::string& dir, int64_t generation, int rank, int
   return (fs::path(dir) / name).string();
 }
 
-// Decimal text that reads back to the same double.
-std::string exact(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
-
-template <class T>
-T parse_number(const std::string& file, const std::string& key, const std::string& text) {
-  T v{};
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  LOOM_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size(), "pipeline checkpoint: ", file,
-             ": entry ", key, " = '", text, "' is not a number as a save writes it (was the file edited?)");
-  return v;
-}
-
-// Entry `key` of a file's metadata; a missing one names the file.
-const std::string& entry(const std::map<std::string, std::string>& meta, const std::string& key,
-                         const std::string& file) {
-  auto it = meta.find(key);
-  LOOM_CHECK(it != meta.end(), "pipeline checkpoint: ", file, " has no entry ", key);
-  return it->second;
-}
-
-// The entries of `meta` under `prefix`, prefix removed.
-std::map<std::string, std::string> under(const std::map<std::string, std::string>& meta, const std::string& prefix) {
-  std::map<std::string, std::string> out;
-  for (auto it = meta.lower_bound(prefix); it != meta.end() && it->first.starts_with(prefix); ++it)
-    out.emplace(it->first.substr(prefix.size()), it->second);
-  return out;
-}
+namespace text = nn::checkpoint_text;
 
 std::vector<std::string> split_names(const std::string& text) {
   std::vector<std::string> out;
@@ -90,9 +60,9 @@ Index read_index(const std::string& dir) {
   auto format = index.meta.find("format");
   LOOM_CHECK(format != index.meta.end() && format->second == kFormat, "pipeline checkpoint: ", index.path,
              " is of format '", format == index.meta.end() ? std::string() : format->second, "', expected ", kFormat);
-  index.generation = parse_number<int64_t>(index.path, "generation", entry(index.meta, "generation", index.path));
-  index.ranks = parse_number<int64_t>(index.path, "pp", entry(index.meta, "pp", index.path));
-  index.stages = parse_number<int64_t>(index.path, "stages", entry(index.meta, "stages", index.path));
+  index.generation = text::parse<int64_t>(index.path, "generation", text::entry(index.meta, index.path, "generation"));
+  index.ranks = text::parse<int64_t>(index.path, "pp", text::entry(index.meta, index.path, "pp"));
+  index.stages = text::parse<int64_t>(index.path, "stages", text::entry(index.meta, index.path, "stages"));
   LOOM_CHECK(index.ranks >= 1 && index.ranks <= (int64_t(1) << 20) && index.stages >= index.ranks &&
                  index.stages % index.ranks == 0 && index.generation >= 1,
              "pipeline checkpoint: ", index.path, " says pp ", index.ranks, ", stages ", index.stages, ", generation ",
@@ -176,13 +146,11 @@ void write_stage_file(const std::string& dir, int64_t generation, const Pipeline
       tensors.emplace_back(kOptimizerPrefix + names.at(i) + "." + buffer, t);
     }
     for (const auto& [key, v] : opt.scalars) {
-      if (key.starts_with("state.")) meta["step." + names.at(split_state_key(key).first)] = exact(v);
-      else if (key.ends_with(".size")) meta[key] = exact(v);  // this rank's group sizes
+      if (key.starts_with("state.")) meta["step." + names.at(split_state_key(key).first)] = text::exact(v);
+      else if (key.ends_with(".size")) meta[key] = text::exact(v);  // this rank's group sizes
     }
   }
-  auto [seed, offset] = rng_state();
-  meta["rng.seed"] = std::to_string(seed);
-  meta["rng.offset"] = std::to_string(offset);
+  text::write_generator(meta);
   save_safetensors(stage_file(dir, generation, pipe.rank(), ranks), tensors, meta);
 }
 
@@ -195,13 +163,10 @@ void write_index(const std::string& dir, int64_t generation, const PipelineCheck
   if (state.optimizer) {
     meta["optimizer"] = state.optimizer->type_name();
     for (const auto& [key, v] : state.optimizer->state_dict().scalars)
-      if (key.starts_with("param_groups.") && !key.ends_with(".size")) meta[key] = exact(v);
+      if (key.starts_with("param_groups.") && !key.ends_with(".size")) meta[key] = text::exact(v);
   }
-  if (state.scheduler)
-    for (const auto& [key, v] : state.scheduler->state_dict()) meta["scheduler." + key] = exact(v);
-  auto [seed, offset] = rng_state();
-  meta["rng.seed"] = std::to_string(seed);
-  meta["rng.offset"] = std::to_string(offset);
+  if (state.scheduler) text::write_schedule(meta, *state.scheduler);
+  text::write_generator(meta);
   for (const auto& [key, v] : state.user) meta["user." + key] = v;
   save_safetensors((fs::path(dir) / kIndex).string(), {}, meta);
 }
@@ -254,9 +219,9 @@ optim::OptimizerState saved_optimizer(const optim::Optimizer& opt, const Pipelin
              ", but this run uses ", opt.type_name());
   optim::OptimizerState state;
   for (const auto& [key, v] : index.meta)
-    if (key.starts_with("param_groups.")) state.scalars[key] = parse_number<double>(index.path, key, v);
+    if (key.starts_with("param_groups.")) state.scalars[key] = text::parse<double>(index.path, key, v);
   for (const auto& [key, v] : saved.metadata)
-    if (key.starts_with("param_groups.")) state.scalars[key] = parse_number<double>(file, key, v);
+    if (key.starts_with("param_groups.")) state.scalars[key] = text::parse<double>(file, key, v);
   const std::vector<std::string> names = optimizer_names(opt, pipe);
   std::vector<Shape> shapes;
   for (const auto& group : opt.param_groups())
@@ -265,7 +230,7 @@ optim::OptimizerState saved_optimizer(const optim::Optimizer& opt, const Pipelin
     auto step = saved.metadata.find("step." + names[i]);
     if (step == saved.metadata.end()) continue;  // never stepped
     const std::string key = "state." + std::to_string(i) + ".";
-    state.scalars[key + "step"] = parse_number<double>(file, step->first, step->second);
+    state.scalars[key + "step"] = text::parse<double>(file, step->first, step->second);
     const std::string prefix = kOptimizerPrefix + names[i] + ".";
     for (auto it = by_name.lower_bound(prefix); it != by_name.end() && it->first.starts_with(prefix); ++it) {
       const std::string buffer = it->first.substr(prefix.size());
@@ -317,13 +282,11 @@ std::map<std::string, std::string> load_pipeline_checkpoint(const std::string& d
   for (const Stage& stage : pipe.stages()) stages.push_back(saved_stage(stage, saved, file, by_name));
   optim::OptimizerState opt_state;
   if (state.optimizer) opt_state = saved_optimizer(*state.optimizer, pipe, index, saved, file, by_name);
-  std::map<std::string, double> schedule_state;
-  for (const auto& [key, v] : under(index.meta, "scheduler."))
-    schedule_state[key] = parse_number<double>(index.path, "scheduler." + key, v);
+  const std::map<std::string, double> schedule_state = text::read_schedule(index.meta, index.path);
   LOOM_CHECK(!state.scheduler || !schedule_state.empty(), "pipeline checkpoint: ", index.path,
              " holds no learning-rate schedule, and this run has one");
-  const auto seed = parse_number<uint64_t>(file, "rng.seed", entry(saved.metadata, "rng.seed", file));
-  const auto offset = parse_number<uint64_t>(file, "rng.offset", entry(saved.metadata, "rng.offset", file));
+  const auto generator = text::read_generator(saved.metadata, file);
+  LOOM_CHECK(generator.has_value(), "pipeline checkpoint: ", file, " has no random generator state");
 
   // The optimizer and the schedule check their own state before they change; the stages'
   // entries were checked above.
@@ -334,8 +297,8 @@ std::map<std::string, std::string> load_pipeline_checkpoint(const std::string& d
   } catch (const Error& e) {
     LOOM_FAIL("pipeline checkpoint: ", file, ": ", e.what());
   }
-  set_rng_state(seed, offset);
-  return under(index.meta, "user.");
+  set_rng_state(generator->first, generator->second);
+  return text::under(index.meta, "user.");
 }
 
 void export_pipeline_checkpoint(const std::string& dir, const std::string& path) {
@@ -357,7 +320,7 @@ void export_pipeline_checkpoint(const std::string& dir, const std::string& path)
     const int rank = int(s % index.ranks);
     const std::string file = stage_file(dir, index.generation, rank, int(index.ranks));
     const SafetensorsFile& saved = files[size_t(rank)];
-    for (const std::string& name : split_names(entry(saved.metadata, "stage." + std::to_string(s), file))) {
+    for (const std::string& name : split_names(text::entry(saved.metadata, file, "stage." + std::to_string(s)))) {
       LOOM_CHECK(seen.insert(name).second, "pipeline checkpoint: ", name, " is held by two stages of ", dir);
       auto found = by_name[size_t(rank)].find(name);
       LOOM_CHECK(found != by_name[size_t(rank)].end(), "pipeline checkpoint: ", file, " lists ", name, " in stage ",

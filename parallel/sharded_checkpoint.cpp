@@ -3,7 +3,6 @@
 // overlaps of the saved ranks' row ranges with this rank's.
 #include "parallel/sharded_checkpoint.h"
 
-#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -14,6 +13,7 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "engine/serialization.h"
+#include "layers/checkpoint_text.h"
 
 namespace loom::dist {
 
@@ -46,30 +46,7 @@ std::string shape_text(const Shape& shape) {
   return s;
 }
 
-// A number of the index or a shard file's metadata; a malformed one names the file and key.
-double parse_number(const std::string& file, const std::string& key, const std::string& text) {
-  double v = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  LOOM_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size(), "sharded checkpoint: ", file,
-             ": entry ", key, " = '", text, "' is not a number");
-  return v;
-}
-
-int64_t parse_count(const std::string& file, const std::string& key, const std::string& text) {
-  int64_t v = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  LOOM_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size() && v >= 0, "sharded checkpoint: ",
-             file, ": entry ", key, " = '", text, "' is not a whole number >= 0");
-  return v;
-}
-
-uint64_t parse_u64(const std::string& file, const std::string& key, const std::string& text) {
-  uint64_t v = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  LOOM_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size(), "sharded checkpoint: ", file,
-             ": entry ", key, " = '", text, "' is not a 64-bit whole number");
-  return v;
-}
+namespace text = nn::checkpoint_text;
 
 Shape parse_shape(const std::string& text, const std::string& where) {
   Shape shape;
@@ -78,23 +55,9 @@ Shape parse_shape(const std::string& text, const std::string& where) {
   while (std::getline(in, part, ',')) {
     LOOM_CHECK(!part.empty() && part.find_first_not_of("0123456789") == std::string::npos, where,
                ": the shape '", text, "' is not a list of sizes");
-    shape.push_back(parse_count(where, "shape", part));
+    shape.push_back(text::parse<int64_t>(where, "shape", part));
   }
   return shape;
-}
-
-// Entry `key` of `meta`, read from `file`; a missing one names the file.
-const std::string& entry_of(const std::map<std::string, std::string>& meta, const std::string& file,
-                            const std::string& key) {
-  auto it = meta.find(key);
-  LOOM_CHECK(it != meta.end(), "sharded checkpoint: ", file, " has no entry ", key);
-  return it->second;
-}
-
-std::string number_text(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
-  return buf;
 }
 
 // Rows of a tensor of `shape` seen as (rows, row_numel), as fsdp.h shards it.
@@ -125,8 +88,8 @@ class SavedCheckpoint {
     meta_ = load_safetensors_metadata(index);
     LOOM_CHECK(meta_.count("format") && meta_.at("format") == kFormat, "sharded checkpoint: ", index,
                " is not an index of format ", kFormat);
-    const int64_t world = parse_count(index, "world_size", entry("world_size"));
-    generation_ = parse_count(index, "generation", entry("generation"));
+    const int64_t world = text::parse<int64_t>(index, "world_size", entry("world_size"));
+    generation_ = text::parse<int64_t>(index, "generation", entry("generation"));
     LOOM_CHECK(world >= 1 && world <= (int64_t(1) << 20), "sharded checkpoint: ", index, ": world_size is ", world,
                ", expected 1 to 2^20");
     world_ = int(world);
@@ -212,7 +175,7 @@ void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullySharded
       LOOM_CHECK(format != meta.end() && format->second == kFormat, index, " is the index of a checkpoint of format '",
                  format == meta.end() ? std::string() : format->second, "', not a sharded one (", kFormat,
                  "): save into another folder, so that it is not overwritten");
-      generation = parse_count(index, "generation", entry_of(meta, index, "generation")) + 1;
+      generation = text::parse<int64_t>(index, "generation", text::entry(meta, index, "generation")) + 1;
     } catch (const Error& e) {
       refusal = e.what();
       generation = 0;
@@ -241,7 +204,7 @@ void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullySharded
       tensors.emplace_back("optim." + name + "." + buffer, t);
     }
     for (const auto& [key, v] : opt_state.scalars)
-      if (key.starts_with("state.")) meta["step." + split(key).first] = number_text(v);
+      if (key.starts_with("state.")) meta["step." + split(key).first] = text::exact(v);
   }
   if (rank == 0)
     for (const auto& [name, b] : fsdp.module()->named_buffers()) tensors.emplace_back("buffer." + name, b);
@@ -271,13 +234,10 @@ void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullySharded
     if (optimizer) {
       index_meta["optimizer"] = optimizer->type_name();
       for (const auto& [key, v] : opt_state.scalars)
-        if (key.starts_with("param_groups.")) index_meta[key] = number_text(v);
+        if (key.starts_with("param_groups.")) index_meta[key] = text::exact(v);
     }
-    if (extras.scheduler)
-      for (const auto& [key, v] : extras.scheduler->state_dict()) index_meta["scheduler." + key] = number_text(v);
-    const auto [seed, offset] = rng_state();
-    index_meta["rng.seed"] = std::to_string(seed);
-    index_meta["rng.offset"] = std::to_string(offset);
+    if (extras.scheduler) text::write_schedule(index_meta, *extras.scheduler);
+    text::write_generator(index_meta);
     for (const auto& [key, v] : extras.user) index_meta["user." + key] = v;
     save_safetensors(index, {}, index_meta);
     // The previous generations' files: no index names them any more.
@@ -310,18 +270,12 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
   SavedCheckpoint saved(dir);
   const std::string index = saved.index_path();
   // The schedule and the generator are read (and checked) before anything changes.
-  std::map<std::string, double> scheduler_state;
-  std::map<std::string, std::string> user;
-  for (const auto& [key, v] : saved.meta()) {
-    if (key.starts_with("scheduler.")) scheduler_state[key.substr(10)] = parse_number(index, key, v);
-    if (key.starts_with("user.")) user.emplace(key.substr(5), v);
-  }
+  const std::map<std::string, double> scheduler_state = text::read_schedule(saved.meta(), index);
+  const text::Metadata user = text::under(saved.meta(), "user.");
   LOOM_CHECK(!scheduler || !scheduler_state.empty(), "sharded checkpoint: ", index,
              " holds no learning-rate schedule state (saved without one)");
   // The generator, where the index has it (checkpoints saved before it was kept have not).
-  const bool has_rng = saved.meta().count("rng.seed") && saved.meta().count("rng.offset");
-  const uint64_t seed = has_rng ? parse_u64(index, "rng.seed", saved.entry("rng.seed")) : 0;
-  const uint64_t offset = has_rng ? parse_u64(index, "rng.offset", saved.entry("rng.offset")) : 0;
+  const auto generator = text::read_generator(saved.meta(), index);
   const int rank = fsdp.group().rank(), world = fsdp.group().size();
   nn::NamedTensors full = fsdp.module()->named_parameters();  // shapes only: their storages stay released
   nn::NamedTensors shards = fsdp.named_parameters();
@@ -341,7 +295,7 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
   }
   auto finish = [&] {
     if (scheduler) scheduler->load_state_dict(scheduler_state);
-    if (has_rng) set_rng_state(seed, offset);
+    if (generator) set_rng_state(generator->first, generator->second);
     return user;
   };
   if (!optimizer) return finish();
@@ -351,7 +305,7 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
              meta.at("optimizer"), ", not of ", optimizer->type_name());
   optim::OptimizerState state;
   for (const auto& [key, v] : meta)
-    if (key.starts_with("param_groups.")) state.scalars[key] = parse_number(index, key, v);
+    if (key.starts_with("param_groups.")) state.scalars[key] = text::parse<double>(index, key, v);
   const std::vector<std::string> names = optimizer_names(*optimizer, fsdp);
   const SafetensorsFile& first = saved.file(0);
   for (size_t i = 0; i < names.size(); ++i) {
@@ -359,7 +313,7 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
     auto step = first.metadata.find("step." + name);
     if (step == first.metadata.end()) continue;  // never stepped
     const std::string key = "state." + std::to_string(i) + ".";
-    state.scalars[key + "step"] = parse_number(saved.file_name(0), "step." + name, step->second);
+    state.scalars[key + "step"] = text::parse<double>(saved.file_name(0), "step." + name, step->second);
     const std::string prefix = "optim." + name + ".";
     const Shape& shape = full_shape.at(name);
     const RowRange mine = shard_rows(rows_of(shape), world, rank);
@@ -393,24 +347,16 @@ std::map<std::string, std::string> load_checkpoint_into_shards(const std::string
     if (name.starts_with("optimizer.")) optimizer_tensors.emplace(name.substr(10), t);
     else model_state.emplace_back(name, t);
   }
-  std::map<std::string, double> scheduler_state;
-  std::map<std::string, std::string> user;
+  const std::map<std::string, double> scheduler_state = text::read_schedule(meta, path);
+  const text::Metadata user = text::under(meta, "user.");
   optim::OptimizerState state;
-  for (const auto& [key, v] : meta) {
-    if (key.starts_with("scheduler.")) scheduler_state[key.substr(10)] = parse_number(path, key, v);
-    if (key.starts_with("user.")) user.emplace(key.substr(5), v);
-    if (key.starts_with("optimizer.")) state.scalars[key.substr(10)] = parse_number(path, key, v);
-  }
-  auto entry = [&](const char* key) {
-    auto it = meta.find(key);
-    LOOM_CHECK(it != meta.end(), path, ": the checkpoint has no entry ", key);
-    return it->second;
-  };
-  const uint64_t seed = parse_u64(path, "rng.seed", entry("rng.seed"));
-  const uint64_t offset = parse_u64(path, "rng.offset", entry("rng.offset"));
+  for (const auto& [key, v] : text::under(meta, "optimizer."))
+    state.scalars[key] = text::parse<double>(path, "optimizer." + key, v);
+  const auto generator = text::read_generator(meta, path);
+  LOOM_CHECK(generator.has_value(), path, ": the checkpoint has no random generator state (rng.seed, rng.offset)");
   LOOM_CHECK(!scheduler || !scheduler_state.empty(), path, ": the checkpoint holds no learning-rate schedule state");
   if (optimizer) {
-    const std::string type = entry("optimizer");
+    const std::string type = text::entry(meta, path, "optimizer");
     LOOM_CHECK(type == optimizer->type_name(), path, ": the checkpoint's optimizer is ", type, " but this run uses ",
                optimizer->type_name(), "; resume with the same optimizer");
     // "state.<i>.<buffer>": parameter i's buffer at full size, cut to this rank's rows.
@@ -421,7 +367,7 @@ std::map<std::string, std::string> load_checkpoint_into_shards(const std::string
       LOOM_CHECK(key.starts_with("state."), path, ": unexpected optimizer entry optimizer.", key);
       const size_t dot = key.find('.', 6);
       const std::string index = key.substr(6, dot == std::string::npos ? std::string::npos : dot - 6);
-      const int64_t i = parse_count(path, "optimizer." + key, index);
+      const int64_t i = text::parse<int64_t>(path, "optimizer." + key, index);
       LOOM_CHECK(dot != std::string::npos && i < int64_t(names.size()), path, ": optimizer.", key,
                  " belongs to parameter ", i, ", and this run's optimizer has ", names.size());
       const Shape& shape = full_shape.at(names[size_t(i)]);
@@ -444,7 +390,7 @@ std::map<std::string, std::string> load_checkpoint_into_shards(const std::string
   } catch (const Error& e) {
     LOOM_FAIL(path, ": ", e.what());
   }
-  set_rng_state(seed, offset);
+  set_rng_state(generator->first, generator->second);
   return user;
 }
 
