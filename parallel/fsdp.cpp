@@ -59,6 +59,7 @@ struct Unit {
   Device device = Device::cpu();
   size_t full_bytes = 0;
   bool gathered = false;
+  bool padded = false;    // some rank's flat shard ends a parameter's rows with padding
   int trainable = 0;      // parameters that require a gradient
   int grads_pending = 0;  // of those, how many have not had their gradient this backward
 };
@@ -76,6 +77,23 @@ struct PendingReduction {
   Tensor output, input;
   WorkPtr work;
 };
+
+// into[i] = from[i] for every pair: the pairs of one floating dtype, contiguous on both sides,
+// in one copy_many_ (one launch on CUDA), the others (casts) one copy_ each.
+void copy_all(const TensorList& into, const TensorList& from) {
+  TensorList many_into, many_from;
+  for (size_t i = 0; i < into.size(); ++i) {
+    const bool batched = into[i].dtype() == from[i].dtype() && into[i].dtype() == into.front().dtype() &&
+                         is_floating(into[i].dtype()) && into[i].is_contiguous() && from[i].is_contiguous();
+    if (batched) {
+      many_into.push_back(into[i]);
+      many_from.push_back(from[i]);
+    } else {
+      copy_(into[i], from[i]);
+    }
+  }
+  copy_many_(many_into, many_from);
+}
 
 }  // namespace
 
@@ -176,11 +194,18 @@ struct FSDPState {
 
   // Every rank's flat shard of `unit`, in `dtype`, one after the other (W S elements): the
   // all_gather is issued, and `work` says when its result is ready.
+  // The all_gather runs in place: this rank's flat shard is written straight into its slice
+  // of the gathered buffer.
   Tensor issue_gather(const Unit& unit, DType dtype, WorkPtr* work) {
-    Tensor flat = Tensor::empty({unit.flat_numel}, dtype, unit.device);
-    for (const ShardedParam& p : unit.params)
-      if (p.rows_on(rank()) > 0) copy_(p.in_shard(flat, rank()), p.shard.reshape({p.rows_on(rank()), p.row_numel}));
     Tensor gathered = Tensor::empty({world() * unit.flat_numel}, dtype, unit.device);
+    Tensor flat = gathered.slice(0, rank() * unit.flat_numel, (rank() + 1) * unit.flat_numel);
+    TensorList into, from;
+    for (const ShardedParam& p : unit.params) {
+      if (p.rows_on(rank()) == 0) continue;
+      into.push_back(p.in_shard(flat, rank()));
+      from.push_back(p.shard.reshape({p.rows_on(rank()), p.row_numel}));
+    }
+    copy_all(into, from);
     *work = group->all_gather(gathered, flat);
     ++memory.gathers;
     return gathered;
@@ -213,11 +238,16 @@ struct FSDPState {
       gathered = gather_flat(unit, unit.compute_dtype);
       memory.full_parameter_bytes += unit.full_bytes;
     }
+    TensorList into, from;
     for (ShardedParam& p : unit.params) {
       p.full.storage()->acquire();
-      for (int r = 0; r < world(); ++r)
-        if (p.rows_on(r) > 0) copy_(p.rows_of(p.full.detach(), r), p.in_gathered(gathered, r, unit.flat_numel));
+      for (int r = 0; r < world(); ++r) {
+        if (p.rows_on(r) == 0) continue;
+        into.push_back(p.rows_of(p.full.detach(), r));
+        from.push_back(p.in_gathered(gathered, r, unit.flat_numel));
+      }
     }
+    copy_all(into, from);
     unit.gathered = true;
     memory.peak_full_parameter_bytes = std::max(memory.peak_full_parameter_bytes, memory.full_parameter_bytes);
     held.push_back(u);
@@ -229,15 +259,28 @@ struct FSDPState {
     Unit& unit = units[u];
     if (sync_gradients) {
       NoGradGuard no_grad;
-      Tensor input = zeros({world() * unit.flat_numel}, unit.reduce_dtype, unit.device);
+      // Every element is written below unless the unit has padding or a parameter without a
+      // gradient: only then does the input start from zeros.
+      bool covered = !unit.padded;
+      for (ShardedParam& p : unit.params) covered = covered && p.full.grad().defined();
+      const Shape shape{world() * unit.flat_numel};
+      Tensor input = covered ? Tensor::empty(shape, unit.reduce_dtype, unit.device)
+                             : zeros(shape, unit.reduce_dtype, unit.device);
+      TensorList into, from;
       for (ShardedParam& p : unit.params) {
         Tensor g = p.full.grad();
         if (!g.defined()) continue;
-        for (int r = 0; r < world(); ++r)
-          if (p.rows_on(r) > 0) copy_(p.in_gathered(input, r, unit.flat_numel), p.rows_of(g, r));
-        p.full.zero_grad();
+        for (int r = 0; r < world(); ++r) {
+          if (p.rows_on(r) == 0) continue;
+          into.push_back(p.in_gathered(input, r, unit.flat_numel));
+          from.push_back(p.rows_of(g, r));
+        }
       }
-      Tensor output = Tensor::empty({unit.flat_numel}, unit.reduce_dtype, unit.device);
+      copy_all(into, from);
+      for (ShardedParam& p : unit.params) p.full.zero_grad();
+      // A group of one reduces in place (its output is all of the input, kept anyway); a larger
+      // group writes a buffer of its own, so the shard gradients do not hold the whole input.
+      Tensor output = world() == 1 ? input : Tensor::empty({unit.flat_numel}, unit.reduce_dtype, unit.device);
       WorkPtr work = group->reduce_scatter(output, input, ReduceOp::avg);
       reductions.push_back({u, output, input, work});
     }
@@ -431,6 +474,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
       ShardedParam p = describe(name, t, world);
       p.offset = unit.flat_numel;
       unit.flat_numel += p.chunk_rows * p.row_numel;
+      if (p.rows != world * p.chunk_rows) unit.padded = true;
       Shape shard_shape = t.dim() == 0 ? Shape{p.rows_on(rank)} : t.shape();
       shard_shape[0] = p.rows_on(rank);
       p.shard = p.rows_of(t, rank).contiguous().clone().reshape(shard_shape);

@@ -442,13 +442,16 @@ class ProcessGroupGloo final : public ProcessGroup {
   WorkPtr all_gather_impl(const Tensor& out, const Tensor& in) override {
     std::string call = describe_call("all_gather", in);
     if (in.numel() == 0) return done();
+    // In place (`in` is this rank's slice of `out`, as FSDP gathers): gloo takes no input then.
+    const bool in_place =
+        static_cast<char*>(in.data_ptr()) == static_cast<char*>(out.data_ptr()) + rank() * in.nbytes();
     if (size() == 1) {
-      std::memcpy(out.data_ptr(), in.data_ptr(), in.nbytes());
+      if (!in_place) std::memcpy(out.data_ptr(), in.data_ptr(), in.nbytes());
       return done();
     }
     comm_->run(call, timeout(), [&] {
       gloo::AllgatherOptions opts(comm_->context);
-      opts.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
+      if (!in_place) opts.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
       opts.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
       opts.setTag(tag());
       gloo::allgather(opts);

@@ -133,12 +133,6 @@ ncclRedOp_t nccl_op(ReduceOp op, int ranks) {
   LOOM_ASSERT(false, "unknown ReduceOp ", static_cast<int>(op));
 }
 
-// Whether the bytes of a and b overlap.
-bool overlaps(const Tensor& a, const Tensor& b) {
-  auto a0 = static_cast<const char*>(a.data_ptr()), b0 = static_cast<const char*>(b.data_ptr());
-  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
-}
-
 class CudaEvent {
  public:
   CudaEvent() { LOOM_CUDA(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
@@ -661,13 +655,10 @@ WorkPtr NcclGroup::broadcast_impl(const Tensor& t, int root) {
                  [&](cudaStream_t s) { return ncclBroadcast(b.data, b.data, b.count, b.type, root, comm_, s); });
 }
 
-// NCCL's in-place forms: all_gather's `in` may be this rank's slice of `out`, and
-// reduce_scatter's `out` this rank's slice of `in`. Any other overlap gives garbage.
+// NCCL runs the in-place forms ProcessGroup lets through (all_gather's `in` this rank's
+// slice of `out`, reduce_scatter's `out` this rank's slice of `in`) as they are.
 WorkPtr NcclGroup::all_gather_impl(const Tensor& out, const Tensor& in) {
   check_device("all_gather", out);
-  bool in_place = static_cast<char*>(in.data_ptr()) == static_cast<char*>(out.data_ptr()) + rank() * in.nbytes();
-  LOOM_CHECK(in_place || !overlaps(in, out), "all_gather: `in` overlaps `out` other than as slice ", rank(),
-             " of it (this rank's): give them separate memory, or make `in` that slice");
   Buffer send = buffer(in), recv = buffer(out);
   return enqueue(collective("all_gather", in), {out, in}, send.count,
                  [&](cudaStream_t s) { return ncclAllGather(send.data, recv.data, send.count, send.type, comm_, s); });
@@ -675,9 +666,6 @@ WorkPtr NcclGroup::all_gather_impl(const Tensor& out, const Tensor& in) {
 
 WorkPtr NcclGroup::reduce_scatter_impl(const Tensor& out, const Tensor& in, ReduceOp op) {
   check_device("reduce_scatter", out);
-  bool in_place = static_cast<char*>(out.data_ptr()) == static_cast<char*>(in.data_ptr()) + rank() * out.nbytes();
-  LOOM_CHECK(in_place || !overlaps(in, out), "reduce_scatter: `out` overlaps `in` other than as slice ", rank(),
-             " of it (this rank's): give them separate memory, or make `out` that slice");
   Buffer send = buffer(in), recv = buffer(out);
   return enqueue(collective("reduce_scatter", in, reduce_op_name(op)), {out, in}, recv.count, [&](cudaStream_t s) {
     return ncclReduceScatter(send.data, recv.data, recv.count, send.type, nccl_op(op, size()), comm_, s);

@@ -99,6 +99,17 @@ void check_pair(const char* op, const Tensor& out, const Tensor& in) {
              out.device().str(), " and ", in.device().str());
 }
 
+// all_gather's `in` may be this rank's slice of `out` (reduce_scatter's `out` this rank's
+// slice of `in`): the in-place form, which both backends run without a copy. Any other
+// overlap would read what the collective has already overwritten.
+void check_in_place_or_apart(const char* op, const Tensor& whole, const Tensor& part, int rank) {
+  auto w = static_cast<const char*>(whole.data_ptr()), p = static_cast<const char*>(part.data_ptr());
+  const bool in_place = p == w + int64_t(rank) * part.nbytes();
+  const bool apart = p + part.nbytes() <= w || w + whole.nbytes() <= p;
+  LOOM_CHECK(in_place || apart, op, ": `out` and `in` overlap other than as slice ", rank,
+             " (this rank's) of the larger one: give them separate memory, or make the smaller that slice");
+}
+
 void check_peer(const char* op, const char* name, int peer, int rank, int size) {
   LOOM_CHECK(peer >= 0 && peer < size, op, ": `", name, "` = ", peer, " is out of range for a group of size ", size,
              " (expected 0 <= ", name, " < ", size, ")");
@@ -130,6 +141,7 @@ WorkPtr ProcessGroup::all_gather(const Tensor& out, const Tensor& in) {
   LOOM_CHECK(out.numel() == size_ * in.numel(), "all_gather: `out` must hold size() * in.numel() = ", size_, " * ",
              in.numel(), " = ", size_ * in.numel(), " elements, got ", out.numel(), " (shape ", shape_str(out.shape()),
              ")");
+  check_in_place_or_apart("all_gather", out, in, rank_);
   begin_call("all_gather", in, "");
   out.bump_version();
   return all_gather_impl(out, in);
@@ -142,6 +154,7 @@ WorkPtr ProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, Reduce
   LOOM_CHECK(in.numel() == size_ * out.numel(), "reduce_scatter: `in` must hold size() * out.numel() = ", size_,
              " * ", out.numel(), " = ", size_ * out.numel(), " elements, got ", in.numel(), " (shape ",
              shape_str(in.shape()), ")");
+  check_in_place_or_apart("reduce_scatter", in, out, rank_);
   begin_call("reduce_scatter", in, reduce_op_name(op));
   out.bump_version();
   return reduce_scatter_impl(out, in, op);

@@ -235,6 +235,12 @@ TEST_P(GlooGroupTest, AllGatherConcatenatesEveryRanksInputInRankOrder) {
         std::string what = case_name("all_gather", dtype, n);
         require_values(out, [&](int64_t j) { return value(j % n, int(j / n), dtype); }, what);
         require_values(in, [&](int64_t i) { return value(i, g.rank(), dtype); }, what + " (input changed)");
+        // In place: the input is this rank's slice of the output.
+        Tensor whole = Tensor::empty({world * n}, dtype);
+        Tensor mine = whole.slice(0, g.rank() * n, (g.rank() + 1) * n);
+        copy_(mine, in);
+        g.all_gather(whole, mine)->wait();
+        require_values(whole, [&](int64_t j) { return value(j % n, int(j / n), dtype); }, what + " in place");
       }
   }));
 }
@@ -252,6 +258,10 @@ TEST_P(GlooGroupTest, ReduceScatterLeavesEachRankItsSliceOfTheReduction) {
           int64_t first = int64_t(g.rank()) * n;
           require_values(out, [&](int64_t i) { return reference(op, first + i, world, dtype); }, what);
           require_values(in, [&](int64_t j) { return value(j, g.rank(), dtype); }, what + " (input changed)");
+          // In place: the output is this rank's slice of the input.
+          g.reduce_scatter(in.slice(0, first, first + n), in, op)->wait();
+          require_values(in.slice(0, first, first + n),
+                         [&](int64_t i) { return reference(op, first + i, world, dtype); }, what + " in place");
         }
   }));
 }
@@ -354,6 +364,11 @@ TEST(ProcessGroupChecks, BadArgumentsNameTheCollectiveTheArgumentAndWhatWasExpec
   EXPECT_ERROR_HAS(g->all_gather(Tensor::empty({4}, DType::f64), t),
                    "all_gather: `out` and `in` must have the same dtype, got f64 and f32");
   EXPECT_ERROR_HAS(g->all_gather(t, Tensor()), "all_gather: `in` is undefined");
+  Tensor six = Tensor::empty({6}, DType::f32);
+  EXPECT_ERROR_HAS(g->all_gather(six.slice(0, 0, 4), six.slice(0, 2, 6)),
+                   "all_gather: `out` and `in` overlap other than as slice 0 (this rank's) of the larger one");
+  EXPECT_ERROR_HAS(g->reduce_scatter(six.slice(0, 1, 5), six.slice(0, 0, 4)),
+                   "reduce_scatter: `out` and `in` overlap other than as slice 0");
   EXPECT_ERROR_HAS(g->reduce_scatter(t, Tensor::empty({3}, DType::f32)),
                    "reduce_scatter: `in` must hold size() * out.numel() = 1 * 4 = 4 elements, got 3");
   EXPECT_ERROR_HAS(g->reduce_scatter(Tensor::empty({4}, DType::i32), t),
