@@ -111,6 +111,9 @@ struct FSDPState {
   Phase phase = Phase::idle;
   bool sync_gradients = true;
   bool callback_queued = false;
+  // Forwards run with gradients on whose backward has not run yet: a pipeline's stage runs
+  // several micro-batches' forwards before their backwards (fsdp.h, step 9).
+  int backwards_due = 0;
   std::deque<size_t> held;  // gathered units, earliest first
   std::vector<PendingReduction> reductions;
   FSDPMemory memory;
@@ -282,6 +285,7 @@ struct FSDPState {
       // group writes a buffer of its own, so the shard gradients do not hold the whole input.
       Tensor output = world() == 1 ? input : Tensor::empty({unit.flat_numel}, unit.reduce_dtype, unit.device);
       WorkPtr work = group->reduce_scatter(output, input, ReduceOp::avg);
+      ++memory.reduce_scatters;
       reductions.push_back({u, output, input, work});
     }
     release(u);
@@ -322,7 +326,15 @@ struct FSDPState {
         if (p.full.requires_grad() && !p.full.grad().defined()) unused += (unused.empty() ? "" : ", ") + p.name;
     }
     release_all();
-    phase = Phase::idle;
+    // Another micro-batch's backward still to come reads its weights again, and counts its
+    // gradients afresh.
+    backwards_due = std::max(0, backwards_due - 1);
+    if (backwards_due > 0) {
+      begin_pass(Phase::backward);
+      for (Unit& unit : units) unit.grads_pending = unit.trainable;
+    } else {
+      phase = Phase::idle;
+    }
     backward_known = forward_known;  // the first step's backward has been recorded
     LOOM_CHECK(unused.empty(), "FSDP: parameters that did not receive a gradient in this backward: ", unused,
                ". Every unit's gradients are reduced once all of them have arrived; freeze parameters a step does "
@@ -519,6 +531,7 @@ FullyShardedDataParallel::ForwardScope::~ForwardScope() noexcept(false) {
   if (grad_enabled()) {
     // What reads weights from now on is the backward.
     state.begin_pass(Phase::backward);
+    ++state.backwards_due;
     return;
   }
   // Without a backward to come, nothing releases the units: do it here. Waiting for a
@@ -546,6 +559,8 @@ FullyShardedDataParallel::NoSync::NoSync(FullyShardedDataParallel& fsdp)
 
 FullyShardedDataParallel::NoSync::~NoSync() { fsdp_.state_->sync_gradients = previous_; }
 
+void FullyShardedDataParallel::set_gradient_sync(bool on) { state_->sync_gradients = on; }
+
 TensorList FullyShardedDataParallel::parameters() const {
   TensorList out;
   for (const auto& [_, t] : named_parameters()) out.push_back(t);
@@ -560,6 +575,14 @@ nn::NamedTensors FullyShardedDataParallel::named_parameters() const {
   nn::NamedTensors out;
   for (const auto& [name, t] : module_->named_parameters()) out.emplace_back(name, by_full.at(t.impl())->shard);
   return out;
+}
+
+Tensor FullyShardedDataParallel::shard_of(const Tensor& parameter) const {
+  for (const Unit& unit : state_->units)
+    for (const ShardedParam& p : unit.params)
+      if (p.full.impl() == parameter.impl()) return p.shard;
+  LOOM_FAIL("FSDP: shard_of was given a tensor of shape ", shape_str(parameter.shape()),
+            " that is not a parameter of the wrapped module");
 }
 
 void FullyShardedDataParallel::zero_grad() {

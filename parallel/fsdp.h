@@ -168,6 +168,7 @@ struct FSDPMemory {
   size_t shard_parameter_bytes = 0;
   int64_t gathers = 0;     // all_gathers of units issued in all
   int64_t prefetches = 0;  // of those, issued ahead of their unit's first read (step 3)
+  int64_t reduce_scatters = 0;  // of units' gradients, in all (none under no_sync)
 };
 
 // The rows [start, start + count) of a parameter of `rows` rows (dim 0) that rank `rank` of
@@ -203,6 +204,8 @@ class FullyShardedDataParallel {
   TensorList parameters() const;
   // The shards under the module's parameter names ("transformer.h.0.attn.c_attn.weight").
   nn::NamedTensors named_parameters() const;
+  // The shard of one of the module's parameters (a tied one's: the shard of the tensor).
+  Tensor shard_of(const Tensor& parameter) const;
   // Drops every shard's gradient.
   void zero_grad();
   // Clips the shards' gradients by the global norm over all ranks (step 6); returns that norm.
@@ -223,6 +226,9 @@ class FullyShardedDataParallel {
     bool previous_;
   };
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+  // The same switch without a scope, as a pipeline's executor sets it before each backward
+  // (step 9): false keeps the full gradients of the backwards that follow, true reduces.
+  void set_gradient_sync(bool on);
 
   // Every parameter's full value and every buffer, under the module's names, on every rank
   // (one all_gather per unit: a collective). Tied parameters appear under each name.

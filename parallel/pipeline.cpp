@@ -90,6 +90,17 @@ Pipeline::Pipeline(std::shared_ptr<ProcessGroup> group, std::vector<Stage> stage
                " does not declare its output shape");
   }
   state_.resize(stages_.size() * size_t(options_.microbatches));
+  for (const Stage& s : stages_) {
+    LOOM_CHECK(!s.sharded || !schedule_.split_backward(), "Pipeline: stage ", s.index, " is sharded (FSDP), and the ",
+               schedule_name(options_.schedule), " schedule splits backward into input and weight halves, which FSDP "
+               "does not follow; use 1f1b, gpipe or interleaved");
+    LOOM_CHECK(!s.sharded || options_.data_parallel, "Pipeline: stage ", s.index, " is sharded (FSDP), and "
+               "options.data_parallel, the group its loss is averaged over, is not set");
+    int last = -1;
+    for (const Action& a : schedule_.actions[size_t(group_->rank())])
+      if (a.stage == s.index && (a.op == Op::backward || a.op == Op::backward_input)) last = a.microbatch;
+    last_backward_.push_back(last);
+  }
 }
 
 Pipeline::~Pipeline() = default;
@@ -169,8 +180,9 @@ void Pipeline::average_over_data_parallel() {
   // One flat buffer per dtype, all_reduce(avg), copied back.
   std::map<DType, TensorList> by_dtype;
   for (const Stage& s : stages_)
-    for (const Tensor& p : s.module->parameters())
-      if (p.grad().defined()) by_dtype[p.grad().dtype()].push_back(p.grad());
+    if (!s.sharded)  // FSDP has reduce-scattered a sharded stage's gradients already
+      for (const Tensor& p : s.module->parameters())
+        if (p.grad().defined()) by_dtype[p.grad().dtype()].push_back(p.grad());
   for (auto& [dtype, grads] : by_dtype) {
     TensorList flat;
     for (const Tensor& g : grads) flat.push_back(g.contiguous().reshape({-1}));
@@ -188,16 +200,21 @@ double Pipeline::clip_grad_norm(double max_norm) {
   LOOM_CHECK(max_norm >= 0, "Pipeline::clip_grad_norm: max_norm must not be negative, got ", max_norm);
   // The sum of squares over this rank's stages, the last stage's tied copy left out (stage 0's
   // copy holds the same gradient), summed over the pipeline on the device and read once.
+  // A sharded stage counts its shards, summed over the data-parallel group too.
   TensorList params, counted;
-  for (const Stage& s : stages_)
-    for (const Tensor& p : s.module->parameters()) {
+  bool sharded = false;
+  for (const Stage& s : stages_) {
+    sharded = sharded || s.sharded;
+    for (const Tensor& p : s.sharded ? s.sharded->parameters() : s.module->parameters()) {
       params.push_back(p);
       const bool tied_copy = tied_ && tied_last_.defined() && p.impl() == tied_last_.impl() &&
                              tied_first_.impl() != p.impl();
       if (!tied_copy) counted.push_back(p);
     }
+  }
   Tensor total = optim::grad_squared_sum(counted, options_.device);
   group_->all_reduce(total)->wait();
+  if (sharded) options_.data_parallel->all_reduce(total)->wait();
   const double norm = std::sqrt(total.item());
   optim::scale_grads_to_norm(params, norm, max_norm);
   return norm;
@@ -363,6 +380,8 @@ void Pipeline::run_compute(const Action& a, const std::vector<Tensor>& inputs, c
         if (after >= 0) grad = state(size_t(after), a.microbatch).input_grad;
       }
       LOOM_CHECK(grad.defined(), where(a), ": backward without the gradient of its output");
+      // A sharded stage keeps its full gradients until its last backward of the step reduces them.
+      if (stage.sharded) stage.sharded->set_gradient_sync(a.microbatch == last_backward_[local]);
       if (a.op == Op::backward) {
         run_backward({st.output}, {grad});
       } else {

@@ -86,10 +86,12 @@
 #include <functional>
 #include <set>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "../layers/module.h"
+#include "fsdp.h"
 #include "pipeline_schedule.h"
 #include "process_group.h"
 
@@ -106,6 +108,9 @@ struct Stage {
   // The activation shapes for a micro-batch of `rows` rows: what the stage takes (not asked of
   // stage 0) and gives (not asked of the last stage).
   std::function<Shape(int64_t rows)> input_shape, output_shape;
+  // Set when the module is sharded over the data-parallel group (PipelineOptions::shard):
+  // `forward` runs inside it, and the executor tells it which backward reduces.
+  std::shared_ptr<FullyShardedDataParallel> sharded;
 };
 
 struct PipelineOptions {
@@ -117,6 +122,13 @@ struct PipelineOptions {
   // When set, the replicas of this rank's stages in the other pipelines: gradients are
   // averaged over it once per step.
   std::shared_ptr<ProcessGroup> data_parallel;
+  // When set (with data_parallel), each stage is sharded over data_parallel by FSDP
+  // (parallel/fsdp.h) instead of replicated: a stage's units are gathered for each
+  // micro-batch's forward and backward, the full gradients are kept over the step's
+  // micro-batches and reduce-scattered by the stage's last backward, once per step, and the
+  // optimizer steps on the shards. Not with the zb1 schedule, whose split backward FSDP does
+  // not follow.
+  std::optional<FSDPOptions> shard;
 };
 
 // The block ranges of a model of `layers` blocks cut into `stages` stages: `cuts`, stages + 1
@@ -194,6 +206,9 @@ class Pipeline {
     Action action;
   };
   std::vector<PendingSend> pending_sends_;
+  // Per local stage (as stages_ lists them): the micro-batch of its last backward in the
+  // schedule, the one that reduces a sharded stage's gradients.
+  std::vector<int> last_backward_;
   int64_t peak_bytes_ = 0;
   int64_t step_start_ns_ = 0, step_end_ns_ = 0;
 };
@@ -206,16 +221,21 @@ struct ModelPipeline {
   std::unique_ptr<Pipeline> pipeline;
 
   // Every parameter of this rank's stages, each once (a tied one may be held twice): what its
-  // optimizer steps.
+  // optimizer steps. A sharded stage's are its shards.
   TensorList parameters() const {
     TensorList out;
     std::set<const void*> seen;
-    for (const auto& m : modules)
-      for (const Tensor& p : m->parameters())
+    for (const Stage& s : pipeline->stages())
+      for (const Tensor& p : s.sharded ? s.sharded->parameters() : s.module->parameters())
         if (seen.insert(p.impl()).second) out.push_back(p);
     return out;
   }
 };
+
+// FSDP's units for one stage module (PipelineOptions::shard): lists of its submodules, as
+// FSDPOptions::units takes them. Empty: the options' own units or size policy.
+template <class M>
+using StageUnits = std::function<std::vector<std::vector<std::shared_ptr<nn::Module>>>(M& stage)>;
 
 // This rank's stages of a model of `layers` blocks whose stages pass the residual stream
 // (rows, T, C) on: `make(stage, first_block, end_block, last)` builds one stage's module, which
@@ -223,7 +243,8 @@ struct ModelPipeline {
 // the modules are moved to options.device.
 template <class M, class Make>
 ModelPipeline<M> make_residual_pipeline(std::shared_ptr<ProcessGroup> group, int64_t layers, int64_t T, int64_t C,
-                                        PipelineOptions options, std::vector<int64_t> cuts, Make make) {
+                                        PipelineOptions options, std::vector<int64_t> cuts, Make make,
+                                        StageUnits<M> units = {}) {
   LOOM_CHECK(group != nullptr, "pipeline: no process group");
   LOOM_CHECK(T >= 1, "pipeline: ", T, " tokens a sequence; expected 1 or more");
   const int v = options.schedule == ScheduleKind::interleaved ? options.stages_per_rank : 1;
@@ -243,6 +264,16 @@ ModelPipeline<M> make_residual_pipeline(std::shared_ptr<ProcessGroup> group, int
       st.forward = [module](const Tensor& x, const Tensor& targets) { return module->loss(x, targets); };
     else
       st.forward = [module](const Tensor& x, const Tensor&) { return module->forward(x); };
+    if (options.shard) {
+      LOOM_CHECK(options.data_parallel != nullptr, "pipeline: PipelineOptions::shard shards each stage over the "
+                 "data-parallel group, and options.data_parallel is not set");
+      FSDPOptions fsdp = *options.shard;
+      if (units) fsdp.units = units(*module);
+      st.sharded = fully_shard(module, options.data_parallel, fsdp);
+      st.forward = [run = st.forward, sharded = st.sharded](const Tensor& x, const Tensor& targets) {
+        return sharded->call([&] { return run(x, targets); });
+      };
+    }
     st.input_shape = st.output_shape = [T, C](int64_t rows) { return Shape{rows, T, C}; };
     built.push_back(std::move(st));
   }

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "engine/ops.h"
@@ -81,29 +82,31 @@ Reference train_alone(int64_t rows) {
 
 // Builds this rank's stages, sets them to the reference's initial weights, trains kSteps on
 // `rows_here` rows of each batch starting at `row0`, and compares with `ref`.
+// With `shard`, each stage is sharded over `dp` by FSDP instead of replicated.
 void train_pipeline(std::shared_ptr<ProcessGroup> pp, std::shared_ptr<ProcessGroup> dp, ScheduleKind kind,
-                    int microbatches, int64_t rows, int64_t row0, int64_t rows_here, const Reference& ref) {
+                    int microbatches, int64_t rows, int64_t row0, int64_t rows_here, const Reference& ref,
+                    std::optional<FSDPOptions> shard = std::nullopt) {
   PipelineOptions options{.schedule = kind, .microbatches = microbatches,
                           .stages_per_rank = kind == ScheduleKind::interleaved ? 2 : 1,
-                          .activation_dtype = DType::f64, .data_parallel = dp};
-  auto gp = make_gpt_pipeline(pp, kConfig, kT, options);
-  // The reference's starting weights, by name.
+                          .activation_dtype = DType::f64, .data_parallel = dp, .shard = shard};
+  // The reference's starting weights, by name, set before the stages are sharded.
   manual_seed(7);
   nn::GPT start(kConfig);
   start.to(DType::f64);
   std::map<std::string, Tensor> initial;
   for (auto& [name, p] : start.named_parameters()) initial[name] = p;
   initial["lm_head.weight"] = start.lm_head;
-  for (auto& m : gp.modules) {
-    m->to(DType::f64);
+  auto gp = make_gpt_pipeline(pp, kConfig, kT, options, {}, [&](nn::GPTStage& m) {
+    m.to(DType::f64);
     NoGradGuard no_grad;
-    for (auto& [name, p] : m->named_parameters()) {
+    for (auto& [name, p] : m.named_parameters()) {
       require(initial.count(name), "stage parameter ", name, " is not the model's");
       copy_(p, initial[name]);
     }
-  }
+  });
   optim::AdamW opt(gp.parameters(), {.lr = 1e-2});
-  const std::string what = std::string(schedule_name(kind)) + " on " + std::to_string(pp->size()) + " stages";
+  const std::string what = std::string(schedule_name(kind)) + " on " + std::to_string(pp->size()) + " stages" +
+                           (shard ? ", sharded" : "");
   for (int step = 0; step < kSteps; ++step) {
     auto [ids, targets] = batch(rows, kT, step);
     opt.zero_grad();
@@ -113,8 +116,16 @@ void train_pipeline(std::shared_ptr<ProcessGroup> pp, std::shared_ptr<ProcessGro
     require(std::abs(loss - ref.losses[size_t(step)]) <= 1e-5 * std::abs(ref.losses[size_t(step)]), what, ": step ",
             step, " loss ", loss, " but one process had ", ref.losses[size_t(step)]);
   }
-  for (auto& m : gp.modules)
-    for (auto& [name, p] : m->named_parameters()) {
+  // A sharded stage reduces each unit's gradients once a step, not once a micro-batch.
+  for (const Stage& s : gp.pipeline->stages())
+    if (s.sharded) {
+      const int64_t units = int64_t(s.sharded->unit_names().size());
+      require(s.sharded->memory().reduce_scatters == kSteps * units, what, ": stage ", s.index, " reduce-scattered ",
+              s.sharded->memory().reduce_scatters, " times in ", kSteps, " steps of ", units, " units");
+    }
+  for (const Stage& s : gp.pipeline->stages())
+    for (auto& [name, p] : s.sharded ? s.sharded->full_state_dict() : s.module->named_parameters()) {
+      if (!ref.weights.count(name)) continue;  // a buffer
       double r = relative(p, ref.weights.at(name));
       require(r <= 1e-5, what, ": ", name, " differs from one process's by ", r, " (relative)");
     }
@@ -151,6 +162,39 @@ TEST(Pipeline, PipelinesTimesDataParallelTrainLikeOneProcess) {
       train_pipeline(mesh.group("pp"), mesh.group("dp"), kind, 4, rows, d * rows / 2, rows / 2, ref);
     });
   }
+}
+
+// FSDP inside the stages: the 2 x 2 mesh again, each stage sharded over its data-parallel
+// pair (ZeRO-3 and ZeRO-2), and 2 x 3 with uneven shards, interleaved.
+TEST(Pipeline, PipelinesOfShardedStagesTrainLikeOneProcess) {
+  struct Case {
+    ScheduleKind kind;
+    int pp, dp;
+    ReshardAfterForward reshard;
+  };
+  for (const Case c : {Case{ScheduleKind::one_f_one_b, 2, 2, ReshardAfterForward::yes},
+                       Case{ScheduleKind::gpipe, 2, 2, ReshardAfterForward::no},
+                       Case{ScheduleKind::interleaved, 2, 3, ReshardAfterForward::yes}}) {
+    const int64_t rows = 4 * 2 * c.dp;  // 4 micro-batches of 2 rows on each pipeline
+    const Reference ref = train_alone(rows);
+    SCOPED_TRACE(std::string(schedule_name(c.kind)) + " pp=" + std::to_string(c.pp) + " dp=" + std::to_string(c.dp));
+    run_ranks(c.pp * c.dp, [&](int, std::shared_ptr<ProcessGroup> world) {
+      DeviceMesh mesh(world, {c.pp, c.dp}, {"pp", "dp"});
+      const int d = mesh.coordinate("dp");
+      train_pipeline(mesh.group("pp"), mesh.group("dp"), c.kind, 4, rows, d * rows / c.dp, rows / c.dp, ref,
+                     FSDPOptions{.reshard_after_forward = c.reshard});
+    });
+  }
+}
+
+TEST(Pipeline, ShardedStagesRefuseTheSplitBackwardOfZb1) {
+  run_ranks(2, [&](int, std::shared_ptr<ProcessGroup> world) {
+    DeviceMesh mesh(world, {1, 2}, {"pp", "dp"});
+    PipelineOptions options{.schedule = ScheduleKind::zero_bubble_h1, .microbatches = 2,
+                            .data_parallel = mesh.group("dp"), .shard = FSDPOptions{}};
+    require_error([&] { make_gpt_pipeline(mesh.group("pp"), kConfig, kT, options); },
+                  {"is sharded (FSDP), and the zb1 schedule splits backward", "use 1f1b, gpipe or interleaved"});
+  });
 }
 
 // Two stages of one Linear each, with declared shapes that may disagree.
