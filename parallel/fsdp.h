@@ -30,8 +30,10 @@
 //
 // 3. Gather on first use. The first read of a released parameter's data inside a step (by
 //    whichever op needs it, in forward or in backward) runs its storage's acquire hook,
-//    which gathers the parameter's whole unit: one all_gather of the flat buffers, then the
-//    rows copied out into every parameter's re-acquired storage. Every rank runs the same
+//    which gathers the parameter's whole unit: one all_gather of the flat buffers (in place:
+//    each rank's shards are cast or copied straight into its slice of the gathered buffer),
+//    then the rows copied out into every parameter's re-acquired storage (one copy_many_
+//    launch for the unit). Every rank runs the same
 //    program, so every rank reads the units in the same order and issues the same
 //    all_gathers. Gathering on use rather than from module hooks needs nothing of the
 //    model: Loom's models call their children and read their weights directly, and a
@@ -61,7 +63,8 @@
 // 5. Gradients. Every parameter has a post-accumulate-grad hook (engine/autograd.h). When
 //    the last trainable parameter of a unit has its gradient, the unit's backward is over:
 //    its full gradients are laid out like the gathered buffer (padding zero), reduce-
-//    scattered with ReduceOp::avg so that each rank receives the average of its own rows,
+//    scattered with ReduceOp::avg so that each rank receives the average of its own rows
+//    (a group of one reduces in place),
 //    the full gradients are dropped and the unit's full values released. A callback queued
 //    at the first hook runs at the end of backward: it waits for the reduce-scatters, adds
 //    each shard's slice to its shard's grad, names the parameters that got no gradient (an
@@ -107,6 +110,17 @@
 //      DeviceMesh({2, 4}, {"replicate", "shard"}) on 8 ranks:   shard=0  1  2  3
 //                                               replicate=0         0  1  2  3   <- one model
 //                                               replicate=1         4  5  6  7   <- its replica
+//
+// 9. Inside pipeline stages (parallel/pipeline.h, PipelineOptions::shard). Each stage's
+//    module is wrapped over the stage's data-parallel group, and a stage runs several
+//    micro-batches' forwards before their backwards (1F1B: F0 F1 B0 F2 B1 ...). Every forward
+//    run with gradients on counts a backward due; a backward that ends while another is due
+//    leaves the units gatherable and counts the gradients afresh, so each micro-batch's
+//    backward gathers what it reads as in a step of its own. The executor calls
+//    set_gradient_sync(false) before every backward of a stage but its last in the step:
+//    those keep the full gradients, and the last one reduce-scatters their sum, once per
+//    step, as no_sync() does for accumulation. The memory this costs is the full gradients of
+//    the stage between its first and its last backward.
 //
 // Devices. CPU tensors over a Gloo group, CUDA tensors over an NCCL group. On CUDA every copy
 // into and out of the flat buffers is an engine op on the compute stream and Work::wait()
