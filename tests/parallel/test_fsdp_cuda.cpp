@@ -2,7 +2,8 @@
 // a TcpStore on 127.0.0.1 (as bench_gpt makes it). A tiny GPT on cuda:0, one unit per block,
 // takes 5 clipped AdamW steps like the same GPT trained plainly on the GPU, under ZeRO-3 and
 // ZeRO-2 (TF32 off), and with bf16 parameters and f32 reduction like the same mixed precision
-// done by hand; and a unit's full parameters hold allocator memory exactly while it is gathered.
+// done by hand; a pipeline stage sharded over NCCL likewise; and a unit's full parameters hold
+// allocator memory exactly while it is gathered.
 //
 // Over one rank the collectives copy, so this proves FSDP's CUDA path (its copies on the compute
 // stream, Work::wait() ordering them after NCCL, storages released to and re-acquired from the
@@ -31,6 +32,7 @@
 #include "layers/optim/adam.h"
 #include "layers/optim/clip.h"
 #include "parallel/fsdp.h"
+#include "parallel/gpt_pipeline.h"
 #include "parallel/process_group.h"
 #include "parallel/store.h"
 #include "tests/common/gpu.h"
@@ -256,6 +258,51 @@ INSTANTIATE_TEST_SUITE_P(Fsdp, FsdpCudaTraining,
                                            TrainingCase{ReshardAfterForward::no, Precision::f32, 1e-5},
                                            TrainingCase{ReshardAfterForward::yes, Precision::bf16, 1e-2}),
                          [](const auto& info) { return case_name(info.param); });
+
+// FSDP inside a pipeline stage (PipelineOptions::shard) on the GPU: one stage over a pipeline
+// group of one, sharded over a data-parallel group of one, 4 micro-batches of one row under
+// 1F1B. The full gradients are kept over the micro-batches and reduce-scattered once a step;
+// the losses, the clipped norms and the weights follow the plain run on the whole batch.
+TEST(FsdpCudaPipeline, AShardedStageOverNcclTrainsLikeThePlainGpt) {
+  LOOM_REQUIRE_NCCL();
+  Tf32Off tf32_off;
+  const Trained want = train_plain();
+  std::map<std::string, Tensor> initial;
+  for (const auto& [name, p] : make_gpt()->named_parameters()) initial.emplace(name, p.to(Device::cpu()));
+  OneRank pp, dp;
+  pipeline::PipelineOptions options{.schedule = pipeline::ScheduleKind::one_f_one_b, .microbatches = int(kBatch),
+                                    .device = kGpu, .data_parallel = dp.group, .shard = FSDPOptions{}};
+  auto gp = pipeline::make_gpt_pipeline(pp.group, nn::GPTConfig::named("tiny"), kSeq, options, {},
+                                        [&](nn::GPTStage& stage) {
+                                          NoGradGuard no_grad;
+                                          for (auto& [name, p] : stage.named_parameters()) copy_(p, initial.at(name));
+                                        });
+  ASSERT_EQ(gp.pipeline->stages().size(), 1u);
+  FullyShardedDataParallel& fsdp = *gp.pipeline->stages()[0].sharded;
+  optim::AdamW opt(gp.parameters(), adamw_options());
+  for (int step = 0; step < kSteps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    opt.zero_grad();
+    Batch b = batch(step);
+    const double l = gp.pipeline->step(b.ids, b.targets).item();
+    const double norm = gp.pipeline->clip_grad_norm(kMaxNorm);
+    opt.step();
+    EXPECT_NEAR(l, want.losses[size_t(step)], 1e-5 * std::abs(want.losses[size_t(step)]));
+    EXPECT_NEAR(norm, want.norms[size_t(step)], 1e-5 * std::abs(want.norms[size_t(step)]));
+    EXPECT_EQ(fsdp.memory().full_parameter_bytes, 0u);
+  }
+  EXPECT_EQ(fsdp.memory().reduce_scatters, kSteps * int64_t(fsdp.unit_names().size()));
+  std::map<std::string, Tensor> got;
+  for (const auto& [name, t] : fsdp.full_state_dict()) got.emplace(name, t);
+  double worst = 0;
+  for (const auto& [name, w] : want.weights) {
+    if (!got.count(name)) continue;  // a name the stage does not hold (the tied output layer)
+    const double d = relative_difference(got.at(name), w);
+    EXPECT_LE(d, 1e-5) << name;
+    worst = std::max(worst, d);
+  }
+  std::fprintf(stderr, "sharded pipeline stage: weights within %.3g of the plain run (relative)\n", worst);
+}
 
 class FsdpCudaMemory : public ::testing::TestWithParam<ReshardAfterForward> {};
 
