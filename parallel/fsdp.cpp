@@ -577,6 +577,14 @@ nn::NamedTensors FullyShardedDataParallel::named_parameters() const {
   return out;
 }
 
+std::vector<size_t> FullyShardedDataParallel::unit_bytes() const {
+  std::vector<size_t> out;
+  for (const Unit& unit : state_->units) out.push_back(unit.full_bytes);
+  return out;
+}
+
+const FSDPOptions& FullyShardedDataParallel::options() const { return state_->options; }
+
 Tensor FullyShardedDataParallel::shard_of(const Tensor& parameter) const {
   for (const Unit& unit : state_->units)
     for (const ShardedParam& p : unit.params)

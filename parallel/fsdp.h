@@ -257,6 +257,10 @@ class FullyShardedDataParallel {
   std::vector<std::string> unit_names() const;
   FSDPMemory memory() const;
   void reset_peak_memory();
+  // Each unit's full parameters in bytes (in the dtype they are gathered in), as
+  // unit_names() lists the units.
+  std::vector<size_t> unit_bytes() const;
+  const FSDPOptions& options() const;
 
   const std::shared_ptr<nn::Module>& module() const { return module_; }
   // The shard group, and HSDP's replicate group (null for plain FSDP).

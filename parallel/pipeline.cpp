@@ -289,37 +289,12 @@ Tensor Pipeline::step(const Tensor& inputs, const Tensor& targets) {
     in_parts.push_back(inputs.slice(0, i * rows, (i + 1) * rows));
     target_parts.push_back(targets.slice(0, i * rows, (i + 1) * rows));
   }
-  for (auto& s : state_) s = std::make_unique<MicrobatchState>();
-  Tensor loss_total;
   const int64_t base_bytes = bytes_in_use(options_.device);
   peak_bytes_ = 0;
   step_start_ns_ = trace::now_ns();
-  {
-    trace::Span step_span("pipeline schedule", trace::Category::step);
-    const auto& row = schedule_.actions[size_t(group_->rank())];
-    for (size_t i = 0; i < row.size();) {
-      if (is_compute(row[i].op)) {
-        run_compute(row[i], in_parts, target_parts);
-        const Action& a = row[i];
-        if (a.op == Op::forward && a.stage == schedule_.stages - 1) {
-          Tensor l = state_[size_t(&local_stage(a.stage) - stages_.data()) * size_t(m) + size_t(a.microbatch)]
-                         ->output.detach();
-          loss_total = loss_total.defined() ? add(loss_total, l) : l;
-        }
-        peak_bytes_ = std::max(peak_bytes_, bytes_in_use(options_.device) - base_bytes);
-        ++i;
-        continue;
-      }
-      size_t end = i;
-      while (end < row.size() && !is_compute(row[end].op) && row[end].batch == row[i].batch) ++end;
-      run_batch(std::vector<Action>(row.begin() + long(i), row.begin() + long(end)));
-      peak_bytes_ = std::max(peak_bytes_, bytes_in_use(options_.device) - base_bytes);
-      i = end;
-    }
-  }
-  finish_sends(true);
+  const Tensor loss_total = run_schedule(schedule_, in_parts, target_parts, {});
+  peak_bytes_ = std::max<int64_t>(0, peak_bytes_ - base_bytes);
   step_end_ns_ = trace::now_ns();
-  for (auto& s : state_) s.reset();
   sum_tied_gradients();
   average_over_data_parallel();
   // The loss: the last stage's sum over micro-batches, shared with the pipeline (and
@@ -333,8 +308,82 @@ Tensor Pipeline::step(const Tensor& inputs, const Tensor& targets) {
   return loss;
 }
 
+Tensor Pipeline::evaluate(const Tensor& inputs, const Tensor& targets) {
+  LOOM_CHECK(inputs.dim() >= 1 && inputs.size(0) >= 1, "Pipeline::evaluate: a batch of no rows; expected 1 or more");
+  LOOM_CHECK(targets.dim() >= 1 && targets.size(0) == inputs.size(0), "Pipeline::evaluate: ", inputs.size(0),
+             " input rows but ", targets.dim() ? targets.size(0) : 0, " target rows");
+  const int64_t rows = inputs.size(0);
+  const int m = int(std::min<int64_t>(options_.microbatches, rows));
+  std::vector<Tensor> in_parts, target_parts;
+  std::vector<double> weights;
+  for (int64_t i = 0, begin = 0; i < m; ++i) {
+    const int64_t part = rows / m + (i < rows % m ? 1 : 0);
+    in_parts.push_back(inputs.slice(0, begin, begin + part));
+    target_parts.push_back(targets.slice(0, begin, begin + part));
+    weights.push_back(double(part));
+    begin += part;
+  }
+  // The stages' declared shapes are functions of the rows: agreeing on them at one count is
+  // what step() does too.
+  if (agreed_rows_ < 0) agree_on_shapes(in_parts[0].size(0));
+  auto found = evaluation_schedules_.find(m);
+  if (found == evaluation_schedules_.end()) {
+    Schedule built = build_forward_schedule(schedule_, m);
+    check_schedule(built);
+    found = evaluation_schedules_.emplace(m, std::move(built)).first;
+  }
+  NoGradGuard no_grad;
+  const int64_t peak = peak_bytes_;
+  const Tensor loss_total = run_schedule(found->second, in_parts, target_parts, weights);
+  peak_bytes_ = peak;  // last_step_peak_bytes() speaks of training steps
+  Tensor loss = loss_total.defined() ? mul(loss_total.to(DType::f32).reshape({1}), 1.0 / double(rows))
+                                     : zeros({1}, DType::f32, options_.device);
+  if (group_->size() > 1) group_->all_reduce(loss)->wait();
+  return loss;
+}
+
+Tensor Pipeline::run_schedule(const Schedule& schedule, const std::vector<Tensor>& inputs,
+                              const std::vector<Tensor>& targets, const std::vector<double>& loss_weights) {
+  const int m = schedule.microbatches;
+  running_ = &schedule;
+  running_rows_.clear();
+  for (const Tensor& part : inputs) running_rows_.push_back(part.size(0));
+  state_.clear();
+  state_.resize(stages_.size() * size_t(m));
+  for (auto& s : state_) s = std::make_unique<MicrobatchState>();
+  Tensor loss_total;
+  {
+    trace::Span span(schedule.forward_only ? "pipeline evaluation" : "pipeline schedule", trace::Category::step);
+    const auto& row = schedule.actions[size_t(group_->rank())];
+    for (size_t i = 0; i < row.size();) {
+      if (is_compute(row[i].op)) {
+        run_compute(row[i], inputs, targets);
+        const Action& a = row[i];
+        if (a.op == Op::forward && a.stage == schedule.stages - 1) {
+          Tensor l = state_[size_t(&local_stage(a.stage) - stages_.data()) * size_t(m) + size_t(a.microbatch)]
+                         ->output.detach();
+          if (!loss_weights.empty()) l = mul(l.to(DType::f32), loss_weights[size_t(a.microbatch)]);
+          loss_total = loss_total.defined() ? add(loss_total, l) : l;
+        }
+        peak_bytes_ = std::max(peak_bytes_, bytes_in_use(options_.device));
+        ++i;
+        continue;
+      }
+      size_t end = i;
+      while (end < row.size() && !is_compute(row[end].op) && row[end].batch == row[i].batch) ++end;
+      run_batch(std::vector<Action>(row.begin() + long(i), row.begin() + long(end)));
+      peak_bytes_ = std::max(peak_bytes_, bytes_in_use(options_.device));
+      i = end;
+    }
+  }
+  finish_sends(true);
+  for (auto& s : state_) s.reset();
+  return loss_total;
+}
+
 void Pipeline::run_compute(const Action& a, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
-  const int m = options_.microbatches;
+  const int m = running_->microbatches;
+  const bool evaluating = running_->forward_only;
   Stage& stage = local_stage(a.stage);
   const size_t local = size_t(&stage - stages_.data());
   auto state = [&](size_t stage_slot, int mb) -> MicrobatchState& { return *state_[stage_slot * size_t(m) + size_t(mb)]; };
@@ -355,9 +404,12 @@ void Pipeline::run_compute(const Action& a, const std::vector<Tensor>& inputs, c
         const int before = local_slot(a.stage - 1);
         if (before >= 0) st.input = state(size_t(before), a.microbatch).output.detach();
         LOOM_CHECK(st.input.defined(), where(a), ": forward without its input");
-        st.input.set_requires_grad(true);
+        if (!evaluating) st.input.set_requires_grad(true);
+        // Evaluating, the stage before on this rank is done with its output once it is taken.
+        if (evaluating && before >= 0) state(size_t(before), a.microbatch).output = Tensor();
       }
       Tensor out = stage.forward(st.input, targets[size_t(a.microbatch)]);
+      if (evaluating) st.input = Tensor();
       if (last) {
         LOOM_CHECK(out.numel() == 1, where(a), ": the last stage returned ", shape_text(out.shape()),
                    "; expected the micro-batch's loss, one value");
@@ -366,7 +418,8 @@ void Pipeline::run_compute(const Action& a, const std::vector<Tensor>& inputs, c
         LOOM_CHECK(out.shape() == want && out.dtype() == options_.activation_dtype, where(a), ": stage ", a.stage,
                    " produced an activation of shape ", shape_text(out.shape()), " ", dtype_name(out.dtype()),
                    " but declared ", shape_text(want), " ", dtype_name(options_.activation_dtype));
-        LOOM_CHECK(out.requires_grad(), where(a), ": the stage's output does not depend on anything trained");
+        LOOM_CHECK(evaluating || out.requires_grad(), where(a),
+                   ": the stage's output does not depend on anything trained");
       }
       st.output = out;
       break;
@@ -408,18 +461,20 @@ void Pipeline::run_compute(const Action& a, const std::vector<Tensor>& inputs, c
 }
 
 void Pipeline::run_batch(const std::vector<Action>& batch) {
-  const int m = options_.microbatches;
+  const int m = running_->microbatches;
   finish_sends(false);
   std::vector<P2POp> ops;
   for (const Action& a : batch) {
     Stage& stage = local_stage(a.stage);
     MicrobatchState& st = *state_[size_t(&stage - stages_.data()) * size_t(m) + size_t(a.microbatch)];
-    const int64_t rows = agreed_rows_;
+    const int64_t rows = running_rows_[size_t(a.microbatch)];
     switch (a.op) {
       case Op::send_activation:
         // A detached alias: what waits for the send must not keep the stage's graph alive.
         ops.push_back(P2POp::send(st.output.detach(), schedule_.rank_of(a.stage + 1),
                                   tag_of(a.stage, a.microbatch, m, false)));
+        // No backward will want it: the send holds it from now on, and frees it once done.
+        if (running_->forward_only) st.output = Tensor();
         break;
       case Op::recv_activation:
         st.input = Tensor::empty(stage.input_shape(rows), options_.activation_dtype, options_.device);
@@ -487,7 +542,7 @@ std::string Pipeline::peer_text(const Action& a) const {
 // alias that was sent and, until its backward, the stage's output (kept for its node).
 void Pipeline::release_if_unshared(const Tensor& sent, const Action& a) {
   const MicrobatchState& st =
-      *state_[size_t(&local_stage(a.stage) - stages_.data()) * size_t(options_.microbatches) + size_t(a.microbatch)];
+      *state_[size_t(&local_stage(a.stage) - stages_.data()) * size_t(running_->microbatches) + size_t(a.microbatch)];
   const bool output_held = st.output.defined() && st.output.storage() == sent.storage();
   if (sent.storage().use_count() == 1 + (output_held ? 1 : 0)) sent.storage()->release();
 }

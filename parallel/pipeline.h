@@ -65,6 +65,14 @@
 //      stage keeps only the graph it needs. (On Gloo "sent" is known at the end of the step
 //      only, so until then each sent activation stays; its graph goes at its backward.)
 //
+// Evaluation (Pipeline::evaluate) runs the forward half alone: each rank's forwards of its
+// stages, the micro-batches in groups of p, each group through the rank's stages in order,
+// with the same derived transfers, as a schedule of its own (build_forward_schedule) checked
+// by the same checker, so neither placement of sends can hang. No gradient is wanted
+// (NoGradGuard): a stage's input and output go as soon as the next stage took them or the
+// send finished, so a rank holds at most the activations in flight. The last stage's losses, each weighted by its
+// micro-batch's rows, make the batch's mean loss, shared with the pipeline as step() shares it.
+//
 // Then, once per step: the gradients of parameters tied across stages (GPT's token embedding,
 // used by stage 0 and by the output layer on the last stage) are summed between their holders,
 // so the copies, equal at the start, stay equal; with a data-parallel group, every gradient is
@@ -84,6 +92,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <set>
 #include <memory>
 #include <optional>
@@ -159,6 +168,14 @@ class Pipeline {
   // as a one-element f32 tensor on the pipeline's device (reading it waits for the step).
   Tensor step(const Tensor& inputs, const Tensor& targets);
 
+  // The batch's mean loss with no gradient: `inputs` and `targets` as for step(), cut into
+  // min(microbatches, rows) micro-batches whose sizes differ by one row at most, each one's
+  // loss weighted by its rows (a loss that is a mean over rows, as GPT's, comes out as one
+  // process computes it on the whole batch). Returned on every rank of the group, as step()
+  // returns it, but not averaged over options.data_parallel: each pipeline evaluates the
+  // batch it is given. Parameters and gradients are left as they are.
+  Tensor evaluate(const Tensor& inputs, const Tensor& targets);
+
   // The global gradient norm over every stage of the pipeline (tied parameters counted once),
   // then every gradient scaled so the norm is at most max_norm, as nn::clip_grad_norm_ does
   // for one process. Every rank of the group calls it. Returns the norm before clipping.
@@ -181,6 +198,11 @@ class Pipeline {
   struct MicrobatchState;
   Stage& local_stage(int stage);
   void agree_on_shapes(int64_t rows);
+  // Walks this rank's row of `schedule` over the micro-batches given; returns the last stage's
+  // losses summed (each times loss_weights[micro-batch] when given), or an undefined tensor
+  // on a rank without the last stage.
+  Tensor run_schedule(const Schedule& schedule, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets,
+                      const std::vector<double>& loss_weights);
   void run_compute(const Action& a, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
   void run_batch(const std::vector<Action>& batch);
   void wait_for(const WorkPtr& work, const Action& a);
@@ -197,6 +219,11 @@ class Pipeline {
   PipelineOptions options_;
   Schedule schedule_;
   int64_t agreed_rows_ = -1;
+  // What run_schedule walks: the schedule (training's, or an evaluation's) and the rows of
+  // each of its micro-batches.
+  const Schedule* running_ = nullptr;
+  std::vector<int64_t> running_rows_;
+  std::map<int, Schedule> evaluation_schedules_;  // by micro-batch count, built on first use
   Tensor tied_first_, tied_last_;
   bool tied_ = false;
   std::vector<std::unique_ptr<MicrobatchState>> state_;  // per (local stage, micro-batch)

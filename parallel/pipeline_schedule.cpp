@@ -59,7 +59,8 @@ bool Schedule::split_backward() const { return kind == ScheduleKind::zero_bubble
 
 std::string Schedule::table() const {
   std::ostringstream out;
-  out << schedule_name(kind) << ": " << ranks << " ranks, " << stages << " stages, " << microbatches
+  out << (forward_only ? "evaluation, forwards of " : "") << schedule_name(kind) << ": " << ranks << " ranks, "
+      << stages << " stages, " << microbatches
       << " micro-batches (F forward, B backward, I input gradient, W weight gradient, sA/rA send/receive "
          "activation, sG/rG gradient; micro-batch.stage)\n";
   for (int r = 0; r < ranks; ++r) {
@@ -251,6 +252,25 @@ Schedule build_schedule(ScheduleKind kind, int ranks, int microbatches, int stag
   return s;
 }
 
+Schedule build_forward_schedule(const Schedule& training, int microbatches) {
+  LOOM_CHECK(microbatches >= 1, "pipeline: ", microbatches, " micro-batches to evaluate; expected at least 1");
+  Schedule s;
+  s.kind = training.kind;
+  s.ranks = training.ranks;
+  s.stages = training.stages;
+  s.microbatches = microbatches;
+  s.transfers = training.transfers;
+  s.forward_only = true;
+  s.actions.resize(size_t(s.ranks));
+  for (int r = 0; r < s.ranks; ++r)
+    for (int first = 0; first < microbatches; first += s.ranks)
+      for (int stage : s.stages_of(r))
+        for (int i = first; i < std::min(first + s.ranks, microbatches); ++i)
+          s.actions[size_t(r)].push_back(compute(Op::forward, stage, i));
+  add_transfers(s);
+  return s;
+}
+
 // ---- checking and simulating -------------------------------------------------------------
 
 double Simulation::bubble() const {
@@ -326,14 +346,17 @@ Simulation check_schedule(const Schedule& s, const Costs& costs) {
                    " lives on rank ", s.rank_of(a.stage));
         if (is_compute(a.op)) {
           LOOM_CHECK(a.batch < 0, "pipeline schedule: compute action ", a.str(), " on rank ", r, " sits in a batch");
+          LOOM_CHECK(!s.forward_only || a.op == Op::forward, "pipeline schedule: rank ", r, " has ", a.str(),
+                     ", but an evaluation schedule runs forwards only");
           LOOM_CHECK(split ? a.op != Op::backward : (a.op != Op::backward_input && a.op != Op::backward_weight),
                      "pipeline schedule: rank ", r, " has ", a.str(), ", but a ", schedule_name(s.kind),
                      " schedule's backward is ", split ? "split (I and W)" : "whole (B)");
           count[{int(a.op), a.stage, a.microbatch}]++;
         }
       }
-    std::vector<Op> ops = split ? std::vector<Op>{Op::forward, Op::backward_input, Op::backward_weight}
-                                : std::vector<Op>{Op::forward, Op::backward};
+    std::vector<Op> ops = s.forward_only ? std::vector<Op>{Op::forward}
+                          : split    ? std::vector<Op>{Op::forward, Op::backward_input, Op::backward_weight}
+                                     : std::vector<Op>{Op::forward, Op::backward};
     for (int st = 0; st < s.stages; ++st)
       for (int mb = 0; mb < s.microbatches; ++mb)
         for (Op op : ops) {

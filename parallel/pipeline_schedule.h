@@ -84,6 +84,8 @@ struct Schedule {
   int microbatches = 1;  // m
   Transfers transfers = Transfers::eager;
   std::vector<std::vector<Action>> actions;  // per rank, in order
+  // An evaluation's schedule (Pipeline::evaluate): forwards and their transfers, no backward.
+  bool forward_only = false;
 
   int rank_of(int stage) const { return stage % ranks; }
   int stages_per_rank() const { return stages / ranks; }
@@ -101,6 +103,14 @@ struct Schedule {
 // of ranks, as Megatron requires), the others with one. Throws naming what is out of range.
 Schedule build_schedule(ScheduleKind kind, int ranks, int microbatches, int stages_per_rank = 2,
                         Transfers transfers = Transfers::eager);
+
+// The evaluation schedule of a pipeline laid out as `training` (its ranks, stages and
+// placement of sends) over `microbatches` micro-batches, any number from 1: forwards only, the
+// micro-batches in groups of p (the ranks), each group through a rank's stages in increasing
+// order before the next group, with the transfers add_transfers derives. Under either
+// placement no rank then holds a send that a neighbour receives only after a send of its own
+// (the checker proves it: tests/parallel/test_pipeline_schedule.cpp).
+Schedule build_forward_schedule(const Schedule& training, int microbatches);
 
 // Adds the transfers (and their batch numbers) to per-rank lists of compute actions, placed
 // as schedule.transfers says; what build_schedule does after ordering the compute. Lists that

@@ -31,6 +31,7 @@
 #include "data/image_folder.h"
 #include "data/loader.h"
 #include "engine/autocast.h"
+#include "engine/allocator.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/layers.h"
@@ -39,6 +40,7 @@
 #include "parallel/fsdp.h"
 #include "parallel/sharded_checkpoint.h"
 #include "parallel/init.h"
+#include "parallel/memory_plan.h"
 #include "parallel/rendezvous.h"
 #include "parallel/trace.h"
 #include "samples/common/flags.h"
@@ -422,6 +424,7 @@ int run(int argc, char** argv) {
                  (long long)(d.train.labels.empty() ? 0 : d.train.labels.front()));
 
   // ---- model, optimizer, schedule --------------------------------------------------------
+  const size_t allocated_before_model = memory::stats(device).allocated;
   manual_seed(uint64_t(o.seed));
   std::shared_ptr<nn::Module> model = make_model(o, d, flags);
   if (!o.init.empty()) {
@@ -429,6 +432,15 @@ int run(int argc, char** argv) {
     if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--init " + o.init);
   }
   model->to(device);
+  model->train();
+  // What a forward of this rank's batch keeps for backward, from a probe of one and two
+  // random images (parallel/memory_plan.h), before any wrapper shards the weights.
+  const size_t activations = dist::activation_bytes(*model, device, o.batch_size, [&](int64_t rows) {
+    AutocastGuard cast(autocast);
+    Tensor images = randn({rows, d.train.channels, d.train.height, d.train.width}, DType::f32, device);
+    Tensor logits = model->forward(images);
+    return cross_entropy(logits.to(DType::f32), zeros({rows}, DType::i64, device));
+  });
   // Under data parallelism the step runs through DDP, which starts every rank from rank 0's
   // weights and averages the gradients during backward; checkpoints and evaluation use the
   // model itself, so their names carry no "module." prefix.
@@ -467,6 +479,11 @@ int run(int argc, char** argv) {
   }
   std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, fsdp ? fsdp->parameters() : model->parameters());
   auto forward = [&](const Tensor& x) { return fsdp ? fsdp->forward(x) : trained->forward(x); };
+  const dist::MemoryPlan plan =
+      fsdp ? dist::plan_sharded(*fsdp, *opt, activations)
+           : dist::plan_replicated(*model, *opt, activations,
+                                   dynamic_cast<const dist::DistributedDataParallel*>(trained.get()));
+  if (main_rank && !o.quiet) std::printf("%s\n", plan.table().c_str());
   optim::LRScheduler sched(*opt, make_schedule(o, total_steps));
 
   int64_t epoch = 0, batch = 0, step = 0;
@@ -513,7 +530,8 @@ int run(int argc, char** argv) {
     dist::trace::set_enabled(true, device);
   }
   const auto run_start = std::chrono::steady_clock::now();
-  model->train();
+  bool plan_measured = false;
+  memory::reset_peak(device);
   for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
     char label[64];
     std::snprintf(label, sizeof label, "epoch %lld/%lld", (long long)epoch + 1, (long long)o.epochs);
@@ -557,6 +575,15 @@ int run(int argc, char** argv) {
       if (step >= total_steps) break;
     }
     if (main_rank && !o.quiet) progress.finish();
+    // The plan beside what the allocator saw since the model was built (its peak: the
+    // batches in flight and what the plan leaves out included), once.
+    if (main_rank && !o.quiet && epoch_steps > 0 && !plan_measured) {
+      plan_measured = true;
+      std::printf("memory after %lld steps: peak %.3f MB on rank 0, %.0f%% of the plan's %.3f MB\n",
+                  (long long)epoch_steps, double(memory::stats(device).peak_allocated - allocated_before_model) / 1e6,
+                  100.0 * double(memory::stats(device).peak_allocated - allocated_before_model) / double(plan.total()),
+                  double(plan.total()) / 1e6);
+    }
     // Reading the loss waits for the GPU, so the epoch's clock stops after its last step ran.
     const double train_loss = dist::mean_over_ranks(ctx, epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN);
     const double epoch_seconds =

@@ -44,6 +44,13 @@ const ParamState* Optimizer::state(const Tensor& param) const {
   return it == state_.end() ? nullptr : &it->second;
 }
 
+size_t Optimizer::planned_state_bytes() const {
+  size_t bytes = 0;
+  for (const ParamGroup& g : groups_)
+    for (const Tensor& p : g.params) bytes += p.nbytes() * buffers_kept(g);
+  return bytes;
+}
+
 ParamState& Optimizer::state_of(const Tensor& param) {
   ParamState& s = state_[param.impl()];
   for (auto& [_, b] : s.buffers)

@@ -67,6 +67,10 @@ class Optimizer {
   void set_lr(double lr);
   // The state of `param`; nullptr before its first update.
   const ParamState* state(const Tensor& param) const;
+  // The bytes of buffers the state holds once every parameter has had an update: each
+  // parameter's size (its dtype) times the buffers its group keeps. What a memory plan counts
+  // before the first step (parallel/memory_plan.h).
+  size_t planned_state_bytes() const;
 
   // The state shares the optimizer's buffers (save it before the next step).
   OptimizerState state_dict() const;
@@ -82,6 +86,11 @@ class Optimizer {
   ParamState& state_of(const Tensor& param);
   // The buffer names this optimizer keeps per parameter (checked on load).
   virtual std::vector<std::string> buffer_names() const = 0;
+  // How many of them a parameter of `group` gets (all of them unless overridden).
+  virtual size_t buffers_kept(const ParamGroup& group) const {
+    (void)group;
+    return buffer_names().size();
+  }
 
  private:
   std::vector<ParamGroup> groups_;

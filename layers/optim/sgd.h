@@ -29,6 +29,8 @@ class SGD : public Optimizer {
 
  protected:
   std::vector<std::string> buffer_names() const override { return {"momentum_buffer"}; }
+  // A momentum buffer only where the group has momentum.
+  size_t buffers_kept(const ParamGroup& group) const override { return group.momentum != 0 ? 1 : 0; }
 };
 
 // One group's update over parallel lists (every grad defined). An undefined momentum

@@ -49,6 +49,39 @@ TEST(PipelineSchedule, EveryBuiltInScheduleChecks) {
         }
 }
 
+// Pipeline::evaluate's schedules: forwards only, of any micro-batch count (a last batch may
+// be short), on every layout a training schedule has, under both placements of sends (the
+// interleaved layout's paired placement included).
+TEST(PipelineSchedule, EveryEvaluationScheduleChecks) {
+  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::interleaved, ScheduleKind::zero_bubble_h1})
+    for (int p = 1; p <= 6; ++p)
+      for (int v : {2, 3}) {
+        if (kind != ScheduleKind::interleaved && v != 2) continue;
+        for (auto transfers : {Transfers::eager, Transfers::paired}) {
+          const Schedule training = build_schedule(kind, p, p, v, transfers);
+          for (int m = 1; m <= 9; ++m) {
+            const Schedule s = build_forward_schedule(training, m);
+            SCOPED_TRACE(s.table());
+            ASSERT_EQ(s.stages, training.stages);
+            ASSERT_NO_THROW(check_schedule(s));
+          }
+        }
+      }
+  // Two ranks, 1F1B's layout: each rank forwards its micro-batches in turn, sends after; two
+  // stages a rank: a group of two micro-batches through stage 0, then stage 2.
+  EXPECT_EQ(build_forward_schedule(build_schedule(ScheduleKind::one_f_one_b, 2, 4), 2).table(),
+            "evaluation, forwards of 1f1b: 2 ranks, 2 stages, 2 micro-batches (F forward, B backward, I input "
+            "gradient, W weight gradient, sA/rA send/receive activation, sG/rG gradient; micro-batch.stage)\n"
+            "rank 0 | F0.0 [ sA0.0 ] F1.0 [ sA1.0 ]\n"
+            "rank 1 | [ rA0.1 ] F0.1 [ rA1.1 ] F1.1\n");
+  const std::string interleaved = build_forward_schedule(build_schedule(ScheduleKind::interleaved, 2, 2), 2).table();
+  EXPECT_NE(interleaved.find("rank 0 | F0.0 [ sA0.0 ] F1.0 [ sA1.0 rA0.2 ] F0.2 [ sA0.2 rA1.2 ] F1.2"), std::string::npos)
+      << interleaved;
+  Schedule with_backward = build_forward_schedule(build_schedule(ScheduleKind::one_f_one_b, 1, 1), 1);
+  with_backward.actions[0].push_back(B(0, 0));
+  expect_error([&] { check_schedule(with_backward); }, {"rank 0 has B0.0", "evaluation schedule runs forwards only"});
+}
+
 TEST(PipelineSchedule, OneFOneBHoldsFewerMicrobatchesThanGPipe) {
   Simulation gpipe = check_schedule(build_schedule(ScheduleKind::gpipe, 4, 16));
   Simulation ofob = check_schedule(build_schedule(ScheduleKind::one_f_one_b, 4, 16));

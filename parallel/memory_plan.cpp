@@ -1,0 +1,160 @@
+// The memory plan (see memory_plan.h): sums over the model's tensors, and a probe forward.
+#include "parallel/memory_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+#include <sstream>
+
+#include "engine/allocator.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "parallel/ddp.h"
+#include "parallel/fsdp.h"
+
+namespace loom::dist {
+
+namespace {
+
+std::string megabytes(size_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3f MB", double(bytes) / 1e6);
+  return text;
+}
+
+// The trainable parameters' bytes and all parameters' bytes, each tensor once (a tied one
+// is one tensor).
+std::pair<size_t, size_t> parameter_bytes(const nn::Module& model) {
+  std::set<const TensorImpl*> seen;
+  size_t trained = 0, all = 0;
+  for (const Tensor& p : model.parameters()) {
+    if (!seen.insert(p.impl()).second) continue;
+    all += p.nbytes();
+    if (p.requires_grad()) trained += p.nbytes();
+  }
+  return {trained, all};
+}
+
+}  // namespace
+
+std::string MemoryPlan::table(std::optional<size_t> measured_peak) const {
+  std::ostringstream out;
+  out << "memory plan per rank (" << strategy << "):";
+  auto line = [&](const char* name, size_t bytes, bool always) {
+    if (bytes > 0 || always) out << "\n  " << name << std::string(14 - std::string(name).size(), ' ') << megabytes(bytes);
+  };
+  line("parameters", parameters, true);
+  line("gradients", gradients, true);
+  line("optimizer", optimizer_state, true);
+  line("buckets", buckets, false);
+  line("gathered", gathered, false);
+  line("activations", activations, true);
+  line("total", total(), true);
+  if (measured_peak) {
+    char ratio[64];
+    std::snprintf(ratio, sizeof ratio, " (%.0f%% of the plan)", total() ? 100.0 * double(*measured_peak) / double(total()) : 0.0);
+    out << "\n  measured peak " << megabytes(*measured_peak) << ratio;
+  }
+  return out.str();
+}
+
+size_t activation_bytes(nn::Module& module, Device device, int64_t rows,
+                        const std::function<Tensor(int64_t rows)>& forward) {
+  LOOM_CHECK(rows >= 1, "activation_bytes: ", rows, " rows; expected 1 or more");
+  // What the probe could change: the buffers (a BatchNorm's running statistics and counter),
+  // the generator (dropout) and the parameters' gradients.
+  nn::NamedTensors buffers = module.named_buffers();
+  TensorList params = module.parameters();
+  std::vector<Tensor> kept_buffers, kept_grads;
+  {
+    NoGradGuard no_grad;
+    for (const auto& [_, b] : buffers) kept_buffers.push_back(b.clone());
+    for (const Tensor& p : params) kept_grads.push_back(p.grad().defined() ? p.grad().clone() : Tensor());
+  }
+  const auto [seed, offset] = rng_state();
+  // The most the step held beyond what it started with and the gradients it made.
+  auto step_peak = [&](int64_t r) {
+    for (Tensor& p : params) p.zero_grad();
+    synchronize(device);
+    const size_t before = memory::stats(device).allocated;
+    memory::reset_peak(device);
+    {
+      Tensor loss = forward(r);
+      LOOM_CHECK(loss.numel() == 1, "activation_bytes: the probe returned ", shape_str(loss.shape()),
+                 "; expected a scalar to run backward from");
+      loss.backward();
+    }
+    synchronize(device);
+    const size_t peak = memory::stats(device).peak_allocated;
+    size_t grads = 0;
+    std::set<const TensorImpl*> seen;
+    for (const Tensor& p : params)
+      if (p.grad().defined() && seen.insert(p.impl()).second) grads += p.grad().nbytes();
+    return peak > before + grads ? peak - before - grads : 0;
+  };
+  const size_t one = step_peak(1);
+  const size_t two = step_peak(2);
+  set_rng_state(seed, offset);
+  {
+    NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers.size(); ++i) copy_(buffers[i].second, kept_buffers[i]);
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].zero_grad();
+      if (kept_grads[i].defined()) params[i].set_grad(kept_grads[i]);
+    }
+  }
+  const size_t per_row = two > one ? two - one : 0;
+  return one + per_row * size_t(rows - 1);
+}
+
+MemoryPlan plan_replicated(const nn::Module& model, const optim::Optimizer& optimizer, size_t activations,
+                           const DistributedDataParallel* ddp) {
+  MemoryPlan plan;
+  plan.strategy = ddp ? "DDP" : "plain";
+  const auto [trained, all] = parameter_bytes(model);
+  plan.parameters = all;
+  plan.gradients = trained;
+  plan.optimizer_state = optimizer.planned_state_bytes();
+  if (ddp && !ddp->options().gradient_as_bucket_view) plan.buckets = trained;
+  plan.activations = activations;
+  return plan;
+}
+
+MemoryPlan plan_sharded(const FullyShardedDataParallel& fsdp, const optim::Optimizer& optimizer,
+                        size_t activations) {
+  MemoryPlan plan;
+  const FSDPOptions& o = fsdp.options();
+  const bool zero3 = o.reshard_after_forward == ReshardAfterForward::yes;
+  plan.strategy = std::string("FSDP ") + (zero3 ? "ZeRO-3" : "ZeRO-2") + " over " +
+                  std::to_string(fsdp.group().size()) + " ranks" +
+                  (fsdp.replicate_group() ? " x " + std::to_string(fsdp.replicate_group()->size()) + " replicas" : "");
+  std::set<const TensorImpl*> seen;
+  for (const Tensor& s : fsdp.parameters()) {
+    if (!seen.insert(s.impl()).second) continue;
+    plan.parameters += s.nbytes();
+    if (s.requires_grad()) plan.gradients += s.nbytes();
+  }
+  plan.optimizer_state = optimizer.planned_state_bytes();
+  std::vector<size_t> units = fsdp.unit_bytes();
+  std::sort(units.rbegin(), units.rend());
+  size_t all = 0;
+  for (size_t b : units) all += b;
+  size_t held = 0;
+  if (!zero3) {
+    held = all;
+  } else {
+    const size_t at_once = std::min(units.size(), size_t(o.prefetch ? 3 : 2));
+    for (size_t i = 0; i < at_once; ++i) held += units[i];
+  }
+  // The largest unit's full gradients, and the buffer they are reduce-scattered from (in
+  // the reduce dtype, the parameters' own when unset).
+  const size_t largest = units.empty() ? 0 : units.front();
+  const Tensor first = fsdp.parameters().empty() ? Tensor() : fsdp.parameters().front();
+  const size_t param_size = first.defined() ? dtype_size(o.param_dtype.value_or(first.dtype())) : 1;
+  const size_t reduce_size = first.defined() ? dtype_size(o.reduce_dtype.value_or(first.dtype())) : 1;
+  plan.gathered = held + largest + largest / param_size * reduce_size;
+  plan.activations = activations;
+  return plan;
+}
+
+}  // namespace loom::dist
