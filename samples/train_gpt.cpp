@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 
@@ -94,6 +95,24 @@ std::string generate(nn::GPT& model, const std::string& prompt, int64_t count, d
   return out;
 }
 
+// The mean of the validation batches' losses, with no gradient: every rank (every pipeline)
+// evaluates them all. Summed on the device and read once, so validation does not wait for the
+// GPU per batch.
+double validation_loss(data::DataLoader& val_loader, const std::optional<DType>& autocast,
+                       const std::function<Tensor(const data::Batch&)>& loss) {
+  Tensor sum;
+  int64_t batches = 0;
+  NoGradGuard no_grad;
+  AutocastGuard cast(autocast);
+  data::Epoch val = val_loader.epoch(0);
+  for (data::Batch& b : val) {
+    Tensor l = loss(b);
+    sum = sum.defined() ? add(sum, l) : l;
+    ++batches;
+  }
+  return batches ? sum.item() / double(batches) : NAN;
+}
+
 // What a checkpoint to resume holds, checked against this run before any data is read: the
 // program and the config first (a message that names them beats a list of missing weights).
 void check_resume(const Options& o, const std::map<std::string, std::string>& saved, const samples::Flags& flags) {
@@ -171,15 +190,16 @@ std::map<std::string, std::string> pipeline_entries(const Options& o, int world_
 
 // --pp N: the model cut into stages over a pp x dp mesh of ranks (parallel/pipeline.h);
 // each rank builds only its stages, trains with the schedule chosen, and the loss and
-// throughput are reported per epoch. Validation would need the whole model on one rank, so a
-// pipelined run does none; for generation the first pipeline's ranks send their stages to
+// throughput are reported per epoch, with the validation loss over the plain run's batches
+// (Pipeline::evaluate, forward only: every pipeline evaluates them all, as every rank of a
+// data-parallel run does); for generation the first pipeline's ranks send their stages to
 // rank 0 (parallel/pipeline_gather.h), which builds the whole GPT and generates from it. --save
 // writes a pipeline checkpoint after every epoch
 // (parallel/pipeline_checkpoint.h: a folder, one file per pipeline rank) and --resume
 // continues one exactly.
 int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& config, const samples::Flags& flags,
-                    data::DataLoader& train_loader, int64_t steps_per_epoch, int64_t total_steps,
-                    int64_t train_windows) {
+                    data::DataLoader& train_loader, data::DataLoader& val_loader, int64_t steps_per_epoch,
+                    int64_t total_steps, int64_t train_windows) {
   using namespace dist::pipeline;
   const bool main_rank = ctx.is_main();
   dist::DeviceMesh mesh(ctx.group, {int(o.pp), int(o.dp)}, {"pp", "dp"});
@@ -269,17 +289,21 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     const double train_loss = dist::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double tokens_per_s = double(steps * o.batch_size * o.context * o.dp) / seconds;
+    const double val_loss = validation_loss(val_loader, autocast, [&](const data::Batch& b) {
+      return gp.pipeline->evaluate(b.inputs, b.targets);
+    });
     if (main_rank) {
-      std::printf("epoch %lld: train loss %.4f  %.0f tok/s", (long long)epoch + 1, train_loss, tokens_per_s);
+      std::printf("epoch %lld: train loss %.4f  validation loss %.4f  %.0f tok/s", (long long)epoch + 1, train_loss,
+                  val_loss, tokens_per_s);
       if (!o.trace.empty() && steps)
         std::printf("  bubble: measured %.1f%%, schedule %.1f%% at equal stages", 100.0 * bubble_sum / double(steps),
                     100.0 * theory.bubble());
       std::printf("\n");
       std::fflush(stdout);
     }
-    metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"tokens_per_s", tokens_per_s},
-                   {"config", o.config}, {"precision", o.precision}, {"device", ctx.device.str()}, {"pp", o.pp},
-                   {"schedule", o.schedule}});
+    metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss},
+                   {"tokens_per_s", tokens_per_s}, {"config", o.config}, {"precision", o.precision},
+                   {"device", ctx.device.str()}, {"pp", o.pp}, {"schedule", o.schedule}});
     if (!o.save.empty()) {
       const bool finished = batch >= steps_per_epoch;
       checkpoint.user = pipeline_entries(o, ctx.size, stages, train_windows, finished ? epoch + 1 : epoch,
@@ -544,7 +568,8 @@ int run(int argc, char** argv) {
           "its data position is a place in that many windows (the same data)"}});
 
   if (pipelined)
-    return train_pipelined(o, ctx, config, flags, train_loader, steps_per_epoch, total_steps, train_set->size());
+    return train_pipelined(o, ctx, config, flags, train_loader, val_loader, steps_per_epoch, total_steps,
+                           train_set->size());
 
   // ---- model and optimizer -------------------------------------------------------------
   manual_seed(uint64_t(o.seed));
@@ -633,21 +658,10 @@ int run(int argc, char** argv) {
     if (main_rank) progress.finish();
     const double train_loss = dist::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    // Summed on the device and read once, so validation does not wait for the GPU per batch.
-    Tensor val_sum;
-    int64_t val_batches = 0;
-    {
-      NoGradGuard no_grad;
-      AutocastGuard cast(autocast);
-      data::Epoch val = val_loader.epoch(0);
-      for (data::Batch& b : val) {
-        auto loss = [&] { return model->loss(b.inputs, b.targets); };
-        Tensor l = fsdp ? fsdp->call(loss) : loss();
-        val_sum = val_sum.defined() ? add(val_sum, l) : l;
-        ++val_batches;
-      }
-    }
-    const double val_loss = val_batches ? val_sum.item() / double(val_batches) : NAN;
+    const double val_loss = validation_loss(val_loader, autocast, [&](const data::Batch& b) {
+      auto loss = [&] { return model->loss(b.inputs, b.targets); };
+      return fsdp ? fsdp->call(loss) : loss();
+    });
     const double tokens_per_s = double(steps * o.batch_size * o.context * ctx.size) / seconds;
     if (main_rank) {
       std::printf("epoch %lld: train loss %.4f  validation loss %.4f  %.0f tok/s\n", (long long)epoch + 1,
