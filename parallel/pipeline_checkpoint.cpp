@@ -181,37 +181,75 @@ void remove_other_generations(const std::string& dir, int64_t generation) {
   }
 }
 
-// One stage's entries from its saved file, checked against the stage's module: the same
-// names with the same shapes.
-nn::NamedTensors saved_stage(const Stage& stage, const SafetensorsFile& saved, const std::string& file,
-                             const std::map<std::string, const Tensor*>& by_name) {
-  const std::string key = "stage." + std::to_string(stage.index);
-  auto list = saved.metadata.find(key);
-  LOOM_CHECK(list != saved.metadata.end(), "pipeline checkpoint: ", file, " holds no stage ", stage.index,
-             ", which this rank runs");
-  std::set<std::string> saved_names;
-  for (const std::string& name : split_names(list->second)) saved_names.insert(name);
-  nn::NamedTensors out;
-  for (const auto& [name, t] : stage.module->state_dict()) {
-    auto it = by_name.find(name);
-    LOOM_CHECK(saved_names.count(name) && it != by_name.end(), "pipeline checkpoint: ", file, " has no ", name,
-               " in stage ", stage.index, " (were the blocks cut at other places?)");
-    LOOM_CHECK(it->second->shape() == t.shape(), "pipeline checkpoint: ", name, " has shape ",
-               shape_str(it->second->shape()), " in ", file, " but ", shape_str(t.shape()), " in stage ", stage.index,
-               " of this run (another model config?)");
-    saved_names.erase(name);
-    out.emplace_back(name, *it->second);
+// Where the checkpoint's entries are: every stage file's list of names, read from the files'
+// headers alone, in stage order, which is the whole model's state-dict order. A name listed
+// twice is taken once, from its first file.
+struct SavedNames {
+  std::vector<std::string> order;
+  std::map<std::string, size_t> position;  // in `order`
+  std::map<std::string, int> rank_of;      // the pipeline rank whose file holds it
+};
+
+SavedNames saved_names(const std::string& dir, const Index& index) {
+  SavedNames out;
+  std::map<int, std::map<std::string, std::string>> headers;
+  for (int64_t s = 0; s < index.stages; ++s) {
+    const int rank = int(s % index.ranks);
+    const std::string file = stage_file(dir, index.generation, rank, int(index.ranks));
+    if (!headers.count(rank)) {
+      LOOM_CHECK(fs::exists(file), "pipeline checkpoint: ", file, ", which ", index.path, " names, is missing");
+      headers[rank] = load_safetensors_metadata(file);
+    }
+    for (const std::string& name : split_names(text::entry(headers[rank], file, "stage." + std::to_string(s))))
+      if (out.rank_of.emplace(name, rank).second) {
+        out.position[name] = out.order.size();
+        out.order.push_back(name);
+      }
   }
-  LOOM_CHECK(saved_names.empty(), "pipeline checkpoint: ", file, " holds ", *saved_names.begin(), " in stage ",
-             stage.index, ", which this run's stage ", stage.index, " does not (were the blocks cut at other places?)");
   return out;
 }
 
-// This rank's optimizer state from its stage file and the index, in the optimizer's own
-// numbering, each buffer checked against its parameter's shape.
+// One stage's entries from the files that hold them, checked against the stage's module: every
+// name there with the same shape, and the stage's names a run of the saved model's order (the
+// run starting it on stage 0, ending it on the last stage), so that a model the checkpoint
+// holds more of than this run does is not loaded in part.
+nn::NamedTensors saved_stage(const Stage& stage, bool last, const std::string& dir, const Index& index,
+                             const SavedNames& saved, const std::map<std::string, const Tensor*>& by_name) {
+  const std::string layout = " (saved by " + std::to_string(index.ranks) + " pipeline ranks of " +
+                             std::to_string(index.stages) + " stages in all)";
+  nn::NamedTensors out;
+  size_t previous = 0;
+  for (const auto& [name, t] : stage.module->state_dict()) {
+    auto at = saved.position.find(name);
+    LOOM_CHECK(at != saved.position.end(), "pipeline checkpoint: ", dir, " holds no ", name, ", which stage ",
+               stage.index, " of this run needs", layout, ": another model config?");
+    const Tensor& found = *by_name.at(name);
+    LOOM_CHECK(found.shape() == t.shape(), "pipeline checkpoint: ", name, " has shape ", shape_str(found.shape()),
+               " in ", dir, " but ", shape_str(t.shape()), " in stage ", stage.index, " of this run (another model "
+               "config?)");
+    if (out.empty()) {
+      LOOM_CHECK(stage.index != 0 || at->second == 0, "pipeline checkpoint: ", dir, " holds ", saved.order.front(),
+                 " before ", name, ", the first entry of this run's stage 0", layout, ": another model config?");
+    } else {
+      LOOM_CHECK(at->second == previous + 1, "pipeline checkpoint: ", dir, " holds ",
+                 saved.order[std::min(previous + 1, saved.order.size() - 1)], " after ", out.back().first,
+                 ", where this run's stage ", stage.index, " goes on with ", name, layout, ": another model config?");
+    }
+    previous = at->second;
+    out.emplace_back(name, found);
+  }
+  LOOM_CHECK(!last || out.empty() || previous + 1 == saved.order.size(), "pipeline checkpoint: ", dir, " holds ",
+             saved.order[std::min(previous + 1, saved.order.size() - 1)], " after ",
+             out.empty() ? std::string() : out.back().first, ", the last entry of this run's last stage", layout,
+             ": another model config?");
+  return out;
+}
+
+// This rank's optimizer state from the files that hold its parameters and the index, in the
+// optimizer's own numbering, each buffer checked against its parameter's shape.
 optim::OptimizerState saved_optimizer(const optim::Optimizer& opt, const Pipeline& pipe, const Index& index,
-                                      const SafetensorsFile& saved, const std::string& file,
-                                      const std::map<std::string, const Tensor*>& by_name) {
+                                      const SavedNames& saved, const std::map<int, SafetensorsFile>& files,
+                                      const std::string& dir, const std::map<std::string, const Tensor*>& by_name) {
   LOOM_CHECK(index.meta.count("optimizer"), "pipeline checkpoint: ", index.path,
              " holds no optimizer state, and this run steps ", opt.type_name());
   const std::string& type = index.meta.at("optimizer");
@@ -220,15 +258,22 @@ optim::OptimizerState saved_optimizer(const optim::Optimizer& opt, const Pipelin
   optim::OptimizerState state;
   for (const auto& [key, v] : index.meta)
     if (key.starts_with("param_groups.")) state.scalars[key] = text::parse<double>(index.path, key, v);
-  for (const auto& [key, v] : saved.metadata)
-    if (key.starts_with("param_groups.")) state.scalars[key] = text::parse<double>(file, key, v);
+  // The group sizes are this rank's own: its stages hold these parameters, whichever ranks
+  // held them when saved.
+  for (size_t g = 0; g < opt.param_groups().size(); ++g)
+    state.scalars["param_groups." + std::to_string(g) + ".size"] = double(opt.param_groups()[g].params.size());
   const std::vector<std::string> names = optimizer_names(opt, pipe);
   std::vector<Shape> shapes;
   for (const auto& group : opt.param_groups())
     for (const Tensor& p : group.params) shapes.push_back(p.shape());
   for (size_t i = 0; i < names.size(); ++i) {
-    auto step = saved.metadata.find("step." + names[i]);
-    if (step == saved.metadata.end()) continue;  // never stepped
+    auto holder = saved.rank_of.find(names[i]);
+    LOOM_CHECK(holder != saved.rank_of.end(), "pipeline checkpoint: ", dir, " holds no ", names[i],
+               ", which this run's optimizer steps");
+    const std::string file = stage_file(dir, index.generation, holder->second, int(index.ranks));
+    const auto& metadata = files.at(holder->second).metadata;
+    auto step = metadata.find("step." + names[i]);
+    if (step == metadata.end()) continue;  // never stepped
     const std::string key = "state." + std::to_string(i) + ".";
     state.scalars[key + "step"] = text::parse<double>(file, step->first, step->second);
     const std::string prefix = kOptimizerPrefix + names[i] + ".";
@@ -266,27 +311,48 @@ std::map<std::string, std::string> load_pipeline_checkpoint(const std::string& d
   NoGradGuard no_grad;
   const Pipeline& pipe = *state.pipeline;
   const Index index = read_index(dir);
-  LOOM_CHECK(index.ranks == pipe.schedule().ranks, "pipeline checkpoint: ", dir, " was saved by a pipeline of ",
-             index.ranks, " ranks (pp ", index.ranks, "), and this one has ", pipe.schedule().ranks,
-             ": resume it with pp ", index.ranks);
-  LOOM_CHECK(index.stages == pipe.schedule().stages, "pipeline checkpoint: ", dir, " holds ", index.stages,
-             " stages, and this pipeline has ", pipe.schedule().stages, " (another number of stages per rank?)");
-  const std::string file = stage_file(dir, index.generation, pipe.rank(), int(index.ranks));
-  LOOM_CHECK(fs::exists(file), "pipeline checkpoint: ", file, ", which ", index.path, " names, is missing");
-  const SafetensorsFile saved = load_safetensors(file);
+  const SavedNames saved = saved_names(dir, index);
+  // The files holding what this rank's stages and optimizer need, each read once; a name is
+  // taken from the first file that lists it (by_name keeps the first).
+  std::map<int, SafetensorsFile> files;
+  auto read = [&](int rank) {
+    if (!files.count(rank))
+      files.emplace(rank, load_safetensors(stage_file(dir, index.generation, rank, int(index.ranks))));
+  };
+  for (const Stage& stage : pipe.stages())
+    for (const auto& [name, t] : stage.module->state_dict())
+      if (auto holder = saved.rank_of.find(name); holder != saved.rank_of.end()) read(holder->second);
+  // This pipeline rank's generator is the one its rank saved, or, for a rank the saving
+  // pipeline did not have, world rank 0's (the index's), as a single-file checkpoint gives it.
+  const bool saved_rank = pipe.rank() < index.ranks;
+  if (saved_rank) read(pipe.rank());
+  // Each entry from its holder's file: a parameter's optimizer buffers
+  // ("optim.<name>.<buffer>") come with the parameter.
+  auto held_by = [&](const std::string& entry, int rank) {
+    std::string name = entry;
+    if (name.starts_with(kOptimizerPrefix))
+      name = name.substr(kOptimizerPrefix.size(), name.rfind('.') - kOptimizerPrefix.size());
+    auto holder = saved.rank_of.find(name);
+    return holder != saved.rank_of.end() && holder->second == rank;
+  };
   std::map<std::string, const Tensor*> by_name;
-  for (const auto& [name, t] : saved.tensors) by_name.emplace(name, &t);
+  for (const auto& [rank, file] : files)
+    for (const auto& [name, t] : file.tensors)
+      if (held_by(name, rank)) by_name.emplace(name, &t);
 
   // Everything is read and checked first; nothing changes until all of it passed.
   std::vector<nn::NamedTensors> stages;
-  for (const Stage& stage : pipe.stages()) stages.push_back(saved_stage(stage, saved, file, by_name));
+  for (const Stage& stage : pipe.stages())
+    stages.push_back(saved_stage(stage, stage.index == pipe.schedule().stages - 1, dir, index, saved, by_name));
   optim::OptimizerState opt_state;
-  if (state.optimizer) opt_state = saved_optimizer(*state.optimizer, pipe, index, saved, file, by_name);
+  if (state.optimizer) opt_state = saved_optimizer(*state.optimizer, pipe, index, saved, files, dir, by_name);
   const std::map<std::string, double> schedule_state = text::read_schedule(index.meta, index.path);
   LOOM_CHECK(!state.scheduler || !schedule_state.empty(), "pipeline checkpoint: ", index.path,
              " holds no learning-rate schedule, and this run has one");
-  const auto generator = text::read_generator(saved.metadata, file);
-  LOOM_CHECK(generator.has_value(), "pipeline checkpoint: ", file, " has no random generator state");
+  const std::string generator_file =
+      saved_rank ? stage_file(dir, index.generation, pipe.rank(), int(index.ranks)) : index.path;
+  const auto generator = text::read_generator(saved_rank ? files.at(pipe.rank()).metadata : index.meta, generator_file);
+  LOOM_CHECK(generator.has_value(), "pipeline checkpoint: ", generator_file, " has no random generator state");
 
   // The optimizer and the schedule check their own state before they change; the stages'
   // entries were checked above.
@@ -295,10 +361,23 @@ std::map<std::string, std::string> load_pipeline_checkpoint(const std::string& d
     if (state.scheduler) state.scheduler->load_state_dict(schedule_state);
     for (size_t i = 0; i < stages.size(); ++i) pipe.stages()[i].module->load_state_dict(stages[i], nn::Strict::yes);
   } catch (const Error& e) {
-    LOOM_FAIL("pipeline checkpoint: ", file, ": ", e.what());
+    LOOM_FAIL("pipeline checkpoint: ", dir, ": ", e.what());
   }
   set_rng_state(generator->first, generator->second);
   return text::under(index.meta, "user.");
+}
+
+int64_t resumed_pipeline_step(int64_t saved_pipelines, int64_t pipelines, int64_t epoch, int64_t batch, int64_t step,
+                              int64_t steps_per_epoch, optim::LRScheduler& schedule) {
+  if (saved_pipelines == pipelines) return step;
+  LOOM_CHECK(batch == 0, "pipeline checkpoint: saved by ", saved_pipelines, " data-parallel pipelines within epoch ",
+             epoch + 1, " (at batch ", batch, "), resumed by ", pipelines, ": within an epoch the data position is a "
+             "place in each pipeline's shard of the data; resume with ", saved_pipelines, " pipelines");
+  const int64_t moved = epoch * steps_per_epoch;
+  std::map<std::string, double> state = schedule.state_dict();
+  state["last_step"] = double(moved);
+  schedule.load_state_dict(state);
+  return moved;
 }
 
 void export_pipeline_checkpoint(const std::string& dir, const std::string& path) {

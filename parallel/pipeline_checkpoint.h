@@ -40,12 +40,19 @@
 // previous files, which are still there, so the previous checkpoint stays loadable, and the
 // files of a save that never finished are found by no index and removed by the next save.
 //
-// Loading: every rank, replicas included, reads the index and the file of its pipeline rank
-// and checks, before anything changes, the format, that the pipeline has as many ranks and
-// stages as this run's, and that every stage holds the same names with the same shapes;
-// then it restores its stages, its optimizer, the schedule and its generator. Numbers are
-// decimal text that reads back to the same double (or 64-bit integer), so a resumed run
-// follows the same losses bit for bit on the same device. No communication.
+// Loading: every rank, replicas included, reads the index and the stage files' headers, which
+// list each stage's names; together, in stage order, they are the whole model's state-dict
+// order. It then reads the files that hold what its own stages need, whatever pipeline saved
+// them: another number of ranks, of stages per rank, or other cuts between the blocks (a name
+// listed twice is taken once, from its first file). Before anything changes it checks the
+// format, that every name its stages need is there with the same shape, and that each of its
+// stages holds a run of the saved order (stage 0's from its start, the last stage's to its
+// end), so that a checkpoint of a model with more blocks is not loaded in part; then it
+// restores its stages, its optimizer (each parameter's state filed under its name, from the
+// file that holds the parameter), the schedule, and its generator: the one its pipeline rank
+// saved, or world rank 0's for a rank the saving pipeline did not have. Numbers are decimal
+// text that reads back to the same double (or 64-bit integer), so a resumed run follows the
+// same losses bit for bit on the same device and layout. No communication.
 #pragma once
 
 #include <map>
@@ -73,10 +80,20 @@ struct PipelineCheckpoint {
 // calls it.
 void save_pipeline_checkpoint(const std::string& dir, const PipelineCheckpoint& state);
 
-// Restores this rank's stages, optimizer, schedule and generator from `dir` and returns the
-// caller's entries. Every rank calls it; failures name the folder (or file) and what
-// disagreed, and leave everything unchanged.
+// Restores this rank's stages, optimizer, schedule and generator from `dir`, saved by a
+// pipeline of any layout over the same model, and returns the caller's entries. Every rank
+// calls it; failures name the folder (or file) and what disagreed, and leave everything
+// unchanged.
 std::map<std::string, std::string> load_pipeline_checkpoint(const std::string& dir, const PipelineCheckpoint& state);
+
+// The step a run resumed from a pipeline checkpoint goes on from. Its data position (epoch,
+// batch, step) counts the batches of one pipeline, so it holds at any pipeline layout: `step`
+// is returned. At another number of data-parallel pipelines an epoch has another number of
+// steps: a checkpoint saved at an epoch's end goes on from that epoch's first step as this run
+// counts them (epoch * steps_per_epoch), the schedule moved there. Saved within an epoch at
+// another count, it is refused naming both counts.
+int64_t resumed_pipeline_step(int64_t saved_pipelines, int64_t pipelines, int64_t epoch, int64_t batch, int64_t step,
+                              int64_t steps_per_epoch, optim::LRScheduler& schedule);
 
 // Writes the whole model's parameters of the checkpoint in `dir` to one safetensors file, in
 // stage order under the model's names (for a GPT, what nn::GPT::state_dict() lists, tied

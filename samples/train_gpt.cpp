@@ -128,9 +128,9 @@ void check_resume(const Options& o, const std::map<std::string, std::string>& sa
                o.config + ": resume with --config " + entry("config"));
 }
 
-// A run with --pp resumes a pipeline checkpoint (a folder of per-stage files) of the same
-// pipeline shape, and a run without it a single-file checkpoint: each holds the model laid
-// out as its run holds it.
+// A run with --pp resumes a pipeline checkpoint (a folder of per-stage files, whatever the
+// pipeline's shape: load_pipeline_checkpoint reads each stage's parameters by name), and a run
+// without it a single-file checkpoint.
 void check_resume_layout(const Options& o, const std::map<std::string, std::string>& saved,
                          const samples::Flags& flags) {
   const std::string format = samples::checkpoint_format(o.resume);
@@ -152,14 +152,19 @@ void check_resume_layout(const Options& o, const std::map<std::string, std::stri
                (format == samples::kFileCheckpoint ? "a single-file training checkpoint (saved without --pp)"
                                                    : "a checkpoint of format " + format) +
                ", and --pp " + pp + " resumes a pipeline checkpoint, the folder train_gpt --pp --save writes");
-  if (entry("pp") != pp)
-    flags.fail("--resume " + o.resume + " was saved by a pipeline of --pp " + entry("pp") + ", this run is --pp " +
-               pp + ": its files hold the stages of " + entry("pp") + " ranks; resume with --pp " + entry("pp"));
-  const int64_t stages = o.pp * (o.schedule == "interleaved" ? o.stages_per_rank : 1);
-  if (entry("stages") != std::to_string(stages))
-    flags.fail("--resume " + o.resume + " holds " + entry("stages") + " stages (--schedule " + entry("schedule") +
-               "), this run has " + std::to_string(stages) +
-               ": resume with the same --schedule and --stages-per-rank");
+}
+
+// A pipeline checkpoint's entries with "pipelines", its run's data-parallel pipelines (its
+// ranks over its --pp), which its data position depends on.
+std::map<std::string, std::string> with_pipelines(const samples::Flags& flags, const std::string& path,
+                                                  std::map<std::string, std::string> saved) {
+  const int64_t ranks = samples::checkpoint_integer(path, saved, "world_size", "train_gpt");
+  const int64_t pp = samples::checkpoint_integer(path, saved, "pp", "train_gpt");
+  if (pp < 1 || ranks % pp != 0)
+    flags.fail("--resume " + path + " says it was saved by " + std::to_string(ranks) + " ranks at --pp " +
+               std::to_string(pp) + "; expected a whole number of pipelines");
+  saved["pipelines"] = std::to_string(ranks / pp);
+  return saved;
 }
 
 // The entries a checkpoint carries: where the data stands (the next epoch and batch, the step
@@ -230,7 +235,13 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     epoch = samples::checkpoint_integer(o.resume, user, "epoch", "train_gpt");
     batch = samples::checkpoint_integer(o.resume, user, "batch", "train_gpt");
     step = samples::checkpoint_integer(o.resume, user, "step", "train_gpt");
-    step = samples::resumed_step(user, ctx.size, epoch, step, steps_per_epoch, sched, main_rank);
+    const int64_t saved_dp = std::stoll(with_pipelines(flags, o.resume, user).at("pipelines"));
+    const int64_t moved = resumed_pipeline_step(saved_dp, o.dp, epoch, batch, step, steps_per_epoch, sched);
+    if (main_rank && moved != step)
+      std::printf("saved at --dp %lld, resumed at --dp %lld: an epoch is %lld steps here, so the run goes on from step "
+                  "%lld (step %lld there)\n",
+                  (long long)saved_dp, (long long)o.dp, (long long)steps_per_epoch, (long long)moved, (long long)step);
+    step = moved;
     if (!o.allow_nonfinite)
       for (const auto& m : gp.modules) samples::check_finite_parameters(*m, "--resume " + o.resume);
     if (main_rank)
@@ -559,11 +570,16 @@ int run(int argc, char** argv) {
                                  "--epochs and --max-steps, and the same copy of the data");
   if (!o.resume.empty())
     samples::check_saved_settings(
-        flags, o.resume, saved,
+        flags, o.resume, pipelined ? with_pipelines(flags, o.resume, saved) : saved,
         {{"batch_size", "--batch-size", std::to_string(o.batch_size), "its data position counts batches of that size"},
          {"context", "--context", std::to_string(o.context), "its data position counts windows of that length"},
          {"seed", "--seed", std::to_string(o.seed), "its data position is a place in that seed's order"},
-         samples::saved_rank_count(ctx.size),
+         pipelined ? samples::SavedSetting{"pipelines", "--dp", std::to_string(o.dp),
+                                           "it was saved within an epoch, and its data position is a place in each "
+                                           "pipeline's shard of the data (a checkpoint saved at an epoch's end "
+                                           "resumes at any --dp; --pp and --schedule may change anywhere)",
+                                           true}
+                   : samples::saved_rank_count(ctx.size),
          {"train_windows", "the training window count", std::to_string(train_set->size()),
           "its data position is a place in that many windows (the same data)"}});
 

@@ -3,9 +3,12 @@
 // optimizer buffer, schedule and generator bit for bit, and the next step's loss is the
 // continued run's (2 ranks with two stages each, and 2 x 2 pipelines times replicas); a save
 // that never wrote its index leaves the previous checkpoint loadable and its files go at the
-// next save; the export is a plain GPT's state dict giving the pipeline's loss. Then
-// train_gpt --pp under loomrun: a run killed after its first epoch's save and resumed ends
-// with the uninterrupted run's losses, and resumes of another layout are refused by name.
+// next save; the export is a plain GPT's state dict giving the pipeline's loss; a checkpoint
+// loads into pipelines of another layout, each entry bit for bit by name. Then train_gpt --pp
+// under loomrun: a run killed after its first epoch's save and resumed ends with the
+// uninterrupted run's losses, on the same layout or another (4 ranks, or interleaved); what
+// cannot resume is refused by name; the validation loss printed is one process's on the
+// saved weights.
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -19,6 +22,9 @@
 #include <set>
 #include <thread>
 
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "data/text.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "engine/serialization.h"
@@ -201,7 +207,7 @@ TEST(PipelineCheckpoint, ASaveKilledBeforeItsIndexLeavesThePreviousOneAndItsFile
   fs::remove_all(dir);
 }
 
-TEST(PipelineCheckpoint, AnotherPipelineOrModelIsRefusedNamingBothAndChangesNothing) {
+TEST(PipelineCheckpoint, AnotherModelIsRefusedNamingBothAndChangesNothing) {
   const std::string dir = temp_path("pipeline_ckpt_other");
   run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> world) {
     DeviceMesh mesh(world, {2, 1}, {"pp", "dp"});
@@ -214,18 +220,101 @@ TEST(PipelineCheckpoint, AnotherPipelineOrModelIsRefusedNamingBothAndChangesNoth
       testing::require_error([&] { load_pipeline_checkpoint(dir, t.checkpoint()); }, parts);
       require_same(snapshot(t), before, "after a refused load");
     };
-    Training four_stages(mesh, 9, ScheduleKind::interleaved);
-    refused(four_stages, {dir, "holds 2 stages", "this pipeline has 4"});
     const nn::GPTConfig wider{.vocab_size = 32, .context = 8, .layers = 4, .heads = 2, .width = 16};
     Training wide(mesh, 9, ScheduleKind::one_f_one_b, DType::f32, wider);
     const std::string first = rank == 0 ? "transformer.wte.weight" : "transformer.h.2.ln_1.weight";
     const Shape saved_shape = rank == 0 ? Shape{32, 8} : Shape{8}, wide_shape = rank == 0 ? Shape{32, 16} : Shape{16};
     refused(wide, {dir, first, shape_str(saved_shape), shape_str(wide_shape)});
-    DeviceMesh one_rank_pipelines(world, {1, 2}, {"pp", "dp"});
-    Training whole(one_rank_pipelines, 9, ScheduleKind::one_f_one_b);
-    refused(whole, {dir, "pipeline of 2 ranks", "this one has 1"});
+    // Two blocks where four were saved: the last stage's blocks do not run on into ln_f there.
+    // (Stage 0's blocks are the saved model's first: it sees nothing wrong on its own.)
+    const nn::GPTConfig shorter{.vocab_size = 32, .context = 8, .layers = 2, .heads = 2, .width = 8};
+    Training short_model(mesh, 9, ScheduleKind::one_f_one_b, DType::f32, shorter);
+    if (rank == 1) refused(short_model, {dir, "holds transformer.h.2.", "transformer.ln_f.weight", "2 stages"});
   });
   fs::remove_all(dir);
+}
+
+// The state of a rank by name, as a pipeline checkpoint files it: the stages' state dicts,
+// "optim.<parameter>.<buffer>" and "step.<parameter>" (one value), so that pipelines of two
+// layouts can be compared entry by entry.
+std::map<std::string, Tensor> state_by_name(const Training& t) {
+  std::map<std::string, Tensor> out;
+  std::map<const void*, std::string> name_of;
+  for (const auto& m : t.gp.modules) {
+    for (const auto& [name, p] : m->state_dict()) out[name] = p.clone();
+    for (const auto& [name, p] : m->named_parameters()) name_of.emplace(p.impl(), name);
+  }
+  std::vector<std::string> names;
+  for (const auto& group : t.opt->param_groups())
+    for (const Tensor& p : group.params) names.push_back(name_of.at(p.impl()));
+  // "state.<i>.<rest>" -> parameter i's name and the rest.
+  auto split = [&](const std::string& key) {
+    const size_t dot = key.find('.', 6);
+    return std::pair{names.at(std::stoul(key.substr(6, dot - 6))), key.substr(dot + 1)};
+  };
+  const optim::OptimizerState o = t.opt->state_dict();
+  for (const auto& [key, b] : o.tensors) {
+    auto [name, buffer] = split(key);
+    out["optim." + name + "." + buffer] = b.clone();
+  }
+  for (const auto& [key, v] : o.scalars)
+    if (key.starts_with("state.")) out["step." + split(key).first] = full({1}, v, DType::f64, Device::cpu());
+  return out;
+}
+
+// Saved by one layout, loaded by another: every entry a rank of the new layout holds is, bit
+// for bit, what the rank that held it had saved, and the next step's loss is the saving
+// run's within 1e-5 (the same sums, in other orders). Saved by 2 stages on a 2 x 2 mesh;
+// loaded into 4 stages on 4 ranks (1F1B), into 4 stages two a rank on 2 x 2 (interleaved),
+// and into one stage on 1 x 4.
+TEST(PipelineCheckpoint, SavedByTwoStagesItLoadsIntoFourOrOneBitForBitByName) {
+  const std::string dir = temp_path("pipeline_ckpt_layout"), saved_dir = temp_path("pipeline_ckpt_layout_state");
+  fs::create_directories(saved_dir);
+  run_ranks(4, [&](int rank, std::shared_ptr<ProcessGroup> world) {
+    double continued = 0;
+    {
+      DeviceMesh mesh(world, {2, 2}, {"pp", "dp"});
+      Training a(mesh, 7, ScheduleKind::one_f_one_b);
+      for (int s = 0; s < 3; ++s) a.step(s);
+      save_pipeline_checkpoint(dir, a.checkpoint({{"epoch", "1"}}));
+      nn::NamedTensors mine;
+      for (auto& [name, t] : state_by_name(a)) mine.emplace_back(name, t);
+      save_safetensors(saved_dir + "/rank" + std::to_string(rank) + ".safetensors", mine);
+      continued = a.step(3);
+    }
+    world->barrier()->wait();
+    std::map<std::string, Tensor> saved;
+    for (int r = 0; r < 4; ++r)
+      for (auto& [name, t] : load_safetensors(saved_dir + "/rank" + std::to_string(r) + ".safetensors").tensors)
+        saved.emplace(name, t);
+    struct Layout {
+      std::vector<int> mesh;
+      ScheduleKind kind;
+    };
+    for (const Layout& layout : {Layout{{4, 1}, ScheduleKind::one_f_one_b}, Layout{{2, 2}, ScheduleKind::interleaved},
+                                 Layout{{1, 4}, ScheduleKind::one_f_one_b}}) {
+      DeviceMesh mesh(world, layout.mesh, {"pp", "dp"});
+      Training b(mesh, 99, layout.kind);
+      const std::string what = std::to_string(b.gp.pipeline->schedule().stages) + " stages on " +
+                               std::to_string(layout.mesh[0]) + " x " + std::to_string(layout.mesh[1]) + ", rank " +
+                               std::to_string(rank);
+      const auto user = load_pipeline_checkpoint(dir, b.checkpoint());
+      require(user.at("epoch") == "1", what, ": the caller's entries did not come back");
+      const std::map<std::string, Tensor> loaded = state_by_name(b);
+      int optimizer_entries = 0;
+      for (const auto& [name, t] : loaded) {
+        require(saved.count(name), what, ": ", name, " was not saved");
+        require(same_bits(t, saved.at(name)), what, ": ", name, " differs from the saved one");
+        optimizer_entries += name.starts_with("optim.");
+      }
+      require(optimizer_entries > 0, what, ": no optimizer state was loaded");
+      const double resumed = b.step(3);
+      require(std::abs(resumed - continued) <= 1e-5 * std::abs(continued), what, ": the step after the load gives ",
+              resumed, ", the saving run ", continued);
+    }
+  });
+  fs::remove_all(dir);
+  fs::remove_all(saved_dir);
 }
 
 TEST(PipelineCheckpoint, ExportsAPlainGptStateDictThatGivesThePipelinesLoss) {
@@ -310,13 +399,13 @@ std::string train_gpt(const std::string& corpus, const std::string& metrics, con
          " --context 16 --batch-size 8 --epochs 2 --workers 1 --plot '' --metrics '" + metrics + "' " + extra;
 }
 
-// The train_loss values of a metrics file, one per line.
-std::vector<std::string> train_losses(const std::string& metrics) {
+// The values of `key` ("train_loss", "val_loss") in a metrics file, one per line.
+std::vector<std::string> metric(const std::string& metrics, const std::string& key = "train_loss") {
   std::ifstream in(metrics);
   std::vector<std::string> out;
   std::smatch m;
   for (std::string line; std::getline(in, line);)
-    if (std::regex_search(line, m, std::regex("\"train_loss\": *([^,}]+)"))) out.push_back(m[1]);
+    if (std::regex_search(line, m, std::regex("\"" + key + "\": *([^,}]+)"))) out.push_back(m[1]);
   return out;
 }
 
@@ -342,19 +431,10 @@ pid_t start(const std::string& command, const std::string& log) {
   return pid;
 }
 
-TEST(TrainGptPipelineCheckpoint, ARunKilledAfterItsFirstSaveResumesToTheUninterruptedLosses) {
-  ASSERT_FALSE(program("LOOMRUN").empty() || program("TRAIN_GPT").empty()) << "meson test sets LOOMRUN, TRAIN_GPT";
-  const std::string corpus = write_corpus(), dir = temp_path("pp_train_ckpt");
-  const std::string straight_dir = temp_path("pp_straight_ckpt");
-  const std::string straight_metrics = temp_path("pp_straight") + ".jsonl";
-  const std::string metrics = temp_path("pp_resumed") + ".jsonl";  // the killed run's, then the resumed run's
-  auto straight = testing::run_command(train_gpt(corpus, straight_metrics, "--pp 2 --save " + straight_dir), 120);
-  ASSERT_EQ(straight.code, 0) << straight.output;
-
-  // The same run with --save, killed (SIGKILL to loomrun, whose ranks die with it) as soon as
-  // its first checkpoint is whole: while its second epoch trains.
-  const std::string log = temp_path("pp_killed") + ".log";
-  const pid_t killed = start(train_gpt(corpus, metrics, "--pp 2 --save " + dir), log);
+// Runs `command` (with --save dir) and kills it (SIGKILL to loomrun, whose ranks die with it)
+// as soon as its first checkpoint is whole: while its second epoch trains.
+void save_first_epoch_then_kill(const std::string& command, const std::string& dir, const std::string& log) {
+  const pid_t killed = start(command, log);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (!fs::exists(dir + "/index.safetensors") && std::chrono::steady_clock::now() < deadline &&
          ::waitpid(killed, nullptr, WNOHANG) == 0)
@@ -364,13 +444,27 @@ TEST(TrainGptPipelineCheckpoint, ARunKilledAfterItsFirstSaveResumesToTheUninterr
   ASSERT_TRUE(fs::exists(dir + "/index.safetensors")) << "no checkpoint was saved";
   const auto index = load_safetensors_metadata(dir + "/index.safetensors");
   ASSERT_EQ(index.at("user.epoch"), "1") << "the run was killed after its second epoch had been saved: too late";
+}
+
+TEST(TrainGptPipelineCheckpoint, ARunKilledAfterItsFirstSaveResumesToTheUninterruptedLosses) {
+  ASSERT_FALSE(program("LOOMRUN").empty() || program("TRAIN_GPT").empty()) << "meson test sets LOOMRUN, TRAIN_GPT";
+  const std::string corpus = write_corpus(), dir = temp_path("pp_train_ckpt");
+  const std::string straight_dir = temp_path("pp_straight_ckpt");
+  const std::string straight_metrics = temp_path("pp_straight") + ".jsonl";
+  const std::string metrics = temp_path("pp_resumed") + ".jsonl";  // the killed run's, then the resumed run's
+  auto straight = testing::run_command(train_gpt(corpus, straight_metrics, "--pp 2 --save " + straight_dir), 120);
+  ASSERT_EQ(straight.code, 0) << straight.output;
+
+  const std::string log = temp_path("pp_killed") + ".log";
+  ASSERT_NO_FATAL_FAILURE(save_first_epoch_then_kill(train_gpt(corpus, metrics, "--pp 2 --save " + dir), dir, log));
+  const auto index = load_safetensors_metadata(dir + "/index.safetensors");
   EXPECT_EQ(index.at("user.pp"), "2");
   EXPECT_EQ(index.at("user.schedule"), "1f1b");
 
   auto resumed = testing::run_command(train_gpt(corpus, metrics, "--pp 2 --resume " + dir + " --save " + dir), 120);
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed " + dir + " at epoch 2, batch 0"), std::string::npos) << resumed.output;
-  const std::vector<std::string> want = train_losses(straight_metrics), got = train_losses(metrics);
+  const std::vector<std::string> want = metric(straight_metrics), got = metric(metrics);
   ASSERT_EQ(want.size(), 2u) << straight.output;
   EXPECT_EQ(got, want) << resumed.output;
   // Both end with generation 2's files (the epochs' two saves): the same weights and
@@ -383,8 +477,8 @@ TEST(TrainGptPipelineCheckpoint, ARunKilledAfterItsFirstSaveResumesToTheUninterr
     EXPECT_TRUE(same_bits(final_resumed.at(key), t)) << key << " differs after the resumed run";
   }
 
-  // Resumes of another layout: another --pp, a single file given to --pp, a pipeline's folder
-  // given to a run without --pp; and a single file given to --pp's --save.
+  // Resumes of another kind: a single file given to --pp, a pipeline's folder given to a run
+  // without --pp; and a single file given to --pp's --save.
   nn::GPT gpt(nn::GPTConfig::named("tiny"));
   const std::string file = temp_path("pp_file_ckpt") + ".safetensors";
   nn::save_checkpoint(file, {.model = &gpt, .user = {{"program", "train_gpt"}, {"config", "tiny"}}});
@@ -393,7 +487,6 @@ TEST(TrainGptPipelineCheckpoint, ARunKilledAfterItsFirstSaveResumesToTheUninterr
     std::vector<std::string> expected;
   };
   const std::vector<Case> cases = {
-      {"--pp 3 --resume " + dir, {"--resume " + dir, "--pp 2", "this run is --pp 3"}},
       {"--pp 2 --resume " + file, {"--resume " + file, "single-file training checkpoint", "--pp 2"}},
       {"--resume " + dir, {"--resume " + dir, "is a pipeline checkpoint", "--pp 2"}},
       {"--pp 2 --save " + file, {"--save " + file, "is a file", "folder"}},
@@ -427,8 +520,8 @@ TEST(TrainGptPipelineCheckpoint, SavedAtAnEpochsEndItResumesWithAnotherDp) {
   ASSERT_EQ(first.code, 0) << first.output;
   auto wider = testing::run_command(command(4, "--dp 2 --epochs 2 --resume " + dir), 120);
   ASSERT_EQ(wider.code, 0) << wider.output;
-  EXPECT_NE(wider.output.find("saved on 2 ranks, resumed on 4: an epoch is 13 steps here, so the run goes on from "
-                              "step 13 (step 27 there)"),
+  EXPECT_NE(wider.output.find("saved at --dp 1, resumed at --dp 2: an epoch is 13 steps here, so the run goes on "
+                              "from step 13 (step 27 there)"),
             std::string::npos)
       << wider.output;
   EXPECT_NE(wider.output.find("resumed " + dir + " at epoch 2, batch 0"), std::string::npos) << wider.output;
@@ -436,6 +529,120 @@ TEST(TrainGptPipelineCheckpoint, SavedAtAnEpochsEndItResumesWithAnotherDp) {
   // The first pipeline's stages gathered on rank 0, which generates.
   EXPECT_NE(wider.output.find("--- sample (temperature 0.80, top-k 40) ---"), std::string::npos) << wider.output;
   for (const std::string& path : {corpus, dir}) fs::remove_all(path);
+}
+
+
+double number(const std::string& text) { return std::stod(text); }
+
+bool close(double a, double b) { return std::abs(a - b) <= 1e-5 * std::abs(b); }
+
+// Saved at its first epoch's end by 2 ranks (1F1B, 2 stages of the guide's 6 blocks), the
+// checkpoint resumes on 4 ranks (--pp 4) and on 2 ranks of two stages each (interleaved, 4
+// stages): each stage reads its blocks by name from the files that hold them, and the second
+// epoch's train and validation losses are the uninterrupted run's within 1e-5 (pipelines of
+// any layout equal one process within that; the metrics' 6 digits are finer). Saved within
+// an epoch, it resumes at another --pp; at another --dp it is refused naming --dp.
+TEST(TrainGptPipelineCheckpoint, SavedByTwoRanksItResumesOnAnotherLayoutToTheUninterruptedLosses) {
+  ASSERT_FALSE(program("LOOMRUN").empty() || program("TRAIN_GPT").empty()) << "meson test sets LOOMRUN, TRAIN_GPT";
+  const std::string corpus = write_corpus(), dir = temp_path("pp_layout_ckpt"), log = temp_path("pp_layout") + ".log";
+  auto command = [&](int ranks, const std::string& metrics, const std::string& extra) {
+    return program("LOOMRUN") + " --nproc-per-node " + std::to_string(ranks) + " " + program("TRAIN_GPT") +
+           " --device cpu --config guide --data " + corpus + " --context 16 --batch-size 8 --epochs 2 --workers 1 "
+           "--generate 0 --plot '' --metrics '" + metrics + "' " + extra;
+  };
+  const std::string straight_metrics = temp_path("pp_layout_straight") + ".jsonl";
+  auto straight = testing::run_command(command(2, straight_metrics, "--pp 2"), 300);
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  const std::vector<std::string> want_train = metric(straight_metrics), want_val = metric(straight_metrics, "val_loss");
+  ASSERT_EQ(want_val.size(), 2u) << straight.output;
+  ASSERT_NO_FATAL_FAILURE(save_first_epoch_then_kill(command(2, "", "--pp 2 --save " + dir), dir, log));
+
+  struct Case {
+    int ranks;
+    std::string flags, stages;
+  };
+  for (const Case& c : {Case{4, "--pp 4", "a pipeline of 4 stages on 4 x 1 ranks"},
+                        Case{2, "--pp 2 --schedule interleaved", "a pipeline of 4 stages on 2 x 1 ranks"}}) {
+    SCOPED_TRACE(c.flags);
+    const std::string metrics = temp_path("pp_layout_resumed") + ".jsonl";
+    auto resumed = testing::run_command(command(c.ranks, metrics, c.flags + " --resume " + dir), 300);
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find(c.stages), std::string::npos) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed " + dir + " at epoch 2, batch 0 (step 27)"), std::string::npos)
+        << resumed.output;
+    const std::vector<std::string> train = metric(metrics), val = metric(metrics, "val_loss");
+    ASSERT_EQ(val.size(), 1u) << resumed.output;
+    EXPECT_TRUE(close(number(train[0]), number(want_train[1]))) << train[0] << " against " << want_train[1];
+    EXPECT_TRUE(close(number(val[0]), number(want_val[1]))) << val[0] << " against " << want_val[1];
+    fs::remove(metrics);
+  }
+
+  // One step into the second epoch (--max-steps 28 ends the run there and saves): the same
+  // data position at --pp 3, and refused at --dp 2.
+  const std::string within = temp_path("pp_layout_within");
+  auto stopped = testing::run_command(command(2, "", "--pp 2 --max-steps 28 --save " + within), 300);
+  ASSERT_EQ(stopped.code, 0) << stopped.output;
+  auto on_three =
+      testing::run_command(command(3, "", "--pp 3 --microbatches 4 --max-steps 30 --resume " + within), 300);
+  ASSERT_EQ(on_three.code, 0) << on_three.output;
+  EXPECT_NE(on_three.output.find("resumed " + within + " at epoch 2, batch 1 (step 28)"), std::string::npos)
+      << on_three.output;
+  auto on_four = testing::run_command(command(4, "", "--pp 2 --dp 2 --resume " + within), 120);
+  EXPECT_NE(on_four.code, 0) << on_four.output;
+  const std::vector<std::string> refusal{"--resume " + within, "--dp 1", "this run has --dp 2", "within an epoch"};
+  for (const std::string& part : refusal)
+    EXPECT_NE(on_four.output.find(part), std::string::npos) << on_four.output;
+  EXPECT_EQ(on_four.output.find("terminate called"), std::string::npos) << on_four.output;
+  for (const std::string& path : {corpus, dir, log, straight_metrics, within}) fs::remove_all(path);
+}
+
+// train_gpt --pp 2 prints and records the validation loss one process computes on the same
+// weights over the same batches (the plain run's validation: the last 10% of the text in
+// windows of --context, batches of --batch-size in order, the mean of their losses, the last
+// batch short and cut into uneven micro-batches): here the
+// weights its checkpoint holds after the epoch, exported and loaded into a whole GPT. A
+// pipelined run starts from other weights than a plain one (each rank builds its stages
+// alone), so the same weights are compared, not the same seed. Within 1e-5 relative of the
+// metrics' value (f32 micro-batch means against whole-batch means; 6 digits printed).
+TEST(TrainGptPipeline, ItsValidationLossIsOneProcesssOnTheSameWeights) {
+  ASSERT_FALSE(program("LOOMRUN").empty() || program("TRAIN_GPT").empty()) << "meson test sets LOOMRUN, TRAIN_GPT";
+  const std::string corpus = write_corpus(), dir = temp_path("pp_val_ckpt"), metrics = temp_path("pp_val") + ".jsonl";
+  const std::string weights = temp_path("pp_val_weights") + ".safetensors";
+  auto r = testing::run_command(program("LOOMRUN") + " --nproc-per-node 2 " + program("TRAIN_GPT") +
+                                    " --device cpu --config tiny --data " + corpus +
+                                    " --context 16 --batch-size 14 --epochs 1 --workers 1 --generate 0 --plot '' "
+                                    "--pp 2 --microbatches 7 --metrics '" + metrics + "' --save " + dir,
+                                120);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::vector<std::string> printed = metric(metrics, "val_loss");
+  ASSERT_EQ(printed.size(), 1u) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("epoch 1: train loss [0-9.]+  validation loss ([0-9.]+)  ")))
+      << r.output;
+
+  export_pipeline_checkpoint(dir, weights);
+  nn::GPT gpt(nn::GPTConfig::named("tiny"));
+  nn::load_weights(weights, gpt);
+  const data::TokenShard all = data::load_text(corpus);
+  const size_t split = all.tokens.size() * 9 / 10;
+  auto val_set = std::make_shared<data::TokenWindowDataset>(
+      data::TokenShard{{all.tokens.begin() + int64_t(split), all.tokens.end()}}, 16);
+  data::DataLoader val(val_set, std::make_shared<data::SequentialSampler>(val_set->size()),
+                       {.batch_size = 14, .num_workers = 1, .drop_last = data::DropLast::no});
+  NoGradGuard no_grad;
+  double sum = 0;
+  int64_t batches = 0;
+  data::Epoch epoch = val.epoch(0);
+  for (data::Batch& b : epoch) {
+    sum += gpt.loss(b.inputs, b.targets).item();
+    ++batches;
+  }
+  ASSERT_EQ(val_set->size() % 14, 10) << "the corpus should end in a batch of 10, which the pipeline cuts into 7 "
+                                         "micro-batches of 2 or 1 rows";
+  const double want = sum / double(batches);
+  EXPECT_TRUE(close(number(printed[0]), want)) << printed[0] << " against one process's " << want;
+  EXPECT_NEAR(number(m[1]), want, 0.5e-4 + 1e-5 * want) << r.output;
+  for (const std::string& path : {corpus, dir, metrics, weights}) fs::remove_all(path);
 }
 
 }  // namespace loom::dist::pipeline
