@@ -61,11 +61,9 @@ Pipeline::Pipeline(std::shared_ptr<ProcessGroup> group, std::vector<Stage> stage
   LOOM_CHECK(group_ != nullptr, "Pipeline: no process group");
   // NCCL runs a group's transfers one call after another on its stream, so a send holds what
   // follows it until its partner is posted: the paired placement. Gloo's sends go on their
-  // own: eager.
-  const Transfers transfers = group_->backend() == "nccl" ? Transfers::paired : Transfers::eager;
-  LOOM_CHECK(!(transfers == Transfers::paired && options_.schedule == ScheduleKind::interleaved && group_->size() > 1),
-             "Pipeline: the interleaved schedule needs eager sends, which the NCCL group does not offer yet; use "
-             "1f1b, gpipe or zb1 on GPUs");
+  // own: eager, unless options.transfers asks for the paired placement.
+  const Transfers transfers =
+      group_->backend() == "nccl" ? Transfers::paired : options_.transfers.value_or(Transfers::eager);
   schedule_ = build_schedule(options_.schedule, group_->size(), options_.microbatches,
                              options_.schedule == ScheduleKind::interleaved ? options_.stages_per_rank : 1, transfers);
   LOOM_CHECK(options_.schedule == ScheduleKind::interleaved || options_.stages_per_rank == 1, "Pipeline: the ",

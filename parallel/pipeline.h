@@ -138,6 +138,9 @@ struct PipelineOptions {
   // optimizer steps on the shards. Not with the zb1 schedule, whose split backward FSDP does
   // not follow.
   std::optional<FSDPOptions> shard;
+  // The placement of sends (pipeline_schedule.h) on a Gloo group: unset, eager; paired runs
+  // the placement an NCCL group always runs, so CPU ranks can prove it.
+  std::optional<Transfers> transfers;
 };
 
 // The block ranges of a model of `layers` blocks cut into `stages` stages: `cuts`, stages + 1

@@ -109,6 +109,9 @@ std::vector<Action> one_f_one_b_order(int rank, int p, int m) {
 // Interleaved 1F1B, in Megatron's order: the k-th forward of a rank runs virtual stage
 // (k mod pv) / p of micro-batch (k div pv) p + k mod p, so groups of p micro-batches go
 // through one virtual stage before the next; backwards mirror it from the last virtual stage.
+// The forwards rank `rank` runs before its first backward in the interleaved order.
+int interleaved_warmup(int rank, int p, int m, int v) { return std::min((p - rank - 1) * 2 + (v - 1) * p, m * v); }
+
 std::vector<Action> interleaved_order(int rank, int p, int m, int v) {
   const int total = m * v;
   auto forward = [&](int k) {
@@ -119,7 +122,7 @@ std::vector<Action> interleaved_order(int rank, int p, int m, int v) {
     int chunk = v - 1 - (k % (p * v)) / p, mb = (k / (p * v)) * p + k % p;
     return compute(Op::backward, chunk * p + rank, mb);
   };
-  const int warmup = std::min((p - rank - 1) * 2 + (v - 1) * p, total);
+  const int warmup = interleaved_warmup(rank, p, m, v);
   std::vector<Action> out;
   for (int k = 0; k < warmup; ++k) out.push_back(forward(k));
   for (int k = 0; k < total - warmup; ++k) {
@@ -184,6 +187,9 @@ int producer_stage(const Schedule& s, const Action& a) {
 
 void add_transfers(Schedule& schedule) {
   const bool paired = schedule.transfers == Transfers::paired;
+  // Megatron's ticks: the interleaved training schedule's paired placement
+  // (pipeline_schedule.h). An evaluation's forwards pair as the other schedules' do.
+  const bool ticked = paired && schedule.kind == ScheduleKind::interleaved && !schedule.forward_only;
   for (int r = 0; r < schedule.ranks; ++r) {
     std::vector<Action> compute_only = std::move(schedule.actions[size_t(r)]);
     std::vector<Action>& out = schedule.actions[size_t(r)];
@@ -201,13 +207,32 @@ void add_transfers(Schedule& schedule) {
       recvs.clear();
       batch++;
     };
-    for (const Action& a : compute_only) {
-      LOOM_CHECK(is_compute(a.op), "add_transfers: rank ", r, "'s list already holds the transfer ", a.str());
+    auto receive_input_of = [&](const Action& a) {
       const int from = producer_stage(schedule, a);
       if (from >= 0 && schedule.rank_of(from) != r)
         recvs.push_back({a.op == Op::forward ? Op::recv_activation : Op::recv_gradient, a.stage, a.microbatch, -1});
-      // Eager sends go out before the next compute; paired ones wait for a receive.
-      if (!paired || !recvs.empty()) flush();
+    };
+    // Ticks: the warm-up's forwards alone, then (forward, backward) pairs, then backwards alone.
+    const size_t warmup =
+        ticked ? size_t(interleaved_warmup(r, schedule.ranks, schedule.microbatches, schedule.stages_per_rank())) : 0;
+    const size_t paired_end = compute_only.size() - warmup;
+    size_t tick_left = 0;  // computes left in the current tick
+    for (size_t i = 0; i < compute_only.size(); ++i) {
+      const Action& a = compute_only[i];
+      LOOM_CHECK(is_compute(a.op), "add_transfers: rank ", r, "'s list already holds the transfer ", a.str());
+      if (ticked) {
+        // The tick's receives, and the sends of the tick before, form the batch in front of it.
+        if (tick_left == 0) {
+          tick_left = i >= warmup && i < paired_end ? 2 : 1;
+          for (size_t j = i; j < i + tick_left; ++j) receive_input_of(compute_only[j]);
+          flush();
+        }
+        --tick_left;
+      } else {
+        receive_input_of(a);
+        // Eager sends go out before the next compute; paired ones wait for a receive.
+        if (!paired || !recvs.empty()) flush();
+      }
       out.push_back(a);
       if (a.op == Op::forward && a.stage < schedule.stages - 1 && schedule.rank_of(a.stage + 1) != r)
         sends.push_back({Op::send_activation, a.stage, a.microbatch, -1});

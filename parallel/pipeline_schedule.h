@@ -24,7 +24,14 @@
 //   paired  a send waits for the next batch that receives something and goes with it, and a
 //           batch finishes only when every transfer in it, sends included, has met its
 //           partner: NCCL's point-to-point calls behave so, one group call at a time on the
-//           group's stream, as Megatron-LM pairs them.
+//           group's stream, as Megatron-LM pairs them. The interleaved schedule places them
+//           by ticks instead, as Megatron-LM does: a rank's computes form ticks (a forward
+//           alone while the pipeline fills, a forward and a backward in the steady state, a
+//           backward alone while it drains), and one batch stands between two ticks, holding
+//           what the tick before sends and what the tick after receives. Every rank posts its
+//           k-th batch at the same turn of the schedule, so the neighbours' batches meet. (The
+//           placement above would hang there: with several stages per rank, two neighbours
+//           each hold a send the other receives only after a send of its own.)
 //
 // Checking. check() runs every rank's list against the others under the rule of its
 // placement; partners pair up in the order they are posted. A table that would hang, that pairs a send

@@ -85,10 +85,12 @@ Reference train_alone(int64_t rows) {
 // With `shard`, each stage is sharded over `dp` by FSDP instead of replicated.
 void train_pipeline(std::shared_ptr<ProcessGroup> pp, std::shared_ptr<ProcessGroup> dp, ScheduleKind kind,
                     int microbatches, int64_t rows, int64_t row0, int64_t rows_here, const Reference& ref,
-                    std::optional<FSDPOptions> shard = std::nullopt) {
+                    std::optional<FSDPOptions> shard = std::nullopt,
+                    std::optional<Transfers> transfers = std::nullopt) {
   PipelineOptions options{.schedule = kind, .microbatches = microbatches,
                           .stages_per_rank = kind == ScheduleKind::interleaved ? 2 : 1,
-                          .activation_dtype = DType::f64, .data_parallel = dp, .shard = shard};
+                          .activation_dtype = DType::f64, .data_parallel = dp, .shard = shard,
+                          .transfers = transfers};
   // The reference's starting weights, by name, set before the stages are sharded.
   manual_seed(7);
   nn::GPT start(kConfig);
@@ -141,6 +143,21 @@ TEST(Pipeline, EverySchedulesTrainsLikeOneProcess) {
       SCOPED_TRACE(std::string(schedule_name(kind)) + " p=" + std::to_string(p));
       run_ranks(p, [&](int, std::shared_ptr<ProcessGroup> world) {
         train_pipeline(world, nullptr, kind, m, rows, 0, rows, ref);
+      });
+    }
+}
+
+// The paired placement of sends, the one NCCL groups run (every send waited for with its
+// batch), on Gloo ranks: the interleaved schedule's ticks included.
+TEST(Pipeline, ThePairedPlacementTrainsLikeOneProcess) {
+  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::interleaved, ScheduleKind::zero_bubble_h1})
+    for (int p : {2, 4}) {
+      const int m = 2 * p;
+      const int64_t rows = 2 * m;
+      const Reference ref = train_alone(rows);
+      SCOPED_TRACE(std::string(schedule_name(kind)) + " p=" + std::to_string(p) + ", paired");
+      run_ranks(p, [&](int, std::shared_ptr<ProcessGroup> world) {
+        train_pipeline(world, nullptr, kind, m, rows, 0, rows, ref, std::nullopt, Transfers::paired);
       });
     }
 }
