@@ -131,7 +131,10 @@ struct FSDPState {
   void release(size_t u) {
     Unit& unit = units[u];
     if (!unit.gathered) return;
-    for (ShardedParam& p : unit.params) p.full.storage()->release();
+    for (ShardedParam& p : unit.params) {
+      p.full.storage()->release();
+      p.full.impl()->cast_copy.reset();  // autocast's copy of the full values goes with them
+    }
     unit.gathered = false;
     memory.full_parameter_bytes -= unit.full_bytes;
     held.erase(std::find(held.begin(), held.end(), u));
@@ -327,8 +330,9 @@ struct FSDPState {
     }
     release_all();
     // Another micro-batch's backward still to come reads its weights again, and counts its
-    // gradients afresh.
-    backwards_due = std::max(0, backwards_due - 1);
+    // gradients afresh. A synchronised backward is the last of its step: none is due after it
+    // (a forward whose backward never ran is forgotten here).
+    backwards_due = sync_gradients ? 0 : std::max(0, backwards_due - 1);
     if (backwards_due > 0) {
       begin_pass(Phase::backward);
       for (Unit& unit : units) unit.grads_pending = unit.trainable;
@@ -355,7 +359,10 @@ struct FSDPState {
   }
 
   void begin_forward() {
-    release_all();  // a forward not followed by backward left units gathered
+    // A forward not followed by backward left units gathered; but under ZeRO-2 the units a
+    // backward still due will read stay (a pipeline's next micro-batch runs its forward first).
+    if (backwards_due > 0 && options.reshard_after_forward == ReshardAfterForward::no) drop_prefetch();
+    else release_all();
     reductions.clear();
     for (Unit& unit : units) unit.grads_pending = unit.trainable;
     begin_pass(Phase::forward);
@@ -529,15 +536,17 @@ FullyShardedDataParallel::ForwardScope::~ForwardScope() noexcept(false) {
   FSDPState& state = *fsdp_.state_;
   state.forward_known = true;  // the first forward has shown the order of its gathers
   if (grad_enabled()) {
-    // What reads weights from now on is the backward.
+    // What reads weights from now on is the backward (none comes for a forward that failed).
     state.begin_pass(Phase::backward);
-    ++state.backwards_due;
+    if (std::uncaught_exceptions() == 0) ++state.backwards_due;
     return;
   }
   // Without a backward to come, nothing releases the units: do it here. Waiting for a
   // prefetch can fail (a collective that timed out); while a failed forward unwinds, its own
-  // error is the one reported.
-  state.phase = Phase::idle;
+  // error is the one reported. A backward of an earlier forward may still be due (an
+  // evaluation between a pipeline's micro-batches): it gathers what it reads again.
+  if (state.backwards_due > 0) state.begin_pass(Phase::backward);
+  else state.phase = Phase::idle;
   if (std::uncaught_exceptions() > 0) {
     try {
       state.release_all();
@@ -595,6 +604,10 @@ Tensor FullyShardedDataParallel::shard_of(const Tensor& parameter) const {
 
 void FullyShardedDataParallel::zero_grad() {
   for (Tensor& t : parameters()) t.zero_grad();
+  // And the full gradients that backwards without synchronisation kept (a step that stopped
+  // before its synchronised backward).
+  for (Unit& unit : state_->units)
+    for (ShardedParam& p : unit.params) p.full.zero_grad();
 }
 
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {

@@ -120,7 +120,10 @@
 //    set_gradient_sync(false) before every backward of a stage but its last in the step:
 //    those keep the full gradients, and the last one reduce-scatters their sum, once per
 //    step, as no_sync() does for accumulation. The memory this costs is the full gradients of
-//    the stage between its first and its last backward.
+//    the stage between its first and its last backward. Under ZeRO-2 the units a backward
+//    still due will read stay gathered through the next micro-batch's forward; each unit goes
+//    when its backward for one micro-batch has ended, so ZeRO-2 gathers once a micro-batch
+//    and ZeRO-3 twice.
 //
 // Devices. CPU tensors over a Gloo group, CUDA tensors over an NCCL group. On CUDA every copy
 // into and out of the flat buffers is an engine op on the compute stream and Work::wait()

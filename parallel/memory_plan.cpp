@@ -65,11 +65,11 @@ size_t activation_bytes(nn::Module& module, Device device, int64_t rows,
   // the generator (dropout) and the parameters' gradients.
   nn::NamedTensors buffers = module.named_buffers();
   TensorList params = module.parameters();
-  std::vector<Tensor> kept_buffers, kept_grads;
+  std::vector<Tensor> kept_buffers, kept_grads;  // the gradients themselves: views stay views
   {
     NoGradGuard no_grad;
     for (const auto& [_, b] : buffers) kept_buffers.push_back(b.clone());
-    for (const Tensor& p : params) kept_grads.push_back(p.grad().defined() ? p.grad().clone() : Tensor());
+    for (const Tensor& p : params) kept_grads.push_back(p.grad());
   }
   const auto [seed, offset] = rng_state();
   // The most the step held beyond what it started with and the gradients it made.
@@ -92,17 +92,22 @@ size_t activation_bytes(nn::Module& module, Device device, int64_t rows,
       if (p.grad().defined() && seen.insert(p.impl()).second) grads += p.grad().nbytes();
     return peak > before + grads ? peak - before - grads : 0;
   };
-  const size_t one = step_peak(1);
-  const size_t two = step_peak(2);
-  set_rng_state(seed, offset);
-  {
+  // Put back whether the probe returns or throws.
+  struct Restore {
+    std::function<void()> run;
+    ~Restore() { run(); }
+  } restore{[&] {
+    set_rng_state(seed, offset);
     NoGradGuard no_grad;
     for (size_t i = 0; i < buffers.size(); ++i) copy_(buffers[i].second, kept_buffers[i]);
     for (size_t i = 0; i < params.size(); ++i) {
       params[i].zero_grad();
       if (kept_grads[i].defined()) params[i].set_grad(kept_grads[i]);
+      params[i].impl()->cast_copy.reset();  // autocast's weight copies made by the probe
     }
-  }
+  }};
+  const size_t one = step_peak(1);
+  const size_t two = step_peak(2);
   const size_t per_row = two > one ? two - one : 0;
   return one + per_row * size_t(rows - 1);
 }

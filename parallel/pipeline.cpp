@@ -89,6 +89,9 @@ Pipeline::Pipeline(std::shared_ptr<ProcessGroup> group, std::vector<Stage> stage
   }
   state_.resize(stages_.size() * size_t(options_.microbatches));
   for (const Stage& s : stages_) {
+    LOOM_CHECK(bool(s.sharded) == bool(stages_.front().sharded), "Pipeline: stage ", s.index, " is ",
+               s.sharded ? "" : "not ", "sharded (FSDP) and stage ", stages_.front().index, " is ",
+               stages_.front().sharded ? "" : "not ", "; a rank's stages are all sharded or none");
     LOOM_CHECK(!s.sharded || !schedule_.split_backward(), "Pipeline: stage ", s.index, " is sharded (FSDP), and the ",
                schedule_name(options_.schedule), " schedule splits backward into input and weight halves, which FSDP "
                "does not follow; use 1f1b, gpipe or interleaved");

@@ -19,6 +19,14 @@ namespace loom::dist::pipeline {
 
 namespace {
 
+// Pipeline checkpoints hold whole stages; a sharded stage's parameters exist only as shards.
+void check_unsharded(const Pipeline& pipe, const std::string& dir, const char* what) {
+  for (const Stage& stage : pipe.stages())
+    LOOM_CHECK(!stage.sharded, what, "(", dir, "): stage ", stage.index,
+               " is sharded (PipelineOptions::shard); pipeline checkpoints hold whole stages and do not take "
+               "sharded ones yet");
+}
+
 namespace fs = std::filesystem;
 
 // The same literal as samples/common/program.h's kPipelineCheckpoint (the library does not
@@ -294,6 +302,7 @@ optim::OptimizerState saved_optimizer(const optim::Optimizer& opt, const Pipelin
 void save_pipeline_checkpoint(const std::string& dir, const PipelineCheckpoint& state) {
   LOOM_CHECK(state.pipeline != nullptr && state.world != nullptr, "save_pipeline_checkpoint(", dir,
              "): give the pipeline and the world group (every rank of every pipeline)");
+  check_unsharded(*state.pipeline, dir, "save_pipeline_checkpoint");
   ProcessGroup& world = *state.world;
   fs::create_directories(dir);
   const int64_t generation = next_generation(dir, world, device_of(*state.pipeline));
@@ -308,6 +317,7 @@ void save_pipeline_checkpoint(const std::string& dir, const PipelineCheckpoint& 
 
 std::map<std::string, std::string> load_pipeline_checkpoint(const std::string& dir, const PipelineCheckpoint& state) {
   LOOM_CHECK(state.pipeline != nullptr, "load_pipeline_checkpoint(", dir, "): no pipeline given");
+  check_unsharded(*state.pipeline, dir, "load_pipeline_checkpoint");
   NoGradGuard no_grad;
   const Pipeline& pipe = *state.pipeline;
   const Index index = read_index(dir);

@@ -47,7 +47,8 @@ const ParamState* Optimizer::state(const Tensor& param) const {
 size_t Optimizer::planned_state_bytes() const {
   size_t bytes = 0;
   for (const ParamGroup& g : groups_)
-    for (const Tensor& p : g.params) bytes += p.nbytes() * buffers_kept(g);
+    for (const Tensor& p : g.params)
+      if (p.requires_grad()) bytes += p.nbytes() * buffers_kept(g);  // a frozen one never steps
   return bytes;
 }
 

@@ -67,8 +67,8 @@ class Optimizer {
   void set_lr(double lr);
   // The state of `param`; nullptr before its first update.
   const ParamState* state(const Tensor& param) const;
-  // The bytes of buffers the state holds once every parameter has had an update: each
-  // parameter's size (its dtype) times the buffers its group keeps. What a memory plan counts
+  // The bytes of buffers the state holds once every trained parameter has had an update:
+  // each one's size (its dtype) times the buffers its group keeps. What a memory plan counts
   // before the first step (parallel/memory_plan.h).
   size_t planned_state_bytes() const;
 

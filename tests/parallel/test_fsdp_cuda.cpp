@@ -261,7 +261,8 @@ INSTANTIATE_TEST_SUITE_P(Fsdp, FsdpCudaTraining,
 
 // FSDP inside a pipeline stage (PipelineOptions::shard) on the GPU: one stage over a pipeline
 // group of one, sharded over a data-parallel group of one, 4 micro-batches of one row under
-// 1F1B. The full gradients are kept over the micro-batches and reduce-scattered once a step;
+// GPipe (every forward before the backwards). The full gradients are kept over the
+// micro-batches and reduce-scattered once a step;
 // the losses, the clipped norms and the weights follow the plain run on the whole batch.
 TEST(FsdpCudaPipeline, AShardedStageOverNcclTrainsLikeThePlainGpt) {
   LOOM_REQUIRE_NCCL();
@@ -270,7 +271,7 @@ TEST(FsdpCudaPipeline, AShardedStageOverNcclTrainsLikeThePlainGpt) {
   std::map<std::string, Tensor> initial;
   for (const auto& [name, p] : make_gpt()->named_parameters()) initial.emplace(name, p.to(Device::cpu()));
   OneRank pp, dp;
-  pipeline::PipelineOptions options{.schedule = pipeline::ScheduleKind::one_f_one_b, .microbatches = int(kBatch),
+  pipeline::PipelineOptions options{.schedule = pipeline::ScheduleKind::gpipe, .microbatches = int(kBatch),
                                     .device = kGpu, .data_parallel = dp.group, .shard = FSDPOptions{}};
   auto gp = pipeline::make_gpt_pipeline(pp.group, nn::GPTConfig::named("tiny"), kSeq, options, {},
                                         [&](nn::GPTStage& stage) {

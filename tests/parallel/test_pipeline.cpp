@@ -124,6 +124,12 @@ void train_pipeline(std::shared_ptr<ProcessGroup> pp, std::shared_ptr<ProcessGro
       const int64_t units = int64_t(s.sharded->unit_names().size());
       require(s.sharded->memory().reduce_scatters == kSteps * units, what, ": stage ", s.index, " reduce-scattered ",
               s.sharded->memory().reduce_scatters, " times in ", kSteps, " steps of ", units, " units");
+      // ZeRO-2 keeps a unit from its forward to its backward, other micro-batches' forwards
+      // between them included: one all_gather per unit and micro-batch at the most.
+      if (s.sharded->options().reshard_after_forward == ReshardAfterForward::no)
+        require(s.sharded->memory().gathers <= kSteps * microbatches * units, what, ": ZeRO-2 stage ", s.index,
+                " gathered ", s.sharded->memory().gathers, " times in ", kSteps, " steps of ", microbatches,
+                " micro-batches and ", units, " units");
     }
   for (const Stage& s : gp.pipeline->stages())
     for (auto& [name, p] : s.sharded ? s.sharded->full_state_dict() : s.module->named_parameters()) {
