@@ -11,6 +11,7 @@
 #include "engine/ops.h"
 #include "parallel/ddp.h"
 #include "parallel/fsdp.h"
+#include "parallel/pipeline.h"
 
 namespace loom::dist {
 
@@ -56,6 +57,16 @@ std::string MemoryPlan::table(std::optional<size_t> measured_peak) const {
     out << "\n  measured peak " << megabytes(*measured_peak) << ratio;
   }
   return out.str();
+}
+
+std::string MemoryPlan::measured_line(Device device, size_t allocated_before, int64_t steps) const {
+  const size_t now = memory::stats(device).peak_allocated;
+  const size_t peak = now > allocated_before ? now - allocated_before : 0;
+  char text[160];
+  std::snprintf(text, sizeof text, "memory after %lld steps: peak %.3f MB on this rank, %.0f%% of the plan's %.3f MB",
+                (long long)steps, double(peak) / 1e6, total() ? 100.0 * double(peak) / double(total()) : 0.0,
+                double(total()) / 1e6);
+  return text;
 }
 
 size_t activation_bytes(nn::Module& module, Device device, int64_t rows,
@@ -125,21 +136,13 @@ MemoryPlan plan_replicated(const nn::Module& model, const optim::Optimizer& opti
   return plan;
 }
 
-MemoryPlan plan_sharded(const FullyShardedDataParallel& fsdp, const optim::Optimizer& optimizer,
-                        size_t activations) {
-  MemoryPlan plan;
+namespace {
+
+// FSDP's full parameters held at once at most, and the largest unit's full gradients with
+// the buffer they are reduce-scattered from (memory_plan.h).
+size_t gathered_bytes(const FullyShardedDataParallel& fsdp) {
   const FSDPOptions& o = fsdp.options();
   const bool zero3 = o.reshard_after_forward == ReshardAfterForward::yes;
-  plan.strategy = std::string("FSDP ") + (zero3 ? "ZeRO-3" : "ZeRO-2") + " over " +
-                  std::to_string(fsdp.group().size()) + " ranks" +
-                  (fsdp.replicate_group() ? " x " + std::to_string(fsdp.replicate_group()->size()) + " replicas" : "");
-  std::set<const TensorImpl*> seen;
-  for (const Tensor& s : fsdp.parameters()) {
-    if (!seen.insert(s.impl()).second) continue;
-    plan.parameters += s.nbytes();
-    if (s.requires_grad()) plan.gradients += s.nbytes();
-  }
-  plan.optimizer_state = optimizer.planned_state_bytes();
   std::vector<size_t> units = fsdp.unit_bytes();
   std::sort(units.rbegin(), units.rend());
   size_t all = 0;
@@ -157,8 +160,62 @@ MemoryPlan plan_sharded(const FullyShardedDataParallel& fsdp, const optim::Optim
   const Tensor first = fsdp.parameters().empty() ? Tensor() : fsdp.parameters().front();
   const size_t param_size = first.defined() ? dtype_size(o.param_dtype.value_or(first.dtype())) : 1;
   const size_t reduce_size = first.defined() ? dtype_size(o.reduce_dtype.value_or(first.dtype())) : 1;
-  plan.gathered = held + largest + largest / param_size * reduce_size;
+  return held + largest + largest / param_size * reduce_size;
+}
+
+// The shards' bytes and their gradients', each tensor once.
+void add_shards(const FullyShardedDataParallel& fsdp, std::set<const TensorImpl*>& seen, MemoryPlan& plan) {
+  for (const Tensor& s : fsdp.parameters()) {
+    if (!seen.insert(s.impl()).second) continue;
+    plan.parameters += s.nbytes();
+    if (s.requires_grad()) plan.gradients += s.nbytes();
+  }
+}
+
+}  // namespace
+
+MemoryPlan plan_sharded(const FullyShardedDataParallel& fsdp, const optim::Optimizer& optimizer,
+                        size_t activations) {
+  MemoryPlan plan;
+  const FSDPOptions& o = fsdp.options();
+  plan.strategy = std::string("FSDP ") +
+                  (o.reshard_after_forward == ReshardAfterForward::yes ? "ZeRO-3" : "ZeRO-2") + " over " +
+                  std::to_string(fsdp.group().size()) + " ranks" +
+                  (fsdp.replicate_group() ? " x " + std::to_string(fsdp.replicate_group()->size()) + " replicas" : "");
+  std::set<const TensorImpl*> seen;
+  add_shards(fsdp, seen, plan);
+  plan.optimizer_state = optimizer.planned_state_bytes();
+  plan.gathered = gathered_bytes(fsdp);
   plan.activations = activations;
+  return plan;
+}
+
+MemoryPlan plan_pipeline(const pipeline::Pipeline& pipe, const optim::Optimizer& optimizer,
+                         size_t microbatch_activations) {
+  MemoryPlan plan;
+  const pipeline::Schedule& schedule = pipe.schedule();
+  std::string stages;
+  for (const pipeline::Stage& s : pipe.stages()) stages += (stages.empty() ? "" : ", ") + std::to_string(s.index);
+  const bool sharded = !pipe.stages().empty() && pipe.stages().front().sharded;
+  plan.strategy = std::string("pipeline stage") + (pipe.stages().size() > 1 ? "s " : " ") + stages + " of " +
+                  std::to_string(schedule.stages) + ", " + pipeline::schedule_name(schedule.kind) +
+                  (sharded ? ", FSDP" : "");
+  std::set<const TensorImpl*> seen;
+  for (const pipeline::Stage& s : pipe.stages()) {
+    if (s.sharded) {
+      add_shards(*s.sharded, seen, plan);
+      plan.gathered = std::max(plan.gathered, gathered_bytes(*s.sharded));  // one stage computes at a time
+      continue;
+    }
+    for (const Tensor& p : s.module->parameters()) {
+      if (!seen.insert(p.impl()).second) continue;
+      plan.parameters += p.nbytes();
+      if (p.requires_grad()) plan.gradients += p.nbytes();
+    }
+  }
+  plan.optimizer_state = optimizer.planned_state_bytes();
+  const pipeline::Simulation sim = pipeline::check_schedule(schedule);
+  plan.activations = microbatch_activations * size_t(sim.peak_in_flight[size_t(pipe.rank())]);
   return plan;
 }
 

@@ -18,7 +18,9 @@
 //                                        beyond the parameters and their gradients: the saved
 //                                        activations, their gradients, the workspaces.
 //                                        Measured on a probe step of one row and of two and
-//                                        extrapolated to the rank's rows
+//                                        extrapolated to the rank's rows (a pipeline rank: to a
+//                                        micro-batch's, times the micro-batches its schedule
+//                                        holds at once)
 //
 // The plan leaves out the batches the data loader holds, the buffers of the communication
 // libraries, and what the caching allocator keeps cached; the measured peak (the allocator's
@@ -38,6 +40,9 @@ namespace loom::dist {
 
 class FullyShardedDataParallel;
 class DistributedDataParallel;
+namespace pipeline {
+class Pipeline;
+}
 
 struct MemoryPlan {
   std::string strategy;  // "plain", "DDP", "FSDP ZeRO-3", "pipeline stage 1 of 2", ...
@@ -53,6 +58,10 @@ struct MemoryPlan {
   // The plan as lines of "  name  MB", the total last, and the measured peak beside it when
   // given ("measured peak 12.3 MB, 104% of the plan").
   std::string table(std::optional<size_t> measured_peak = std::nullopt) const;
+  // "memory after 20 steps: peak 68.7 MB on this rank, 102% of the plan's 67.2 MB": the
+  // allocator's peak on `device` since its count stood at `allocated_before` (taken before the
+  // model was built), after `steps` steps.
+  std::string measured_line(Device device, size_t allocated_before, int64_t steps) const;
 };
 
 // The activations' bytes of a step of `rows` rows (see above): `forward(r)` runs the model on
@@ -73,5 +82,12 @@ MemoryPlan plan_replicated(const nn::Module& model, const optim::Optimizer& opti
 // once (FSDPOptions' reshard_after_forward and prefetch decide how many).
 MemoryPlan plan_sharded(const FullyShardedDataParallel& fsdp, const optim::Optimizer& optimizer,
                         size_t activations);
+
+// A pipeline rank's plan: its stages' parameters (their shards, when sharded), gradients and
+// optimizer state, the most a sharded stage gathers, and `microbatch_activations` (what one
+// micro-batch through this rank's stages holds) times the most micro-batches the schedule
+// has this rank hold at once.
+MemoryPlan plan_pipeline(const pipeline::Pipeline& pipe, const optim::Optimizer& optimizer,
+                         size_t microbatch_activations);
 
 }  // namespace loom::dist

@@ -45,10 +45,16 @@ nn::NamedTensors tensors_of(const std::string& header, Device device, int from) 
 }  // namespace
 
 nn::NamedTensors gather_state_dicts(ProcessGroup& group, const std::vector<std::shared_ptr<nn::Module>>& modules) {
-  NoGradGuard no_grad;
   nn::NamedTensors mine;
   for (const auto& m : modules)
-    for (auto& [name, t] : m->state_dict()) mine.emplace_back(name, t.contiguous());
+    for (auto& entry : m->state_dict()) mine.push_back(entry);
+  return gather_state_dicts(group, mine);
+}
+
+nn::NamedTensors gather_state_dicts(ProcessGroup& group, const nn::NamedTensors& given) {
+  NoGradGuard no_grad;
+  nn::NamedTensors mine;
+  for (const auto& [name, t] : given) mine.emplace_back(name, t.contiguous());
   const Device device = mine.empty() ? Device::cpu() : mine.front().second.device();
   if (group.rank() != 0) {
     const std::string header = header_of(mine);

@@ -17,5 +17,7 @@ namespace loom::dist::pipeline {
 // rank order, each tensor on rank 0's device. On the other ranks: empty, after sending theirs.
 // Every rank of the group calls it.
 nn::NamedTensors gather_state_dicts(ProcessGroup& group, const std::vector<std::shared_ptr<nn::Module>>& modules);
+// The same from tensors this rank names itself (a sharded stage's full_state_dict()).
+nn::NamedTensors gather_state_dicts(ProcessGroup& group, const nn::NamedTensors& mine);
 
 }  // namespace loom::dist::pipeline

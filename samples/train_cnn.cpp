@@ -579,10 +579,7 @@ int run(int argc, char** argv) {
     // batches in flight and what the plan leaves out included), once.
     if (main_rank && !o.quiet && epoch_steps > 0 && !plan_measured) {
       plan_measured = true;
-      const double peak =
-          std::max(0.0, double(memory::stats(device).peak_allocated) - double(allocated_before_model));
-      std::printf("memory after %lld steps: peak %.3f MB on rank 0, %.0f%% of the plan's %.3f MB\n",
-                  (long long)epoch_steps, peak / 1e6, 100.0 * peak / double(plan.total()), double(plan.total()) / 1e6);
+      std::printf("%s\n", plan.measured_line(device, allocated_before_model, epoch_steps).c_str());
     }
     // Reading the loss waits for the GPU, so the epoch's clock stops after its last step ran.
     const double train_loss = dist::mean_over_ranks(ctx, epoch_steps ? loss_sum.item() / double(epoch_steps) : NAN);

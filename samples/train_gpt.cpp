@@ -18,6 +18,7 @@
 #include "data/loader.h"
 #include "data/text.h"
 #include "data/token_shard.h"
+#include "engine/allocator.h"
 #include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
@@ -29,6 +30,7 @@
 #include "parallel/gpt_pipeline.h"
 #include "parallel/init.h"
 #include "parallel/pipeline_checkpoint.h"
+#include "parallel/memory_plan.h"
 #include "parallel/pipeline_gather.h"
 #include "parallel/trace.h"
 #include "parallel/rendezvous.h"
@@ -213,7 +215,16 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
   options.microbatches = int(o.microbatches);
   options.stages_per_rank = options.schedule == ScheduleKind::interleaved ? int(o.stages_per_rank) : 1;
   options.device = ctx.device;
-  options.data_parallel = o.dp > 1 ? mesh.group("dp") : nullptr;
+  options.data_parallel = o.dp > 1 || o.fsdp ? mesh.group("dp") : nullptr;
+  if (o.fsdp) {
+    // Each stage sharded over its data-parallel group: a unit per block (make_gpt_pipeline),
+    // or by size with --min-params.
+    dist::FSDPOptions shard;
+    shard.reshard_after_forward =
+        o.reshard_after_forward == "yes" ? dist::ReshardAfterForward::yes : dist::ReshardAfterForward::no;
+    shard.min_num_params = o.min_params;
+    options.shard = shard;
+  }
   const int stages = int(o.pp) * options.stages_per_rank;
   if (config.layers < stages)
     flags.fail("--pp " + std::to_string(o.pp) + (options.stages_per_rank > 1 ? " x --stages-per-rank " +
@@ -221,12 +232,27 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
                " stages, but the " + o.config + " config has " + std::to_string(config.layers) + " blocks");
   // The same seed on a stage's replicas, so they start equal.
   manual_seed(uint64_t(o.seed) * 1000 + uint64_t(mesh.coordinate("pp")));
-  GPTPipeline gp = make_gpt_pipeline(mesh.group("pp"), config, o.context, options);
+  // What one micro-batch holds in this rank's stages, from a probe step of each before any
+  // is sharded (parallel/memory_plan.h).
+  const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+  const int64_t rows = o.batch_size / o.microbatches;
+  size_t microbatch_activations = 0;
+  const size_t allocated_before_model = memory::stats(ctx.device).allocated;
+  GPTPipeline gp = make_gpt_pipeline(mesh.group("pp"), config, o.context, options, {}, [&](nn::GPTStage& stage) {
+    stage.to(ctx.device);
+    stage.train();
+    microbatch_activations += dist::activation_bytes(stage, ctx.device, rows, [&](int64_t r) {
+      AutocastGuard cast(autocast);
+      Tensor ids = mul(rand({r, o.context}, DType::f32, ctx.device), double(config.vocab_size)).to(DType::i64);
+      Tensor x = stage.is_first() ? ids : randn({r, o.context, config.width}, DType::f32, ctx.device);
+      return stage.is_last() ? stage.loss(x, ids) : sum(stage.forward(x).to(DType::f32));
+    });
+  });
   int64_t held = 0;
   for (const Tensor& p : gp.parameters()) held += p.numel();
   optim::AdamW opt(gp.parameters(), {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
   optim::LRScheduler sched(opt, optim::cosine_annealing(std::max<int64_t>(total_steps, 1), o.lr * 0.1));
-  const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+  const dist::MemoryPlan plan = dist::plan_pipeline(*gp.pipeline, opt, microbatch_activations);
   PipelineCheckpoint checkpoint{.pipeline = gp.pipeline.get(), .world = ctx.group.get(),
                                 .replica = mesh.coordinate("dp"), .optimizer = &opt, .scheduler = &sched, .user = {}};
   int64_t epoch = 0, batch = 0, step = 0;
@@ -256,6 +282,7 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
                 (long long)(o.batch_size / o.microbatches), o.precision.c_str(), ctx.device.str().c_str(),
                 (long long)held, mesh.table().c_str());
     if (o.microbatches <= 8) std::printf("%s", gp.pipeline->schedule().table().c_str());
+    std::printf("%s\n", plan.table().c_str());
     std::fflush(stdout);
   }
   if (!o.trace.empty()) {
@@ -264,6 +291,8 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
   }
   const Simulation theory = check_schedule(gp.pipeline->schedule());
   samples::MetricsLog metrics(main_rank ? o.metrics : "");
+  memory::reset_peak(ctx.device);
+  bool plan_measured = false;
   for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
     samples::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o.epochs),
                                steps_per_epoch, "tok");
@@ -296,6 +325,11 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
       if (step >= total_steps) break;
     }
     if (main_rank) progress.finish();
+    // The plan beside the allocator's peak since the stages were built, once.
+    if (main_rank && steps > 0 && !plan_measured) {
+      plan_measured = true;
+      std::printf("%s\n", plan.measured_line(ctx.device, allocated_before_model, steps).c_str());
+    }
     // Every rank holds its pipeline's loss: the mean over the ranks is the pipelines' mean.
     const double train_loss = dist::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -326,9 +360,13 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     dist::trace::write_merged_trace(ctx.group.get(), ctx.device, o.trace);
     if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
   }
-  if (o.generate > 0 && o.shards.empty() && mesh.coordinate("dp") == 0) {
-    const std::vector<std::shared_ptr<nn::Module>> stages_here(gp.modules.begin(), gp.modules.end());
-    const nn::NamedTensors whole_state = gather_state_dicts(*mesh.group("pp"), stages_here);
+  if (o.generate > 0 && o.shards.empty()) {
+    // A sharded stage's full values come from its shards over the --dp group (every rank).
+    nn::NamedTensors stage_state;
+    for (const Stage& s : gp.pipeline->stages())
+      for (auto& entry : s.sharded ? s.sharded->full_state_dict() : s.module->state_dict()) stage_state.push_back(entry);
+    if (mesh.coordinate("dp") != 0) return 0;
+    const nn::NamedTensors whole_state = gather_state_dicts(*mesh.group("pp"), stage_state);
     if (main_rank) {
       nn::GPT whole(config);
       whole.to(ctx.device);
@@ -427,9 +465,15 @@ int run(int argc, char** argv) {
   for (const char* flag : {"reshard-after-forward", "min-params", "hsdp"})
     if (!o.fsdp && flags.given(flag)) flags.fail(std::string("--") + flag + " is FSDP's: add --fsdp");
   if (o.fsdp) {
-    if (pipelined)
-      flags.fail("--fsdp with --pp " + std::to_string(o.pp) + " is not available: FSDP shards a whole model over "
-                 "data-parallel ranks, a pipeline cuts it into stages; drop one of them");
+    // With --pp, each stage is sharded over its data-parallel group (PipelineOptions::shard).
+    if (pipelined && o.schedule == "zb1")
+      flags.fail("--fsdp with --pp shards each stage, and --schedule zb1 splits backward into halves FSDP does not "
+                 "follow: use --schedule 1f1b, gpipe or interleaved");
+    if (pipelined && flags.given("hsdp"))
+      flags.fail("--hsdp with --pp is not available: a pipeline's stages are sharded over their --dp group");
+    if (pipelined && (!o.save.empty() || !o.resume.empty()))
+      flags.fail(std::string(o.save.empty() ? "--resume" : "--save") + " with --pp and --fsdp is not available: "
+                 "pipeline checkpoints hold whole stages, not shards; drop --fsdp to save a pipeline");
     if (flags.given("scaling"))
       flags.fail("--fsdp with --scaling is not available: the scaling runs measure DDP; drop one of them");
     if (o.gpus <= 1 && !dist::launched_with_rank())
@@ -588,9 +632,18 @@ int run(int argc, char** argv) {
                            train_set->size());
 
   // ---- model and optimizer -------------------------------------------------------------
+  const size_t allocated_before_model = memory::stats(device).allocated;
   manual_seed(uint64_t(o.seed));
   auto model = std::make_shared<nn::GPT>(config);
   model->to(device);
+  const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+  // What a step of this rank's batch holds, from a probe step of one and two random windows
+  // before any wrapper shards the weights (parallel/memory_plan.h).
+  const size_t activations = dist::activation_bytes(*model, device, o.batch_size, [&](int64_t rows) {
+    AutocastGuard cast(autocast);
+    Tensor ids = mul(rand({rows, o.context}, DType::f32, device), double(config.vocab_size)).to(DType::i64);
+    return model->loss(ids, ids);
+  });
   std::shared_ptr<dist::DistributedDataParallel> ddp;
   std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
   if (o.fsdp) {
@@ -624,7 +677,8 @@ int run(int argc, char** argv) {
   optim::AdamW opt(fsdp ? fsdp->parameters() : model->parameters(),
                    {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = o.weight_decay});
   optim::LRScheduler sched(opt, optim::cosine_annealing(std::max<int64_t>(total_steps, 1), o.lr * 0.1));
-  const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+  const dist::MemoryPlan plan =
+      fsdp ? dist::plan_sharded(*fsdp, opt, activations) : dist::plan_replicated(*model, opt, activations, ddp.get());
   int64_t epoch = 0, batch = 0, step = 0;
   if (!o.resume.empty()) {
     const samples::ResumedAt at = samples::resume_data_parallel(o.resume, "train_gpt", *model, fsdp.get(), opt,
@@ -638,9 +692,12 @@ int run(int argc, char** argv) {
                 (long long)config.width, (long long)config.heads, (long long)all.tokens.size(),
                 (long long)train_set->size(), (long long)o.context, (long long)o.batch_size, o.precision.c_str(),
                 device.str().c_str(), ctx.active ? (", " + std::to_string(ctx.size) + " ranks").c_str() : "");
+  if (main_rank) std::printf("%s\n", plan.table().c_str());
 
   samples::MetricsLog metrics(main_rank ? o.metrics : "");
   std::vector<std::pair<double, double>> train_curve, val_curve;
+  memory::reset_peak(device);
+  bool plan_measured = false;
   for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
     samples::Progress progress("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(o.epochs),
                                steps_per_epoch, "tok");
@@ -672,6 +729,11 @@ int run(int argc, char** argv) {
       if (step >= total_steps) break;
     }
     if (main_rank) progress.finish();
+    // The plan beside the allocator's peak since the model was built, once.
+    if (main_rank && steps > 0 && !plan_measured) {
+      plan_measured = true;
+      std::printf("%s\n", plan.measured_line(device, allocated_before_model, steps).c_str());
+    }
     const double train_loss = dist::mean_over_ranks(ctx, steps ? loss_sum.item() / double(steps) : NAN);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double val_loss = validation_loss(val_loader, autocast, [&](const data::Batch& b) {

@@ -1,8 +1,10 @@
 // The pipeline through its programs, on CPU ranks under loomrun: train_gpt --pp 2 gives the
-// same losses under every schedule and prints the measured bubble; its pipeline flags are
-// checked; bench_pipeline prints a row per schedule and micro-batch count.
+// same losses under every schedule and prints the measured bubble, and with --fsdp the
+// losses of replicated stages; its pipeline flags are checked; bench_pipeline prints a row
+// per schedule and micro-batch count.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <regex>
 #include <string>
 
@@ -36,6 +38,45 @@ TEST(TrainGptPipeline, EverySchedulePrintsTheSameLoss) {
     if (first_loss.empty()) first_loss = m[1];
     EXPECT_EQ(m[1], first_loss) << r.output;
     EXPECT_NE(r.output.find(std::string(schedule) + ": 2 ranks, 2 stages"), std::string::npos) << r.output;
+  }
+}
+
+// --fsdp with --pp shards each stage over its --dp pair: the same losses and sample as the
+// replicated stages (2 pipelines of 2 stages on 4 ranks), and each prints its memory plan
+// with the measured peak beside it.
+TEST(TrainGptPipeline, ShardedStagesPrintTheLossesOfReplicatedOnes) {
+  if (!std::filesystem::exists("/usr/share/games/fortunes/fortunes"))
+    GTEST_SKIP() << "Debian's fortunes are not installed (apt-get install fortunes)";
+  // 60 kB of it, so that validation is short.
+  const std::string text = ::testing::TempDir() + "/pp_fsdp_text.txt";
+  {
+    std::ifstream in("/usr/share/games/fortunes/fortunes", std::ios::binary);
+    std::string head(60000, '\0');
+    in.read(head.data(), std::streamsize(head.size()));
+    std::ofstream(text, std::ios::binary).write(head.data(), in.gcount());
+  }
+  std::string replicated;
+  for (const char* fsdp : {"", " --fsdp", " --fsdp --reshard-after-forward no"}) {
+    SCOPED_TRACE(fsdp);
+    auto r = run_command(program("LOOMRUN") + " --nproc-per-node 4 " + program("TRAIN_GPT") +
+                             " --device cpu --data '" + text + "' --pp 2 --dp 2 --microbatches 4 --batch-size 8"
+                             " --context 32 --max-steps 12 --workers 1 --generate 16 --metrics '' --plot ''" + fsdp,
+                         300);
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex("train loss [0-9.]+  validation loss [0-9.]+"))) << r.output;
+    std::smatch sample;
+    ASSERT_TRUE(std::regex_search(r.output, sample, std::regex("--- sample [^\n]*\n[^\n]*"))) << r.output;
+    const std::string result = std::string(m[0]) + "\n" + std::string(sample[0]);
+    if (replicated.empty()) replicated = result;
+    EXPECT_EQ(result, replicated);
+    EXPECT_NE(r.output.find(std::string("memory plan per rank (pipeline stage 0 of 2, 1f1b") +
+                            (*fsdp ? ", FSDP)" : ")")),
+              std::string::npos)
+        << r.output;
+    EXPECT_TRUE(std::regex_search(r.output, std::regex("memory after 12 steps: peak [0-9.]+ MB on this rank, [0-9]+% "
+                                                       "of the plan's [0-9.]+ MB")))
+        << r.output;
   }
 }
 
