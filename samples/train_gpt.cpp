@@ -2,7 +2,9 @@
 // /usr/share/games/fortunes) or on uint16 token shards (nanoGPT / llm.c format), then prints
 // text it generates. Same conventions as train_cnn: a progress line, JSON lines, an SVG chart,
 // checkpoints and --resume, data parallel under loomrun or with --gpus N (DDP, or FSDP with
-// --fsdp: one unit per transformer block), pipelined with --pp. `--help` lists it all.
+// --fsdp: one unit per transformer block), pipelined with --pp (its stages sharded with
+// --fsdp). Each run prints its memory plan per rank and, after the first epoch's steps, the
+// measured peak beside it. `--help` lists it all.
 //
 // The text is cut into non-overlapping windows of --context tokens, held out 10% at the end
 // for validation, and visited in a random order each epoch (a distributed shard per rank).
@@ -407,8 +409,8 @@ int run(int argc, char** argv) {
   flags.add_switch("fsdp", &o.fsdp,
                    "data parallel (under a launcher or --gpus N): shard parameters, gradients and optimizer state "
                    "over the ranks (parallel/fsdp.h) instead of replicating them (DDP); one unit per transformer "
-                   "block; --save writes a sharded checkpoint (a folder, every rank writing its shards). Not with "
-                   "--pp or --scaling");
+                   "block; --save writes a sharded checkpoint (a folder, every rank writing its shards). With --pp, "
+                   "each stage sharded over its --dp group (not with zb1, --hsdp or checkpoints). Not with --scaling");
   flags.add("reshard-after-forward", &o.reshard_after_forward,
             "FSDP: free a unit's full parameters after its forward (yes: ZeRO-3) or keep them until its backward "
             "(no: ZeRO-2)",
