@@ -8,7 +8,6 @@
 #include <map>
 #include <string>
 
-#include "samples/train_gpt.h"  // first: its data headers come before the engine's
 #include "engine/allocator.h"
 #include "engine/autocast.h"
 #include "engine/autograd.h"
@@ -23,6 +22,7 @@
 #include "samples/common/metrics.h"
 #include "samples/common/program.h"
 #include "samples/common/progress.h"
+#include "samples/train_gpt.h"
 
 namespace loom::train_gpt {
 

@@ -57,7 +57,7 @@ LOOM_HOST_DEVICE float uniform_f32(uint32_t word, float lo, float span) {
 
 // Uniform sample for f64 outputs, from the same 24 bits: one explicit FMA, so the
 // rounding does not depend on what the compiler contracts.
-LOOM_HOST_DEVICE double uniform_f64(uint32_t word, double lo, double span) { return fma(span, unit24(word), lo); }
+LOOM_HOST_DEVICE double uniform_f64(uint32_t word, double lo, double span) { return ::fma(span, unit24(word), lo); }
 
 // Standard normal sample for element j of a block, by Box-Muller on the word pair
 // (2p, 2p + 1) with p = j / 2: u1 = ((w[2p] >> 8) + 1) 2^-24 in (0, 1], so the log stays
@@ -67,9 +67,9 @@ LOOM_HOST_DEVICE double uniform_f64(uint32_t word, double lo, double span) { ret
 LOOM_HOST_DEVICE double normal01(const Block& words, int j) {
   const int p = j / 2;
   const double u1 = double((words.w[2 * p] >> 8) + 1u) * 0x1p-24;
-  const double r = sqrt(-2.0 * log(u1));
+  const double r = ::sqrt(-2.0 * ::log(u1));  // the global functions, whatever the includer declares
   const double theta = 6.283185307179586 * unit24(words.w[2 * p + 1]);
-  return r * (j % 2 == 0 ? cos(theta) : sin(theta));
+  return r * (j % 2 == 0 ? ::cos(theta) : ::sin(theta));
 }
 
 }  // namespace loom::philox
