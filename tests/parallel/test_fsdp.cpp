@@ -475,6 +475,56 @@ TEST(FsdpNoSync, MicroBatchesUnderNoSyncThenOneSyncedBackwardEqualTheLargeBatch)
   std::filesystem::remove(reference);
 }
 
+// A pipeline stage's order without a pipeline: a forward that fails, then every
+// micro-batch's forward, an evaluation under NoGradGuard between them and their backwards,
+// and the backwards with only the last synchronised (set_gradient_sync); ZeRO-3 and ZeRO-2
+// reach the large batch's weights, and nothing stays gathered.
+TEST(FsdpNoSync, ForwardsBeforeTheirBackwardsWithAnEvaluationBetweenEqualTheLargeBatch) {
+  constexpr int kSteps = 3, kWorld = 2, kMicro = 3;
+  std::string reference = temp_path("fsdp_forwards_first_reference") + ".safetensors";
+  run_alone([&] { train_reference(Model::cnn, reference, kSteps); });
+  for (ReshardAfterForward reshard : {ReshardAfterForward::yes, ReshardAfterForward::no})
+    run_ranks(kWorld, [&](int rank, std::shared_ptr<ProcessGroup> group) {
+      auto model = make_model(Model::cnn, 0);
+      FullyShardedDataParallel fsdp(model, group, fsdp_options(*model, Model::cnn, reshard));
+      optim::AdamW opt(fsdp.parameters(), adamw_options());
+      for (int step = 0; step < kSteps; ++step) {
+        Batch mine = rows(global_batch(Model::cnn, step), rank, kWorld);
+        opt.zero_grad();
+        try {
+          fsdp.call([&]() -> Tensor {
+            (void)loss_of(*model, Model::cnn, mine);
+            throw std::runtime_error("a forward that fails");
+          });
+        } catch (const std::runtime_error&) {
+        }
+        std::vector<Tensor> losses;
+        for (int k = 0; k < kMicro; ++k) {
+          Batch micro = rows(mine, k, kMicro);
+          losses.push_back(mul(fsdp.call([&] { return loss_of(*model, Model::cnn, micro); }), 1.0 / kMicro));
+        }
+        {
+          NoGradGuard evaluation;
+          (void)fsdp.call([&] { return loss_of(*model, Model::cnn, mine); });
+        }
+        for (int k = 0; k < kMicro; ++k) {
+          fsdp.set_gradient_sync(k + 1 == kMicro);
+          losses[size_t(k)].backward();
+          require(fsdp.parameters()[0].grad().defined() == (k + 1 == kMicro),
+                  "after backward ", k, " of ", kMicro, " the shards ", k + 1 == kMicro ? "have no" : "have a",
+                  " gradient");
+        }
+        require(fsdp.memory().full_parameter_bytes == 0, "full parameters held after the step: ",
+                fsdp.memory().full_parameter_bytes);
+        fsdp.clip_grad_norm_(kMaxNorm);
+        opt.step();
+      }
+      // Out of the step: the state dict reads the shards (a step still open would refuse).
+      require_close(fsdp.full_state_dict(), load_safetensors_map(reference), 1e-5);
+    });
+  std::filesystem::remove(reference);
+}
+
 // fc1 always takes part; fc2 only when use_fc2.
 class TwoLayers : public nn::Module {
  public:
