@@ -297,6 +297,8 @@ ModelPipeline<M> make_residual_pipeline(std::shared_ptr<ProcessGroup> group, int
     if (options.shard) {
       LOOM_CHECK(options.data_parallel != nullptr, "pipeline: PipelineOptions::shard shards each stage over the "
                  "data-parallel group, and options.data_parallel is not set");
+      LOOM_CHECK(options.shard->replicate_group == nullptr, "pipeline: PipelineOptions::shard with a replicate_group "
+                 "(HSDP inside stages) is not offered: the pipeline averages its loss over data_parallel alone");
       FSDPOptions fsdp = *options.shard;
       if (units) fsdp.units = units(*module);
       st.sharded = fully_shard(module, options.data_parallel, fsdp);
