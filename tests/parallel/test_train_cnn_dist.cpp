@@ -122,16 +122,23 @@ TEST(TrainGptDist, FsdpOnTwoCpuRanksPrintsTheLossesOfDdp) {
   const GptReport want = gpt_report(ddp.output);
   ASSERT_EQ(want.epochs.size(), 2u) << ddp.output;
   ASSERT_FALSE(want.sample.empty()) << ddp.output;
+  // Each run prints its memory plan, and the measured peak beside it after the first epoch.
+  const std::regex measured("memory after [0-9]+ steps: peak [0-9.]+ MB on this rank, [0-9]+% of the plan's");
+  EXPECT_NE(ddp.output.find("memory plan per rank (DDP):\n[rank 0]   parameters    0.531 MB"), std::string::npos)
+      << ddp.output;
+  EXPECT_TRUE(std::regex_search(ddp.output, measured)) << ddp.output;
   struct Case {
-    std::string flags, units, peak;
+    std::string flags, units, peak, plan;
   };
   // ZeRO-3 holds two units and a third arriving (prefetch), here all three; ZeRO-2 everything
   // at the turn.
   const std::vector<Case> cases = {
       {"--fsdp", "FSDP (ZeRO-3): 3 units; parameters 0.531 MB in all, 0.266 MB of shards on rank 0",
-       "FSDP: at most 0.531 MB of full parameters held at once on rank 0"},
+       "FSDP: at most 0.531 MB of full parameters held at once on rank 0",
+       "memory plan per rank (FSDP ZeRO-3 over 2 ranks):\n[rank 0]   parameters    0.266 MB"},
       {"--fsdp --reshard-after-forward no --min-params 20000", "FSDP (ZeRO-2): 4 units;",
-       "FSDP: at most 0.531 MB of full parameters held at once on rank 0"},
+       "FSDP: at most 0.531 MB of full parameters held at once on rank 0",
+       "memory plan per rank (FSDP ZeRO-2 over 2 ranks):\n[rank 0]   parameters    0.266 MB"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.flags);
@@ -142,6 +149,8 @@ TEST(TrainGptDist, FsdpOnTwoCpuRanksPrintsTheLossesOfDdp) {
     EXPECT_EQ(got.sample, want.sample) << fsdp.output;
     EXPECT_NE(fsdp.output.find(c.units), std::string::npos) << fsdp.output;
     EXPECT_NE(fsdp.output.find(c.peak), std::string::npos) << fsdp.output;
+    EXPECT_NE(fsdp.output.find(c.plan), std::string::npos) << fsdp.output;
+    EXPECT_TRUE(std::regex_search(fsdp.output, measured)) << fsdp.output;
   }
 }
 
