@@ -3,6 +3,7 @@
 
 #include <charconv>
 #include <cstdio>
+#include <sstream>
 
 #include "engine/ops.h"
 #include "kernels/core/error.h"
@@ -43,6 +44,14 @@ Metadata under(const Metadata& meta, const std::string& prefix) {
   Metadata out;
   for (auto it = meta.lower_bound(prefix); it != meta.end() && it->first.starts_with(prefix); ++it)
     out.emplace(it->first.substr(prefix.size()), it->second);
+  return out;
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
   return out;
 }
 

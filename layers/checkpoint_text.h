@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "optim/schedule.h"
 
@@ -30,6 +31,8 @@ T parse(const std::string& file, const std::string& key, const std::string& text
 const std::string& entry(const Metadata& meta, const std::string& file, const std::string& key);
 // The entries under `prefix`, prefix removed.
 Metadata under(const Metadata& meta, const std::string& prefix);
+// The items of a comma-separated entry ("a.weight,a.bias"), empty items skipped.
+std::vector<std::string> split_list(const std::string& text);
 
 // The schedule's state as "scheduler.<key>" entries, and read back (empty when there is none).
 void write_schedule(Metadata& meta, const optim::LRScheduler& schedule);

@@ -44,14 +44,6 @@ std::string stage_file(const std::string& dir, int64_t generation, int rank, int
 
 namespace text = nn::checkpoint_text;
 
-std::vector<std::string> split_names(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  for (std::string part; std::getline(in, part, ',');)
-    if (!part.empty()) out.push_back(part);
-  return out;
-}
-
 // The index of a saved checkpoint, checked to be one.
 struct Index {
   std::string path;
@@ -81,18 +73,10 @@ Index read_index(const std::string& dir) {
 // The optimizer's parameter index (its state_dict numbering) -> the parameter's name in the
 // whole model.
 std::vector<std::string> optimizer_names(const optim::Optimizer& opt, const Pipeline& pipe) {
-  std::unordered_map<const TensorImpl*, std::string> name_of;
+  nn::NamedTensors named;
   for (const Stage& stage : pipe.stages())
-    for (const auto& [name, p] : stage.module->named_parameters()) name_of.emplace(p.impl(), name);
-  std::vector<std::string> out;
-  for (const auto& group : opt.param_groups())
-    for (const Tensor& p : group.params) {
-      auto it = name_of.find(p.impl());
-      LOOM_CHECK(it != name_of.end(), "pipeline checkpoint: the optimizer steps on a tensor that is none of this "
-                 "rank's stage parameters; build it on the pipeline's parameters()");
-      out.push_back(it->second);
-    }
-  return out;
+    for (auto& entry : stage.module->named_parameters()) named.push_back(entry);
+  return opt.parameter_names(named, "this rank's stage parameters (the pipeline's parameters())");
 }
 
 // "state.<i>.<rest>" (an optimizer state_dict key) -> (i, rest).
@@ -208,7 +192,7 @@ SavedNames saved_names(const std::string& dir, const Index& index) {
       LOOM_CHECK(fs::exists(file), "pipeline checkpoint: ", file, ", which ", index.path, " names, is missing");
       headers[rank] = load_safetensors_metadata(file);
     }
-    for (const std::string& name : split_names(text::entry(headers[rank], file, "stage." + std::to_string(s))))
+    for (const std::string& name : text::split_list(text::entry(headers[rank], file, "stage." + std::to_string(s))))
       if (out.rank_of.emplace(name, rank).second) {
         out.position[name] = out.order.size();
         out.order.push_back(name);
@@ -409,7 +393,7 @@ void export_pipeline_checkpoint(const std::string& dir, const std::string& path)
     const int rank = int(s % index.ranks);
     const std::string file = stage_file(dir, index.generation, rank, int(index.ranks));
     const SafetensorsFile& saved = files[size_t(rank)];
-    for (const std::string& name : split_names(text::entry(saved.metadata, file, "stage." + std::to_string(s)))) {
+    for (const std::string& name : text::split_list(text::entry(saved.metadata, file, "stage." + std::to_string(s)))) {
       LOOM_CHECK(seen.insert(name).second, "pipeline checkpoint: ", name, " is held by two stages of ", dir);
       auto found = by_name[size_t(rank)].find(name);
       LOOM_CHECK(found != by_name[size_t(rank)].end(), "pipeline checkpoint: ", file, " lists ", name, " in stage ",

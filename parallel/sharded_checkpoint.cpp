@@ -65,17 +65,7 @@ int64_t rows_of(const Shape& shape) { return shape.empty() ? 1 : shape[0]; }
 
 // The optimizer's parameter index (its state_dict numbering) -> the FSDP parameter name.
 std::vector<std::string> optimizer_names(const optim::Optimizer& opt, const FullyShardedDataParallel& fsdp) {
-  std::unordered_map<const TensorImpl*, std::string> name_of;
-  for (const auto& [name, t] : fsdp.named_parameters()) name_of.emplace(t.impl(), name);
-  std::vector<std::string> out;
-  for (const auto& group : opt.param_groups())
-    for (const Tensor& p : group.params) {
-      auto it = name_of.find(p.impl());
-      LOOM_CHECK(it != name_of.end(), "sharded checkpoint: the optimizer steps on a tensor that is not one of the FSDP "
-                 "model's shards; build it on fsdp.parameters()");
-      out.push_back(it->second);
-    }
-  return out;
+  return opt.parameter_names(fsdp.named_parameters(), "the FSDP model's shards (fsdp.parameters())");
 }
 
 // A saved checkpoint: its index and the shard files, each read when first needed.
@@ -398,17 +388,9 @@ void export_consolidated_safetensors(const std::string& dir, const std::string& 
   NoGradGuard no_grad;
   SavedCheckpoint saved(dir);
   const auto& meta = saved.meta();
-  auto list = [](const std::string& text) {
-    std::vector<std::string> out;
-    std::stringstream in(text);
-    std::string part;
-    while (std::getline(in, part, ','))
-      if (!part.empty()) out.push_back(part);
-    return out;
-  };
   nn::NamedTensors out;
   std::map<std::string, Tensor> by_name;
-  for (const std::string& name : list(saved.entry("params"))) {
+  for (const std::string& name : text::split_list(saved.entry("params"))) {
     const Shape shape = saved.shape(name);
     const Tensor* first = saved.find(0, "param." + name);
     LOOM_CHECK(first != nullptr, "sharded checkpoint: ", dir, " has no param.", name, " in rank 0's file");
@@ -423,7 +405,7 @@ void export_consolidated_safetensors(const std::string& dir, const std::string& 
                  target, ", which it does not hold");
       out.emplace_back(key.substr(5), by_name.at(target));
     }
-  for (const std::string& name : list(saved.entry("buffers"))) {
+  for (const std::string& name : text::split_list(saved.entry("buffers"))) {
     const Tensor* t = saved.find(0, "buffer." + name);
     LOOM_CHECK(t != nullptr, "sharded checkpoint: ", dir, " has no buffer ", name);
     out.emplace_back(name, *t);

@@ -44,6 +44,20 @@ const ParamState* Optimizer::state(const Tensor& param) const {
   return it == state_.end() ? nullptr : &it->second;
 }
 
+std::vector<std::string> Optimizer::parameter_names(const nn::NamedTensors& named, const std::string& what) const {
+  std::unordered_map<const TensorImpl*, std::string> name_of;
+  for (const auto& [name, t] : named) name_of.emplace(t.impl(), name);
+  std::vector<std::string> out;
+  for (const ParamGroup& g : groups_)
+    for (const Tensor& p : g.params) {
+      auto it = name_of.find(p.impl());
+      LOOM_CHECK(it != name_of.end(), type_name(), ": a parameter of shape ", shape_str(p.shape()), " is none of ", what,
+                 "; build the optimizer on them");
+      out.push_back(it->second);
+    }
+  return out;
+}
+
 size_t Optimizer::planned_state_bytes() const {
   size_t bytes = 0;
   for (const ParamGroup& g : groups_)

@@ -72,6 +72,11 @@ class Optimizer {
   // before the first step (parallel/memory_plan.h).
   size_t planned_state_bytes() const;
 
+  // The name in `named` of each parameter, in the state_dict's numbering (the groups in
+  // order): how a checkpoint that keeps state per parameter name finds it. A parameter `named`
+  // lacks is an error naming `what` (what the optimizer should have been built on).
+  std::vector<std::string> parameter_names(const nn::NamedTensors& named, const std::string& what) const;
+
   // The state shares the optimizer's buffers (save it before the next step).
   OptimizerState state_dict() const;
   // Restores state and group hyper-parameters saved from an optimizer of the same kind over
