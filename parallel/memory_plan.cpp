@@ -214,8 +214,7 @@ MemoryPlan plan_pipeline(const pipeline::Pipeline& pipe, const optim::Optimizer&
     }
   }
   plan.optimizer_state = optimizer.planned_state_bytes();
-  const pipeline::Simulation sim = pipeline::check_schedule(schedule);
-  plan.activations = microbatch_activations * size_t(sim.peak_in_flight[size_t(pipe.rank())]);
+  plan.activations = microbatch_activations * size_t(pipe.simulation().peak_in_flight[size_t(pipe.rank())]);
   return plan;
 }
 

@@ -69,7 +69,7 @@ Pipeline::Pipeline(std::shared_ptr<ProcessGroup> group, std::vector<Stage> stage
   LOOM_CHECK(options_.schedule == ScheduleKind::interleaved || options_.stages_per_rank == 1, "Pipeline: the ",
              schedule_name(options_.schedule), " schedule runs one stage per rank, not ", options_.stages_per_rank,
              " (virtual stages are the interleaved schedule's)");
-  check_schedule(schedule_);
+  simulation_ = check_schedule(schedule_);
   const std::vector<int> mine = schedule_.stages_of(group_->rank());
   std::vector<int> given;
   for (const Stage& s : stages_) given.push_back(s.index);

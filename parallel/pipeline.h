@@ -185,6 +185,9 @@ class Pipeline {
   double clip_grad_norm(double max_norm);
 
   const Schedule& schedule() const { return schedule_; }
+  // The schedule's check at equal costs (check_schedule's defaults): its theoretical bubble,
+  // and the most micro-batches each rank holds at once.
+  const Simulation& simulation() const { return simulation_; }
   const std::vector<Stage>& stages() const { return stages_; }
   int rank() const { return group_->rank(); }
 
@@ -221,6 +224,7 @@ class Pipeline {
   std::vector<Stage> stages_;
   PipelineOptions options_;
   Schedule schedule_;
+  Simulation simulation_;
   int64_t agreed_rows_ = -1;
   // What run_schedule walks: the schedule (training's, or an evaluation's) and the rows of
   // each of its micro-batches.

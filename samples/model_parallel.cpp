@@ -195,7 +195,7 @@ int train_pipelined(Options& o, const samples::Flags& flags) {
     if (o.steps > 1) std::printf("loss %.4f -> %.4f\n", first, last);
     if (!o.trace.empty() && o.steps > 0)
       std::printf("bubble: measured %.1f%%, schedule %.1f%% at equal stages\n", 100.0 * bubble_sum / double(o.steps),
-                  100.0 * check_schedule(gp.pipeline->schedule()).bubble());
+                  100.0 * gp.pipeline->simulation().bubble());
   }
   if (!o.trace.empty()) {
     dist::trace::write_merged_trace(ctx.group.get(), ctx.device, o.trace);

@@ -145,7 +145,6 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
     dist::trace::set_enabled(true, ctx.device);
   }
-  const Simulation theory = check_schedule(gp.pipeline->schedule());
   samples::MetricsLog metrics(main_rank ? o.metrics : "");
   memory::reset_peak(ctx.device);
   bool plan_measured = false;
@@ -198,7 +197,7 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
                   val_loss, tokens_per_s);
       if (!o.trace.empty() && steps)
         std::printf("  bubble: measured %.1f%%, schedule %.1f%% at equal stages", 100.0 * bubble_sum / double(steps),
-                    100.0 * theory.bubble());
+                    100.0 * gp.pipeline->simulation().bubble());
       std::printf("\n");
       std::fflush(stdout);
     }
