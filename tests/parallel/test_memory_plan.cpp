@@ -20,6 +20,7 @@
 #include "parallel/fsdp.h"
 #include "parallel/memory_plan.h"
 #include "ranks.h"
+#include "token_batches.h"
 
 namespace loom::dist {
 namespace {
@@ -81,13 +82,7 @@ TEST(MemoryPlan, AProbeStepPredictsALargerOneAndChangesNothing) {
 nn::GPTConfig small_gpt() { return {.vocab_size = 64, .context = 16, .layers = 4, .heads = 2, .width = 32}; }
 
 std::pair<Tensor, Tensor> gpt_batch(int64_t rows, int step) {
-  std::mt19937 gen(uint32_t(100 + step));
-  Tensor ids = Tensor::empty({rows, 16}, DType::i64), targets = Tensor::empty({rows, 16}, DType::i64);
-  for (int64_t i = 0; i < rows * 16; ++i) {
-    ids.data<int64_t>()[i] = int64_t(gen() % 64);
-    targets.data<int64_t>()[i] = int64_t(gen() % 64);
-  }
-  return {ids, targets};
+  return testing::token_batch(rows, 16, 64, uint32_t(100 + step));
 }
 
 // What one rank measured: the allocator's bytes between steps (above what it held before
@@ -138,7 +133,9 @@ TEST(MemoryPlan, DdpAndZero3OnFourRanksHoldWhatTheirPlansSay) {
       return std::tuple{[wrapped, gpt](const Tensor& x, const Tensor& y) {
                           return wrapped->call([&] { return gpt->loss(x, y); });
                         },
-                        opt, [gpt, opt, wrapped](size_t act) { return plan_replicated(*gpt, *opt, act, wrapped.get()); }};
+                        opt, [gpt, opt, wrapped](size_t act) {
+                          return plan_replicated(*gpt, *opt, act, wrapped.get());
+                        }};
     });
     report(rank, ddp);
     size_t two_largest = 0;

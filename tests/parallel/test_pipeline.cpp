@@ -21,6 +21,7 @@
 #include "parallel/device_mesh.h"
 #include "parallel/gpt_pipeline.h"
 #include "ranks.h"
+#include "token_batches.h"
 
 namespace loom::dist::pipeline {
 namespace {
@@ -36,13 +37,7 @@ nn::GPTConfig small_config() {
 
 // Token ids and next-token targets (rows, T), the same on every rank for a seed.
 std::pair<Tensor, Tensor> batch(int64_t rows, int64_t T, int step) {
-  std::mt19937 rng(1234 + step);
-  Tensor ids = Tensor::empty({rows, T}, DType::i64), targets = Tensor::empty({rows, T}, DType::i64);
-  for (int64_t i = 0; i < rows * T; ++i) {
-    ids.data<int64_t>()[i] = int64_t(rng() % 32);
-    targets.data<int64_t>()[i] = int64_t(rng() % 32);
-  }
-  return {ids, targets};
+  return testing::token_batch(rows, T, 32, uint32_t(1234 + step));
 }
 
 double relative(const Tensor& a, const Tensor& b) {

@@ -36,6 +36,7 @@
 #include "parallel/pipeline_checkpoint.h"
 #include "parallel/pipeline_gather.h"
 #include "ranks.h"
+#include "token_batches.h"
 #include "run_command.h"
 
 namespace loom::dist::pipeline {
@@ -50,15 +51,7 @@ const nn::GPTConfig kConfig{.vocab_size = 32, .context = 8, .layers = 4, .heads 
 constexpr int64_t kT = 8, kRows = 8;
 
 // Token ids and next-token targets (kRows, kT), the same on every rank for a step.
-std::pair<Tensor, Tensor> batch(int step) {
-  std::mt19937 rng(1234 + step);
-  Tensor ids = Tensor::empty({kRows, kT}, DType::i64), targets = Tensor::empty({kRows, kT}, DType::i64);
-  for (int64_t i = 0; i < kRows * kT; ++i) {
-    ids.data<int64_t>()[i] = int64_t(rng() % 32);
-    targets.data<int64_t>()[i] = int64_t(rng() % 32);
-  }
-  return {ids, targets};
-}
+std::pair<Tensor, Tensor> batch(int step) { return testing::token_batch(kRows, kT, 32, uint32_t(1234 + step)); }
 
 // One rank's part of a pipelined training: the GPT's stages on the mesh's "pp" group (its
 // replicas on "dp"), AdamW and a cosine schedule, the replicas seeded alike.

@@ -16,6 +16,7 @@
 #include "layers/optim/adam.h"
 #include "parallel/gpt_pipeline.h"
 #include "ranks.h"
+#include "token_batches.h"
 
 namespace loom::dist::pipeline {
 namespace {
@@ -28,13 +29,7 @@ constexpr int64_t kT = 8;
 
 // Token ids and next-token targets (rows, T), the same on every rank for a seed.
 std::pair<Tensor, Tensor> batch(int64_t rows, int seed) {
-  std::mt19937 rng(99 + seed);
-  Tensor ids = Tensor::empty({rows, kT}, DType::i64), targets = Tensor::empty({rows, kT}, DType::i64);
-  for (int64_t i = 0; i < rows * kT; ++i) {
-    ids.data<int64_t>()[i] = int64_t(rng() % 32);
-    targets.data<int64_t>()[i] = int64_t(rng() % 32);
-  }
-  return {ids, targets};
+  return testing::token_batch(rows, kT, 32, uint32_t(99 + seed));
 }
 
 // The whole GPT of seed 7 in f64.
