@@ -433,14 +433,17 @@ int run(int argc, char** argv) {
   }
   model->to(device);
   model->train();
-  // What a forward of this rank's batch keeps for backward, from a probe of one and two
-  // random images (parallel/memory_plan.h), before any wrapper shards the weights.
-  const size_t activations = dist::activation_bytes(*model, device, o.batch_size, [&](int64_t rows) {
-    AutocastGuard cast(autocast);
-    Tensor images = randn({rows, d.train.channels, d.train.height, d.train.width}, DType::f32, device);
-    Tensor logits = model->forward(images);
-    return cross_entropy(logits.to(DType::f32), zeros({rows}, DType::i64, device));
-  });
+  // What a step of this rank's batch holds, from a probe step of one and two random images
+  // (parallel/memory_plan.h) before any wrapper shards the weights; on the rank that prints
+  // the plan, and only when it does.
+  const bool print_plan = main_rank && !o.quiet;
+  const size_t activations =
+      !print_plan ? 0 : dist::activation_bytes(*model, device, o.batch_size, [&](int64_t rows) {
+        AutocastGuard cast(autocast);
+        Tensor images = randn({rows, d.train.channels, d.train.height, d.train.width}, DType::f32, device);
+        Tensor logits = model->forward(images);
+        return cross_entropy(logits.to(DType::f32), zeros({rows}, DType::i64, device));
+      });
   // Under data parallelism the step runs through DDP, which starts every rank from rank 0's
   // weights and averages the gradients during backward; checkpoints and evaluation use the
   // model itself, so their names carry no "module." prefix.
@@ -483,7 +486,7 @@ int run(int argc, char** argv) {
       fsdp ? dist::plan_sharded(*fsdp, *opt, activations)
            : dist::plan_replicated(*model, *opt, activations,
                                    dynamic_cast<const dist::DistributedDataParallel*>(trained.get()));
-  if (main_rank && !o.quiet) std::printf("%s\n", plan.table().c_str());
+  if (print_plan) std::printf("%s\n", plan.table().c_str());
   optim::LRScheduler sched(*opt, make_schedule(o, total_steps));
 
   int64_t epoch = 0, batch = 0, step = 0;
@@ -577,7 +580,7 @@ int run(int argc, char** argv) {
     if (main_rank && !o.quiet) progress.finish();
     // The plan beside what the allocator saw since the model was built (its peak: the
     // batches in flight and what the plan leaves out included), once.
-    if (main_rank && !o.quiet && epoch_steps > 0 && !plan_measured) {
+    if (print_plan && epoch_steps > 0 && !plan_measured) {
       plan_measured = true;
       std::printf("%s\n", plan.measured_line(device, allocated_before_model, epoch_steps).c_str());
     }

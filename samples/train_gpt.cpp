@@ -414,12 +414,13 @@ int run(int argc, char** argv) {
   model->to(device);
   const std::optional<DType> autocast = o.precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
   // What a step of this rank's batch holds, from a probe step of one and two random windows
-  // before any wrapper shards the weights (parallel/memory_plan.h).
-  const size_t activations = dist::activation_bytes(*model, device, o.batch_size, [&](int64_t rows) {
-    AutocastGuard cast(autocast);
-    Tensor ids = mul(rand({rows, o.context}, DType::f32, device), double(config.vocab_size)).to(DType::i64);
-    return model->loss(ids, ids);
-  });
+  // before any wrapper shards the weights (parallel/memory_plan.h); on rank 0, which prints it.
+  const size_t activations =
+      !main_rank ? 0 : dist::activation_bytes(*model, device, o.batch_size, [&](int64_t rows) {
+        AutocastGuard cast(autocast);
+        Tensor ids = mul(rand({rows, o.context}, DType::f32, device), double(config.vocab_size)).to(DType::i64);
+        return model->loss(ids, ids);
+      });
   std::shared_ptr<dist::DistributedDataParallel> ddp;
   std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
   if (o.fsdp) {

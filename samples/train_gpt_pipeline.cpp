@@ -95,6 +95,7 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
   size_t microbatch_activations = 0;
   const size_t allocated_before_model = memory::stats(ctx.device).allocated;
   GPTPipeline gp = make_gpt_pipeline(mesh.group("pp"), config, o.context, options, {}, [&](nn::GPTStage& stage) {
+    if (!main_rank) return;  // rank 0 prints the plan
     stage.to(ctx.device);
     stage.train();
     microbatch_activations += dist::activation_bytes(stage, ctx.device, rows, [&](int64_t r) {
