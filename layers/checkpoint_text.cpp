@@ -55,6 +55,23 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s;
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s;
+}
+
+std::vector<int64_t> parse_shape(const std::string& text, const std::string& where) {
+  std::vector<int64_t> shape;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, ',');) {
+    LOOM_CHECK(!part.empty() && part.find_first_not_of("0123456789") == std::string::npos, where, ": the shape '",
+               text, "' is not a list of sizes");
+    shape.push_back(parse<int64_t>(where, "shape", part));
+  }
+  return shape;
+}
+
 void write_schedule(Metadata& meta, const optim::LRScheduler& schedule) {
   for (const auto& [key, v] : schedule.state_dict()) meta["scheduler." + key] = exact(v);
 }

@@ -33,6 +33,9 @@ const std::string& entry(const Metadata& meta, const std::string& file, const st
 Metadata under(const Metadata& meta, const std::string& prefix);
 // The items of a comma-separated entry ("a.weight,a.bias"), empty items skipped.
 std::vector<std::string> split_list(const std::string& text);
+// A shape as "768,3072" ("" for a scalar), and read back; a malformed one names `where`.
+std::string shape_text(const std::vector<int64_t>& shape);
+std::vector<int64_t> parse_shape(const std::string& text, const std::string& where);
 
 // The schedule's state as "scheduler.<key>" entries, and read back (empty when there is none).
 void write_schedule(Metadata& meta, const optim::LRScheduler& schedule);

@@ -1,5 +1,6 @@
 #include "parallel/device_mesh.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <set>
 
@@ -59,13 +60,66 @@ DeviceMesh::DeviceMesh(std::shared_ptr<ProcessGroup> world, std::vector<int> sha
 int DeviceMesh::dimension(const std::string& name) const {
   for (int d = 0; d < ndim(); ++d)
     if (names_[d] == name) return d;
-  LOOM_FAIL("DeviceMesh: no dimension '", name, "'; the mesh has ", joined(names_));
+  std::vector<std::string> known = names_;
+  for (const Flattened& f : flattened_) known.push_back(f.name);
+  LOOM_FAIL("DeviceMesh: no dimension '", name, "'; the mesh has ", joined(known));
 }
 
-int DeviceMesh::size(const std::string& name) const { return shape_[dimension(name)]; }
-int DeviceMesh::coordinate(const std::string& name) const { return coordinates_[dimension(name)]; }
+const DeviceMesh::Flattened* DeviceMesh::find_flattened(const std::string& name) const {
+  for (const Flattened& f : flattened_)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+int DeviceMesh::size(const std::string& name) const {
+  if (const Flattened* f = find_flattened(name)) return f->size;
+  return shape_[dimension(name)];
+}
+int DeviceMesh::coordinate(const std::string& name) const {
+  if (const Flattened* f = find_flattened(name)) return f->coordinate;
+  return coordinates_[dimension(name)];
+}
 const std::shared_ptr<ProcessGroup>& DeviceMesh::group(const std::string& name) const {
+  if (const Flattened* f = find_flattened(name)) return f->group;
   return groups_[dimension(name)];
+}
+
+const std::shared_ptr<ProcessGroup>& DeviceMesh::flatten(const std::vector<std::string>& names, const std::string& as) {
+  LOOM_CHECK(!names.empty(), "DeviceMesh::flatten: no dimensions given to join into '", as, "'");
+  std::vector<int> dims;
+  for (const std::string& n : names) dims.push_back(dimension(n));
+  for (size_t i = 1; i < dims.size(); ++i)
+    LOOM_CHECK(dims[i] == dims[i - 1] + 1, "DeviceMesh::flatten: ", joined(names), " are not adjacent dimensions in "
+               "mesh order (", joined(names_), ")");
+  LOOM_CHECK(std::find(names_.begin(), names_.end(), as) == names_.end() && find_flattened(as) == nullptr,
+             "DeviceMesh::flatten: the mesh has a dimension '", as, "' already");
+  const int first = dims.front(), last = dims.back();
+  Flattened f{.name = as, .size = 1, .coordinate = 0, .group = nullptr};
+  for (int d = first; d <= last; ++d) {
+    f.size *= shape_[d];
+    f.coordinate = f.coordinate * shape_[d] + coordinates_[d];
+  }
+  // Every block of the grid (the other coordinates fixed) is a group, its ranks in mesh order;
+  // all ranks create all of them in the same order.
+  for (int r = 0; r < world_->size(); ++r) {
+    std::vector<int> c = coordinates_of(r);
+    bool starts = true;
+    for (int d = first; d <= last; ++d) starts = starts && c[d] == 0;
+    if (!starts) continue;
+    std::vector<int> block;
+    for (int i = 0; i < f.size; ++i) {
+      for (int d = last, rest = i; d >= first; --d) {
+        c[d] = rest % shape_[d];
+        rest /= shape_[d];
+      }
+      block.push_back(rank_at(c));
+    }
+    auto group = world_->new_group(block);
+    if (group) f.group = group;
+  }
+  LOOM_ASSERT(f.group != nullptr, "DeviceMesh: rank ", world_->rank(), " is in no group of ", as);
+  flattened_.push_back(std::move(f));
+  return flattened_.back().group;
 }
 
 int DeviceMesh::rank_at(const std::vector<int>& coordinates) const {

@@ -15,6 +15,12 @@
 // The mesh makes every group of every dimension through ProcessGroup::new_group, on every
 // rank in the same order (each rank keeps the groups it belongs to), so all ranks must build
 // the same mesh at the same point of the program.
+//
+// flatten() joins adjacent dimensions into one more group, as PyTorch's mesh[...]._flatten():
+// on DeviceMesh(world, {2, 2, 2}, {"pp", "replicate", "shard"}), flatten({"replicate",
+// "shard"}, "dp") gives each rank the 4 ranks of its pp row, in mesh order, under "dp": the
+// data-parallel replicas of a stage that HSDP shards along "shard" and replicates along
+// "replicate" (parallel/fsdp.h, step 8).
 #pragma once
 
 #include <memory>
@@ -37,8 +43,13 @@ class DeviceMesh {
   int size(const std::string& name) const;
   // This rank's coordinate along `name` (its rank in group(name)).
   int coordinate(const std::string& name) const;
-  // The ranks that differ from this one along `name` only, as a group.
+  // The ranks that differ from this one along `name` only, as a group (`name` may be a
+  // flattened one's, whose size and coordinate the two above give too).
   const std::shared_ptr<ProcessGroup>& group(const std::string& name) const;
+  // Joins the adjacent dimensions `names` (in mesh order) into a group named `as`: the ranks
+  // that differ from this one along those dimensions only, ordered as the mesh orders them.
+  // Every rank calls it at the same point (it creates groups); returns this rank's.
+  const std::shared_ptr<ProcessGroup>& flatten(const std::vector<std::string>& names, const std::string& as);
   const std::shared_ptr<ProcessGroup>& world() const { return world_; }
 
   // The world rank at `coordinates` (one per dimension), and the reverse.
@@ -57,6 +68,13 @@ class DeviceMesh {
   std::vector<std::string> names_;
   std::vector<int> coordinates_;                       // this rank's
   std::vector<std::shared_ptr<ProcessGroup>> groups_;  // this rank's, one per dimension
+  struct Flattened {
+    std::string name;
+    int size = 0, coordinate = 0;
+    std::shared_ptr<ProcessGroup> group;
+  };
+  std::vector<Flattened> flattened_;
+  const Flattened* find_flattened(const std::string& name) const;
 };
 
 }  // namespace loom::dist

@@ -123,7 +123,10 @@
 //    the stage between its first and its last backward. Under ZeRO-2 the units a backward
 //    still due will read stay gathered through the next micro-batch's forward; each unit goes
 //    when its backward for one micro-batch has ended, so ZeRO-2 gathers once a micro-batch
-//    and ZeRO-3 twice.
+//    and ZeRO-3 twice. HSDP inside stages: each stage is sharded over
+//    PipelineOptions::shard_group and replicated over options.replicate_group, the pipeline's
+//    data-parallel group holding both (DeviceMesh::flatten); its gradient norm sums the
+//    shards over the shard group alone, since the replicas hold the same ones.
 //
 // Devices. CPU tensors over a Gloo group, CUDA tensors over an NCCL group. On CUDA every copy
 // into and out of the flat buffers is an engine op on the compute stream and Work::wait()

@@ -201,11 +201,12 @@ double Pipeline::clip_grad_norm(double max_norm) {
   LOOM_CHECK(max_norm >= 0, "Pipeline::clip_grad_norm: max_norm must not be negative, got ", max_norm);
   // The sum of squares over this rank's stages, the last stage's tied copy left out (stage 0's
   // copy holds the same gradient), summed over the pipeline on the device and read once.
-  // A sharded stage counts its shards, summed over the data-parallel group too.
+  // A sharded stage counts its shards, summed over its shard group too (under HSDP the
+  // replicas hold the same shards, so not over data_parallel).
   TensorList params, counted;
-  bool sharded = false;
+  ProcessGroup* shard_group = nullptr;
   for (const Stage& s : stages_) {
-    sharded = sharded || s.sharded;
+    if (s.sharded) shard_group = &s.sharded->group();
     for (const Tensor& p : s.sharded ? s.sharded->parameters() : s.module->parameters()) {
       params.push_back(p);
       const bool tied_copy = tied_ && tied_last_.defined() && p.impl() == tied_last_.impl() &&
@@ -215,7 +216,7 @@ double Pipeline::clip_grad_norm(double max_norm) {
   }
   Tensor total = optim::grad_squared_sum(counted, options_.device);
   group_->all_reduce(total)->wait();
-  if (sharded) options_.data_parallel->all_reduce(total)->wait();
+  if (shard_group && shard_group->size() > 1) shard_group->all_reduce(total)->wait();
   const double norm = std::sqrt(total.item());
   optim::scale_grads_to_norm(params, norm, max_norm);
   return norm;

@@ -138,6 +138,11 @@ struct PipelineOptions {
   // optimizer steps on the shards. Not with the zb1 schedule, whose split backward FSDP does
   // not follow.
   std::optional<FSDPOptions> shard;
+  // HSDP inside stages (fsdp.h, step 8): with shard->replicate_group set, each stage is
+  // sharded over shard_group and replicated over shard->replicate_group, and data_parallel
+  // holds both (every replica of the stage: DeviceMesh::flatten({"replicate", "shard"})), over
+  // which the loss is averaged. Unset, a stage is sharded over data_parallel.
+  std::shared_ptr<ProcessGroup> shard_group;
   // The placement of sends (pipeline_schedule.h) on a Gloo group: unset, eager; paired runs
   // the placement an NCCL group always runs, so CPU ranks can prove it.
   std::optional<Transfers> transfers;
@@ -301,11 +306,17 @@ ModelPipeline<M> make_residual_pipeline(std::shared_ptr<ProcessGroup> group, int
     if (options.shard) {
       LOOM_CHECK(options.data_parallel != nullptr, "pipeline: PipelineOptions::shard shards each stage over the "
                  "data-parallel group, and options.data_parallel is not set");
-      LOOM_CHECK(options.shard->replicate_group == nullptr, "pipeline: PipelineOptions::shard with a replicate_group "
-                 "(HSDP inside stages) is not offered: the pipeline averages its loss over data_parallel alone");
+      const auto& replicas = options.shard->replicate_group;
+      LOOM_CHECK(!replicas || options.shard_group, "pipeline: PipelineOptions::shard has a replicate_group (HSDP), "
+                 "and options.shard_group, the group each stage is sharded over, is not set");
+      const std::shared_ptr<ProcessGroup> over = options.shard_group ? options.shard_group : options.data_parallel;
+      LOOM_CHECK(over->size() * (replicas ? replicas->size() : 1) == options.data_parallel->size(), "pipeline: the ",
+                 "stages are sharded over ", over->size(), " ranks", replicas ? " times " : "",
+                 replicas ? std::to_string(replicas->size()) + " replicas" : std::string(), ", but data_parallel has ",
+                 options.data_parallel->size(), " ranks; it must hold every replica of a stage");
       FSDPOptions fsdp = *options.shard;
       if (units) fsdp.units = units(*module);
-      st.sharded = fully_shard(module, options.data_parallel, fsdp);
+      st.sharded = fully_shard(module, over, fsdp);
       st.forward = [run = st.forward, sharded = st.sharded](const Tensor& x, const Tensor& targets) {
         return sharded->call([&] { return run(x, targets); });
       };

@@ -15,12 +15,22 @@
 //                                      parameter's optimizer step ("step.<name>"), the
 //                                      optimizer's group sizes ("param_groups.<g>.size", which
 //                                      differ between ranks), the names each stage holds in
-//                                      order ("stage.<s>" = "name,name,..."), and the rank's
+//                                      order ("stage.<s>" = "name,name,..."), a second name
+//                                      of one parameter ("tied.<alias>" = "<name>", when one
+//                                      stage holds both ends of GPT's tied embedding; its
+//                                      optimizer state is filed under <name>), and the rank's
 //                                      random generator ("rng.seed", "rng.offset": the ranks
 //                                      of a pipeline are seeded apart)
+//   stage-g<G>-<r>-of-<P>-shard-<d>-of-<D>.safetensors
+//                                      the same for stages sharded by FSDP
+//                                      (PipelineOptions::shard) over data-parallel groups of
+//                                      D > 1 ranks: each rank d of pipeline rank r's group
+//                                      writes its rows of every parameter and of its optimizer
+//                                      buffers (fsdp.h's cut, shard_rows), with the whole
+//                                      shape as "shape.<name>"; buffers whole
 //   index.safetensors                  no tensors. Metadata: "format" = "loom-pipeline-1",
 //                                      the generation G, "pp" (P), "stages" (virtual stages in
-//                                      all), the optimizer's type ("optimizer") and group
+//                                      all), "shards" (D, 1 for whole stages), the optimizer's type ("optimizer") and group
 //                                      hyper-parameters ("param_groups.<g>.<field>"), the
 //                                      schedule's state ("scheduler.<key>"), world rank 0's
 //                                      generator ("rng.seed", "rng.offset", as a file
@@ -39,6 +49,11 @@
 // saves into the folder: a save killed at any point leaves the previous index naming the
 // previous files, which are still there, so the previous checkpoint stays loadable, and the
 // files of a save that never finished are found by no index and removed by the next save.
+//
+// Sharded and whole stages load into one another: a parameter's rows are put together from the
+// shard files that hold them (parallel/sharded_checkpoint.h, copy_saved_rows), so a
+// checkpoint saved with --fsdp at one data-parallel size loads sharded at another, or whole,
+// and one of whole stages loads sharded.
 //
 // Loading: every rank, replicas included, reads the index and the stage files' headers, which
 // list each stage's names; together, in stage order, they are the whole model's state-dict
@@ -69,7 +84,8 @@ struct PipelineCheckpoint {
   Pipeline* pipeline = nullptr;  // this rank's stages
   // Every rank of every pipeline (the save's barriers, the generation's broadcast).
   ProcessGroup* world = nullptr;
-  // This rank's data-parallel coordinate: the replicas of coordinate 0 write the stage files.
+  // This rank's data-parallel coordinate: the replicas of coordinate 0 write the stage files
+  // (every rank writes its rows of a sharded stage).
   int replica = 0;
   optim::Optimizer* optimizer = nullptr;    // built on the stages' parameters; may be null
   optim::LRScheduler* scheduler = nullptr;  // may be null

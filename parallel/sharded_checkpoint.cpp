@@ -37,28 +37,7 @@ void append(std::string& list, const std::string& item) {
   list += item;
 }
 
-std::string shape_text(const Shape& shape) {
-  std::string s;
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(shape[i]);
-  }
-  return s;
-}
-
 namespace text = nn::checkpoint_text;
-
-Shape parse_shape(const std::string& text, const std::string& where) {
-  Shape shape;
-  std::stringstream in(text);
-  std::string part;
-  while (std::getline(in, part, ',')) {
-    LOOM_CHECK(!part.empty() && part.find_first_not_of("0123456789") == std::string::npos, where,
-               ": the shape '", text, "' is not a list of sizes");
-    shape.push_back(text::parse<int64_t>(where, "shape", part));
-  }
-  return shape;
-}
 
 // Rows of a tensor of `shape` seen as (rows, row_numel), as fsdp.h shards it.
 int64_t rows_of(const Shape& shape) { return shape.empty() ? 1 : shape[0]; }
@@ -100,7 +79,7 @@ class SavedCheckpoint {
   Shape shape(const std::string& name) const {
     auto it = meta_.find("shape." + name);
     LOOM_CHECK(it != meta_.end(), "sharded checkpoint: ", dir_, " holds no parameter ", name);
-    return parse_shape(it->second, dir_ + "/" + kIndex);
+    return text::parse_shape(it->second, dir_ + "/" + kIndex);
   }
 
   const SafetensorsFile& file(int rank) {
@@ -118,21 +97,9 @@ class SavedCheckpoint {
   // Rows [range.start, range.start + range.count) of the saved tensor `key` (a parameter of
   // full shape `full`, or one of its optimizer buffers), copied into dst, (range.count, ...).
   void read_rows(const std::string& key, const Shape& full, RowRange range, const Tensor& dst) {
-    const int64_t n = rows_of(full), row_numel = n == 0 ? 0 : shape_numel(full) / n;
-    Tensor into = dst.reshape({range.count, row_numel});
-    for (int r = 0; r < world_; ++r) {
-      const RowRange theirs = shard_rows(n, world_, r);
-      const int64_t lo = std::max(theirs.start, range.start);
-      const int64_t hi = std::min(theirs.start + theirs.count, range.start + range.count);
-      if (lo >= hi) continue;
-      const Tensor* src = find(r, key);
-      LOOM_CHECK(src != nullptr, "sharded checkpoint: ", shard_file(dir_, generation_, r, world_), " has no ", key);
-      LOOM_CHECK(src->numel() == theirs.count * row_numel, "sharded checkpoint: ", key, " in ",
-                 shard_file(dir_, generation_, r, world_), " has ", src->numel(), " elements, expected ",
-                 theirs.count * row_numel);
-      copy_(into.slice(0, lo - range.start, hi - range.start),
-            src->reshape({theirs.count, row_numel}).slice(0, lo - theirs.start, hi - theirs.start));
-    }
+    copy_saved_rows(
+        key, full, range, world_, [&](int r) { return find(r, key); },
+        [&](int r) { return shard_file(dir_, generation_, r, world_); }, dst);
   }
 
  private:
@@ -208,7 +175,7 @@ void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullySharded
     std::string order;
     std::unordered_map<const Storage*, std::string> by_storage;
     for (const auto& [name, p] : fsdp.module()->named_parameters()) {
-      index_meta["shape." + name] = shape_text(p.shape());
+      index_meta["shape." + name] = text::shape_text(p.shape());
       append(order, name);
       by_storage.emplace(p.storage().get(), name);
     }
@@ -242,6 +209,25 @@ void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullySharded
 }
 
 }  // namespace
+
+void copy_saved_rows(const std::string& key, const Shape& full, RowRange range, int world,
+                     const std::function<const Tensor*(int)>& saved, const std::function<std::string(int)>& file,
+                     const Tensor& dst) {
+  const int64_t n = rows_of(full), row_numel = n == 0 ? 0 : shape_numel(full) / n;
+  Tensor into = dst.reshape({range.count, row_numel});
+  for (int r = 0; r < world; ++r) {
+    const RowRange theirs = shard_rows(n, world, r);
+    const int64_t lo = std::max(theirs.start, range.start);
+    const int64_t hi = std::min(theirs.start + theirs.count, range.start + range.count);
+    if (lo >= hi) continue;
+    const Tensor* src = saved(r);
+    LOOM_CHECK(src != nullptr, "sharded checkpoint: ", file(r), " has no ", key);
+    LOOM_CHECK(src->numel() == theirs.count * row_numel, "sharded checkpoint: ", key, " in ", file(r), " has ",
+               src->numel(), " elements, expected ", theirs.count * row_numel);
+    copy_(into.slice(0, lo - range.start, hi - range.start),
+          src->reshape({theirs.count, row_numel}).slice(0, lo - theirs.start, hi - theirs.start));
+  }
+}
 
 void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
                              const optim::Optimizer* optimizer, const ShardedCheckpointExtras& extras) {

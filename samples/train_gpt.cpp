@@ -184,7 +184,8 @@ int run(int argc, char** argv) {
                    "data parallel (under a launcher or --gpus N): shard parameters, gradients and optimizer state "
                    "over the ranks (parallel/fsdp.h) instead of replicating them (DDP); one unit per transformer "
                    "block; --save writes a sharded checkpoint (a folder, every rank writing its shards). With --pp, "
-                   "each stage sharded over its --dp group (not with zb1, --hsdp or checkpoints). Not with --scaling");
+                   "each stage sharded over its --dp group (with --hsdp N: over --dp / N ranks, replicated N times), "
+                   "--save writing a pipeline checkpoint of every rank's rows (not with zb1). Not with --scaling");
   flags.add("reshard-after-forward", &o.reshard_after_forward,
             "FSDP: free a unit's full parameters after its forward (yes: ZeRO-3) or keep them until its backward "
             "(no: ZeRO-2)",
@@ -245,11 +246,6 @@ int run(int argc, char** argv) {
     if (pipelined && o.schedule == "zb1")
       flags.fail("--fsdp with --pp shards each stage, and --schedule zb1 splits backward into halves FSDP does not "
                  "follow: use --schedule 1f1b, gpipe or interleaved");
-    if (pipelined && flags.given("hsdp"))
-      flags.fail("--hsdp with --pp is not available: a pipeline's stages are sharded over their --dp group");
-    if (pipelined && (!o.save.empty() || !o.resume.empty()))
-      flags.fail(std::string(o.save.empty() ? "--resume" : "--save") + " with --pp and --fsdp is not available: "
-                 "pipeline checkpoints hold whole stages, not shards; drop --fsdp to save a pipeline");
     if (flags.given("scaling"))
       flags.fail("--fsdp with --scaling is not available: the scaling runs measure DDP; drop one of them");
     if (o.gpus <= 1 && !dist::launched_with_rank())
@@ -355,6 +351,9 @@ int run(int argc, char** argv) {
     if (o.pp * o.dp != ctx.size)
       flags.fail("--pp " + std::to_string(o.pp) + " x --dp " + std::to_string(o.dp) + " is " +
                  std::to_string(o.pp * o.dp) + " ranks, but " + std::to_string(ctx.size) + " were started");
+    if (o.hsdp > 1 && o.dp % o.hsdp != 0)
+      flags.fail("--hsdp " + std::to_string(o.hsdp) + " with --pp: the " + std::to_string(o.dp) +
+                 " data-parallel ranks of a stage (--dp) do not divide into that many replicas of equal size");
     if (o.microbatches == 0) o.microbatches = 2 * o.pp;
     if (o.batch_size % o.microbatches != 0)
       flags.fail("--batch-size " + std::to_string(o.batch_size) + " does not cut into --microbatches " +

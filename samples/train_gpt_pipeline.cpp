@@ -58,14 +58,21 @@ std::map<std::string, std::string> with_pipelines(const samples::Flags& flags, c
 // data-parallel run does); for generation the first pipeline's ranks send their stages to
 // rank 0 (parallel/pipeline_gather.h), which builds the whole GPT and generates from it. --save
 // writes a pipeline checkpoint after every epoch
-// (parallel/pipeline_checkpoint.h: a folder, one file per pipeline rank) and --resume
+// (parallel/pipeline_checkpoint.h: a folder, one file per pipeline rank, or per rank of a
+// stage sharded with --fsdp) and --resume
 // continues one exactly.
 int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& config, const samples::Flags& flags,
                     data::DataLoader& train_loader, data::DataLoader& val_loader, int64_t steps_per_epoch,
                     int64_t total_steps, int64_t train_windows) {
   using namespace dist::pipeline;
   const bool main_rank = ctx.is_main();
-  dist::DeviceMesh mesh(ctx.group, {int(o.pp), int(o.dp)}, {"pp", "dp"});
+  // With --hsdp R, a stage's --dp ranks are R replicas of dp / R shards each, "dp" naming them
+  // all (the loss is averaged over it, and the data cut by it).
+  const bool hybrid = o.fsdp && o.hsdp > 1;
+  dist::DeviceMesh mesh = hybrid ? dist::DeviceMesh(ctx.group, {int(o.pp), int(o.hsdp), int(o.dp / o.hsdp)},
+                                                    {"pp", "replicate", "shard"})
+                                 : dist::DeviceMesh(ctx.group, {int(o.pp), int(o.dp)}, {"pp", "dp"});
+  if (hybrid) mesh.flatten({"replicate", "shard"}, "dp");
   PipelineOptions options;
   options.schedule = parse_schedule(o.schedule);
   options.microbatches = int(o.microbatches);
@@ -79,6 +86,10 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     shard.reshard_after_forward =
         o.reshard_after_forward == "yes" ? dist::ReshardAfterForward::yes : dist::ReshardAfterForward::no;
     shard.min_num_params = o.min_params;
+    if (hybrid) {
+      shard.replicate_group = mesh.group("replicate");
+      options.shard_group = mesh.group("shard");
+    }
     options.shard = shard;
   }
   const int stages = int(o.pp) * options.stages_per_rank;
@@ -126,7 +137,10 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
                   (long long)saved_dp, (long long)o.dp, (long long)steps_per_epoch, (long long)moved, (long long)step);
     step = moved;
     if (!o.allow_nonfinite)
-      for (const auto& m : gp.modules) samples::check_finite_parameters(*m, "--resume " + o.resume);
+      for (const Stage& stage : gp.pipeline->stages())
+        samples::check_finite_parameters(stage.sharded ? stage.sharded->named_parameters()
+                                                       : stage.module->named_parameters(),
+                                         "--resume " + o.resume);
     if (main_rank)
       std::printf("resumed %s at epoch %lld, batch %lld (step %lld)\n", o.resume.c_str(), (long long)epoch + 1,
                   (long long)batch, (long long)step);
@@ -138,6 +152,9 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
                 (long long)o.dp, o.schedule.c_str(), (long long)o.microbatches,
                 (long long)(o.batch_size / o.microbatches), o.precision.c_str(), ctx.device.str().c_str(),
                 (long long)held, mesh.table().c_str());
+    if (hybrid)
+      std::printf("HSDP inside stages: each stage's %lld data-parallel ranks are %lld replicas, each sharded over %lld\n",
+                  (long long)o.dp, (long long)o.hsdp, (long long)(o.dp / o.hsdp));
     if (o.microbatches <= 8) std::printf("%s", gp.pipeline->schedule().table().c_str());
     std::printf("%s\n", plan.table().c_str());
     std::fflush(stdout);

@@ -140,6 +140,30 @@ TEST(Mesh, ThreeDimensionsPrintOneTablePerOuterIndex) {
   });
 }
 
+// HSDP inside pipeline stages: {"replicate", "shard"} flattened into "dp" gives each rank the
+// 4 ranks of its pp row in mesh order, whose coordinate is replicate * 2 + shard; a sum over
+// it adds those 4 ranks alone. Dimensions that are not adjacent, and a name taken, are refused.
+TEST(Mesh, FlattenedDimensionsFormTheRanksThatDifferAlongThemAlone) {
+  run_ranks(8, [](int rank, std::shared_ptr<ProcessGroup> world) {
+    DeviceMesh mesh(world, {2, 2, 2}, {"pp", "replicate", "shard"});
+    auto dp = mesh.flatten({"replicate", "shard"}, "dp");
+    const int row = rank / 4 * 4;
+    require(dp->world_ranks() == std::vector<int>{row, row + 1, row + 2, row + 3}, "dp group of ", rank);
+    require(mesh.group("dp") == dp && mesh.size("dp") == 4, "the flattened group by name");
+    require(mesh.coordinate("dp") == mesh.coordinate("replicate") * 2 + mesh.coordinate("shard") &&
+                mesh.coordinate("dp") == dp->rank(),
+            "dp coordinate of ", rank);
+    Tensor sum_dp = full({4}, double(rank + 1));
+    dp->all_reduce(sum_dp)->wait();
+    require(all_equal(sum_dp, expected_sum(dp->world_ranks(), 0)), "dp sum on ", rank);
+    auto whole = mesh.flatten({"pp", "replicate", "shard"}, "all");
+    require(whole->size() == 8 && whole->rank() == rank, "all three flattened");
+    require_error([&] { mesh.flatten({"pp", "shard"}, "ps"); }, {"pp, shard are not adjacent"});
+    require_error([&] { mesh.flatten({"replicate"}, "dp"); }, {"has a dimension 'dp' already"});
+    require_error([&] { mesh.group("tp"); }, {"no dimension 'tp'", "pp, replicate, shard, dp, all"});
+  });
+}
+
 TEST(BatchP2P, NeighboursSendToEachOtherAtOnce) {
   run_ranks(4, [](int rank, std::shared_ptr<ProcessGroup> world) {
     const int n = world->size(), next = (rank + 1) % n, prev = (rank + n - 1) % n;

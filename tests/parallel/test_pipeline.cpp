@@ -18,6 +18,7 @@
 #include "layers/linear.h"
 #include "layers/models/gpt.h"
 #include "layers/optim/adam.h"
+#include "layers/optim/clip.h"
 #include "parallel/device_mesh.h"
 #include "parallel/gpt_pipeline.h"
 #include "ranks.h"
@@ -49,24 +50,28 @@ double relative(const Tensor& a, const Tensor& b) {
 struct Reference {
   std::vector<double> losses;
   std::map<std::string, Tensor> weights;  // after the last step
+  double clip = 0;            // when > 0, each step's gradients clipped to this global norm
+  std::vector<double> norms;  // the norm before each clip
 };
 
 constexpr int kSteps = 10;
 const nn::GPTConfig kConfig = small_config();
 constexpr int64_t kT = 8;
 
-// One process, the whole model, the whole batch.
-Reference train_alone(int64_t rows) {
+// One process, the whole model, the whole batch; with `clip`, gradients clipped by global norm.
+Reference train_alone(int64_t rows, double clip = 0) {
   manual_seed(7);
   nn::GPT gpt(kConfig);
   gpt.to(DType::f64);
   optim::AdamW opt(gpt.parameters(), {.lr = 1e-2});
   Reference ref;
+  ref.clip = clip;
   for (int step = 0; step < kSteps; ++step) {
     auto [ids, targets] = batch(rows, kT, step);
     opt.zero_grad();
     Tensor loss = gpt.loss(ids, targets);
     loss.backward();
+    if (clip > 0) ref.norms.push_back(optim::clip_grad_norm_(gpt.parameters(), clip));
     opt.step();
     ref.losses.push_back(loss.item());
   }
@@ -77,15 +82,18 @@ Reference train_alone(int64_t rows) {
 
 // Builds this rank's stages, sets them to the reference's initial weights, trains kSteps on
 // `rows_here` rows of each batch starting at `row0`, and compares with `ref`.
-// With `shard`, each stage is sharded over `dp` by FSDP instead of replicated.
+// With `shard`, each stage is sharded over `dp` by FSDP instead of replicated (over
+// `shard_group` when `shard` has a replicate_group: HSDP). The reference's clipping, if any,
+// is done by Pipeline::clip_grad_norm, whose norm must be the reference's.
 void train_pipeline(std::shared_ptr<ProcessGroup> pp, std::shared_ptr<ProcessGroup> dp, ScheduleKind kind,
                     int microbatches, int64_t rows, int64_t row0, int64_t rows_here, const Reference& ref,
                     std::optional<FSDPOptions> shard = std::nullopt,
-                    std::optional<Transfers> transfers = std::nullopt) {
+                    std::optional<Transfers> transfers = std::nullopt,
+                    std::shared_ptr<ProcessGroup> shard_group = nullptr) {
   PipelineOptions options{.schedule = kind, .microbatches = microbatches,
                           .stages_per_rank = kind == ScheduleKind::interleaved ? 2 : 1,
                           .activation_dtype = DType::f64, .data_parallel = dp, .shard = shard,
-                          .transfers = transfers};
+                          .shard_group = shard_group, .transfers = transfers};
   // The reference's starting weights, by name, set before the stages are sharded.
   manual_seed(7);
   nn::GPT start(kConfig);
@@ -109,6 +117,11 @@ void train_pipeline(std::shared_ptr<ProcessGroup> pp, std::shared_ptr<ProcessGro
     opt.zero_grad();
     double loss =
         gp.pipeline->step(ids.slice(0, row0, row0 + rows_here), targets.slice(0, row0, row0 + rows_here)).item();
+    if (ref.clip > 0) {
+      const double norm = gp.pipeline->clip_grad_norm(ref.clip), want = ref.norms[size_t(step)];
+      require(std::abs(norm - want) <= 1e-5 * want, what, ": step ", step, " gradient norm ", norm,
+              " but one process had ", want);
+    }
     opt.step();
     require(std::abs(loss - ref.losses[size_t(step)]) <= 1e-5 * std::abs(ref.losses[size_t(step)]), what, ": step ",
             step, " loss ", loss, " but one process had ", ref.losses[size_t(step)]);
@@ -183,24 +196,34 @@ TEST(Pipeline, PipelinesTimesDataParallelTrainLikeOneProcess) {
 }
 
 // FSDP inside the stages: the 2 x 2 mesh again, each stage sharded over its data-parallel
-// pair (ZeRO-3 and ZeRO-2), and 2 x 3 with uneven shards, interleaved.
+// pair (ZeRO-3 and ZeRO-2), and 2 x 3 with uneven shards, interleaved; then HSDP inside the
+// stages, 2 x (2 replicas x 2 shards) on 8 ranks. Gradients clipped by the global norm
+// (summed over the shards, not over HSDP's replicas) in the 2 x 3 and HSDP cases.
 TEST(Pipeline, PipelinesOfShardedStagesTrainLikeOneProcess) {
   struct Case {
     ScheduleKind kind;
-    int pp, dp;
+    int pp, replicas, shards;
     ReshardAfterForward reshard;
+    double clip;
   };
-  for (const Case c : {Case{ScheduleKind::one_f_one_b, 2, 2, ReshardAfterForward::yes},
-                       Case{ScheduleKind::gpipe, 2, 2, ReshardAfterForward::no},
-                       Case{ScheduleKind::interleaved, 2, 3, ReshardAfterForward::yes}}) {
-    const int64_t rows = 4 * 2 * c.dp;  // 4 micro-batches of 2 rows on each pipeline
-    const Reference ref = train_alone(rows);
-    SCOPED_TRACE(std::string(schedule_name(c.kind)) + " pp=" + std::to_string(c.pp) + " dp=" + std::to_string(c.dp));
-    run_ranks(c.pp * c.dp, [&](int, std::shared_ptr<ProcessGroup> world) {
-      DeviceMesh mesh(world, {c.pp, c.dp}, {"pp", "dp"});
+  for (const Case c : {Case{ScheduleKind::one_f_one_b, 2, 1, 2, ReshardAfterForward::yes, 0},
+                       Case{ScheduleKind::gpipe, 2, 1, 2, ReshardAfterForward::no, 0},
+                       Case{ScheduleKind::interleaved, 2, 1, 3, ReshardAfterForward::yes, 0.5},
+                       Case{ScheduleKind::one_f_one_b, 2, 2, 2, ReshardAfterForward::yes, 0.5}}) {
+    const int dp = c.replicas * c.shards;
+    const int64_t rows = 4 * 2 * dp;  // 4 micro-batches of 2 rows on each pipeline
+    const Reference ref = train_alone(rows, c.clip);
+    SCOPED_TRACE(std::string(schedule_name(c.kind)) + " pp=" + std::to_string(c.pp) + " replicas=" +
+                 std::to_string(c.replicas) + " shards=" + std::to_string(c.shards));
+    run_ranks(c.pp * dp, [&](int, std::shared_ptr<ProcessGroup> world) {
+      DeviceMesh mesh(world, {c.pp, c.replicas, c.shards}, {"pp", "replicate", "shard"});
+      auto all = mesh.flatten({"replicate", "shard"}, "dp");
       const int d = mesh.coordinate("dp");
-      train_pipeline(mesh.group("pp"), mesh.group("dp"), c.kind, 4, rows, d * rows / c.dp, rows / c.dp, ref,
-                     FSDPOptions{.reshard_after_forward = c.reshard});
+      FSDPOptions shard;
+      shard.reshard_after_forward = c.reshard;
+      if (c.replicas > 1) shard.replicate_group = mesh.group("replicate");
+      train_pipeline(mesh.group("pp"), all, c.kind, 4, rows, d * rows / dp, rows / dp, ref, shard, std::nullopt,
+                     c.replicas > 1 ? mesh.group("shard") : nullptr);
     });
   }
 }

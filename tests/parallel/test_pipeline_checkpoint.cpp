@@ -32,6 +32,7 @@
 #include "layers/models/gpt.h"
 #include "layers/optim/adam.h"
 #include "parallel/device_mesh.h"
+#include "parallel/fsdp.h"
 #include "parallel/gpt_pipeline.h"
 #include "parallel/pipeline_checkpoint.h"
 #include "parallel/pipeline_gather.h"
@@ -61,15 +62,25 @@ struct Training {
   std::unique_ptr<optim::AdamW> opt;
   std::unique_ptr<optim::LRScheduler> sched;
 
+  // With `shard`, each stage is sharded over the "dp" group (f32 only); on a mesh with
+  // "replicate" and "shard" dimensions ("dp" flattened from them), over "shard" and
+  // replicated along "replicate" (HSDP).
   Training(const DeviceMesh& mesh, uint64_t seed, ScheduleKind kind, DType dtype = DType::f32,
-           const nn::GPTConfig& config = kConfig)
+           const nn::GPTConfig& config = kConfig, std::optional<FSDPOptions> shard = std::nullopt)
       : mesh(mesh) {
     manual_seed(seed + uint64_t(mesh.coordinate("pp")));
     PipelineOptions options{.schedule = kind, .microbatches = 2,
                             .stages_per_rank = kind == ScheduleKind::interleaved ? 2 : 1, .activation_dtype = dtype,
-                            .data_parallel = mesh.size("dp") > 1 ? mesh.group("dp") : nullptr};
+                            .data_parallel = mesh.size("dp") > 1 || shard ? mesh.group("dp") : nullptr,
+                            .shard = shard};
+    const auto& names = mesh.names();
+    if (shard && std::find(names.begin(), names.end(), "replicate") != names.end()) {
+      options.shard->replicate_group = mesh.group("replicate");
+      options.shard_group = mesh.group("shard");
+    }
     gp = make_gpt_pipeline(mesh.group("pp"), config, kT, options);
-    for (auto& m : gp.modules) m->to(dtype);
+    if (!shard)
+      for (auto& m : gp.modules) m->to(dtype);
     opt = std::make_unique<optim::AdamW>(gp.parameters(), optim::AdamWOptions{.lr = 1e-2});
     sched = std::make_unique<optim::LRScheduler>(*opt, optim::cosine_annealing(20, 1e-3));
   }
@@ -101,8 +112,14 @@ struct Snapshot {
 
 Snapshot snapshot(const Training& t) {
   Snapshot s;
-  for (const auto& m : t.gp.modules)
-    for (const auto& [name, p] : m->state_dict()) s.tensors[name] = p.clone();
+  for (const Stage& stage : t.gp.pipeline->stages()) {
+    if (stage.sharded) {  // its shards and its buffers: the full parameters exist only in a step
+      for (const auto& [name, p] : stage.sharded->named_parameters()) s.tensors[name] = p.clone();
+      for (const auto& [name, b] : stage.module->named_buffers()) s.tensors[name] = b.clone();
+    } else {
+      for (const auto& [name, p] : stage.module->state_dict()) s.tensors[name] = p.clone();
+    }
+  }
   const optim::OptimizerState o = t.opt->state_dict();
   for (const auto& [key, b] : o.tensors) s.tensors["optimizer." + key] = b.clone();
   for (const auto& [key, v] : o.scalars) s.scalars["optimizer." + key] = v;
@@ -255,6 +272,41 @@ std::map<std::string, Tensor> state_by_name(const Training& t) {
   return out;
 }
 
+// One stage holding both ends of GPT's tied embedding keeps one optimizer state for it; loaded
+// into two stages, the last stage's copy (lm_head.weight) gets that state too, so the step after
+// the load is the continued run's within 1e-5 (on 2 ranks: 1 x 2 saves, 2 x 1 loads).
+TEST(PipelineCheckpoint, OneStageWithBothEndsOfTheTiedEmbeddingGivesBothCopiesItsOptimizerState) {
+  const std::string dir = temp_path("pipeline_ckpt_tied");
+  run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> world) {
+    std::map<std::string, Tensor> saved;
+    double continued = 0;
+    {
+      DeviceMesh mesh(world, {1, 2}, {"pp", "dp"});
+      Training a(mesh, 7, ScheduleKind::one_f_one_b);
+      for (int s = 0; s < 3; ++s) a.step(s);
+      save_pipeline_checkpoint(dir, a.checkpoint());
+      saved = state_by_name(a);
+      continued = a.step(3);
+    }
+    DeviceMesh mesh(world, {2, 1}, {"pp", "dp"});
+    Training b(mesh, 99, ScheduleKind::one_f_one_b);
+    load_pipeline_checkpoint(dir, b.checkpoint());
+    const std::map<std::string, Tensor> loaded = state_by_name(b);
+    const std::string held = rank == 0 ? "transformer.wte.weight" : "lm_head.weight";
+    for (const std::string buffer : {"optim.", "step."}) {
+      const std::string key = buffer == "step." ? "step." + held : "optim." + held + ".exp_avg";
+      const std::string source =
+          buffer == "step." ? "step.transformer.wte.weight" : "optim.transformer.wte.weight.exp_avg";
+      require(loaded.count(key), "rank ", rank, ": no ", key, " after the load");
+      require(same_bits(loaded.at(key), saved.at(source)), "rank ", rank, ": ", key, " is not the saved ", source);
+    }
+    const double resumed = b.step(3);
+    require(std::abs(resumed - continued) <= 1e-5 * std::abs(continued), "the step after the load gives ", resumed,
+            ", the saving run ", continued);
+  });
+  fs::remove_all(dir);
+}
+
 // Saved by one layout, loaded by another: every entry a rank of the new layout holds is, bit
 // for bit, what the rank that held it had saved, and the next step's loss is the saving
 // run's within 1e-5 (the same sums, in other orders). Saved by 2 stages on a 2 x 2 mesh;
@@ -335,6 +387,152 @@ TEST(PipelineCheckpoint, ExportsAPlainGptStateDictThatGivesThePipelinesLoss) {
             ", the pipeline's ", pipeline_loss);
   });
   fs::remove_all(dir);
+  fs::remove(path);
+}
+
+// Every stage's parameters and buffers at their whole values, by name; a sharded stage's
+// gathered over its data-parallel group (every rank of the group calls this).
+std::map<std::string, Tensor> whole_values(const Training& t) {
+  std::map<std::string, Tensor> out;
+  for (const Stage& s : t.gp.pipeline->stages())
+    for (const auto& [name, v] : s.sharded ? s.sharded->full_state_dict() : s.module->state_dict())
+      out[name] = v.clone();
+  return out;
+}
+
+// Stages sharded by FSDP (ZeRO-3) over their data-parallel pairs on a 2 x 2 mesh save their
+// rows: a file per rank of a stage, none of them whole, and the export puts them together into
+// a plain GPT's state dict holding the stages' whole values. The checkpoint loads back bit for
+// bit on the same layout (shards, optimizer state, schedule, generator; the next two losses
+// identical) and into other layouts, each holding the export's values bit for bit, its next
+// two losses the saving run's within 1e-5: whole stages on 2 x 2 (GPipe), one stage sharded
+// over 4 ranks (width 6: rows of 2, 2, 2 and none; 5, 5, 5 and 3), and 4 whole stages. HSDP
+// (one stage, 2 replicas of 2 shards) loads it and saves its own; saved again by whole
+// stages, it loads sharded over 4 ranks likewise.
+TEST(PipelineCheckpoint, ShardedStagesSaveTheirRowsAndLoadIntoAnyLayout) {
+  const nn::GPTConfig config{.vocab_size = 32, .context = 8, .layers = 4, .heads = 2, .width = 6};
+  const std::string dir = temp_path("pipeline_ckpt_sharded"), whole_dir = temp_path("pipeline_ckpt_unsharded");
+  const std::string hsdp_dir = temp_path("pipeline_ckpt_hsdp");
+  const std::string path = temp_path("pipeline_sharded_export") + ".safetensors";
+  run_ranks(4, [&](int rank, std::shared_ptr<ProcessGroup> world) {
+    Snapshot saved;
+    std::map<std::string, Tensor> whole;
+    double continued[2] = {0, 0};
+    {
+      DeviceMesh mesh(world, {2, 2}, {"pp", "dp"});
+      Training a(mesh, 7, ScheduleKind::one_f_one_b, DType::f32, config, FSDPOptions{});
+      for (int s = 0; s < 3; ++s) a.step(s);
+      save_pipeline_checkpoint(dir, a.checkpoint({{"epoch", "1"}}));
+      saved = snapshot(a);
+      whole = whole_values(a);
+      continued[0] = a.step(3);
+      continued[1] = a.step(4);
+    }
+    world->barrier()->wait();
+    if (rank == 0) {
+      std::set<std::string> files;
+      for (const auto& e : fs::directory_iterator(dir)) files.insert(e.path().filename().string());
+      const std::set<std::string> want{"index.safetensors",
+                                       "stage-g1-00000-of-00002-shard-00000-of-00002.safetensors",
+                                       "stage-g1-00000-of-00002-shard-00001-of-00002.safetensors",
+                                       "stage-g1-00001-of-00002-shard-00000-of-00002.safetensors",
+                                       "stage-g1-00001-of-00002-shard-00001-of-00002.safetensors"};
+      require(files == want, "the folder does not hold one file per rank of each stage and the index");
+      require(load_safetensors_metadata(dir + "/index.safetensors").at("shards") == "2", "the index's shards");
+      export_pipeline_checkpoint(dir, path);
+      std::vector<std::string> names, expected;
+      for (const auto& [name, t] : load_safetensors(path).tensors) names.push_back(name);
+      manual_seed(1);
+      for (const auto& [name, t] : nn::GPT(config).state_dict()) expected.push_back(name);
+      require(names == expected, "the export's names are not nn::GPT::state_dict()'s, in its order");
+    }
+    world->barrier()->wait();
+    std::map<std::string, Tensor> exported;
+    for (auto& [name, t] : load_safetensors(path).tensors) exported.emplace(name, t);
+    for (const auto& [name, t] : whole)
+      require(same_bits(exported.at(name), t), "rank ", rank, ": the export's ", name, " is not the stage's");
+
+    struct Layout {
+      std::vector<int> mesh;
+      ScheduleKind kind;
+      bool sharded;
+    };
+    for (const Layout& layout : {Layout{{2, 2}, ScheduleKind::one_f_one_b, true},
+                                 Layout{{2, 2}, ScheduleKind::gpipe, false}, Layout{{1, 4}, ScheduleKind::gpipe, true},
+                                 Layout{{4, 1}, ScheduleKind::one_f_one_b, false}}) {
+      DeviceMesh mesh(world, layout.mesh, {"pp", "dp"});
+      Training b(mesh, 99, layout.kind, DType::f32, config,
+                 layout.sharded ? std::optional<FSDPOptions>(FSDPOptions{}) : std::nullopt);
+      const std::string what = std::string(layout.sharded ? "sharded" : "whole") + " stages on " +
+                               std::to_string(layout.mesh[0]) + " x " + std::to_string(layout.mesh[1]) + ", rank " +
+                               std::to_string(rank);
+      require(load_pipeline_checkpoint(dir, b.checkpoint()).at("epoch") == "1", what, ": the caller's entries");
+      const bool same_layout = layout.sharded && layout.mesh[0] == 2;
+      if (same_layout) require_same(snapshot(b), saved, what);
+      const std::map<std::string, Tensor> loaded = whole_values(b);
+      require(!loaded.empty(), what, ": no stage");
+      for (const auto& [name, t] : loaded)
+        require(same_bits(t, exported.at(name)), what, ": ", name, " is not the saved value");
+      for (int s = 0; s < 2; ++s) {
+        const double loss = b.step(3 + s);
+        if (same_layout)
+          require(loss == continued[s], what, ": step ", 3 + s, " gives ", loss, ", the saving run ", continued[s]);
+        else
+          require(std::abs(loss - continued[s]) <= 1e-5 * std::abs(continued[s]), what, ": step ", 3 + s, " gives ",
+                  loss, ", the saving run ", continued[s]);
+      }
+    }
+    // HSDP: one stage sharded over 2 ranks and replicated twice loads the checkpoint, trains
+    // a step and saves: the first replica alone writes, a file per shard, and whole stages on
+    // 4 ranks load that save to the HSDP stage's values.
+    {
+      DeviceMesh mesh(world, {1, 2, 2}, {"pp", "replicate", "shard"});
+      mesh.flatten({"replicate", "shard"}, "dp");
+      Training h(mesh, 99, ScheduleKind::gpipe, DType::f32, config, FSDPOptions{});
+      load_pipeline_checkpoint(dir, h.checkpoint());
+      for (const auto& [name, t] : whole_values(h))
+        require(same_bits(t, exported.at(name)), "HSDP, rank ", rank, ": ", name, " is not the saved value");
+      const double loss = h.step(3);
+      require(std::abs(loss - continued[0]) <= 1e-5 * std::abs(continued[0]), "HSDP: step 3 gives ", loss,
+              ", the saving run ", continued[0]);
+      save_pipeline_checkpoint(hsdp_dir, h.checkpoint());
+      const std::map<std::string, Tensor> trained = whole_values(h);
+      if (rank == 0) {
+        std::set<std::string> files;
+        for (const auto& e : fs::directory_iterator(hsdp_dir)) files.insert(e.path().filename().string());
+        require(files == std::set<std::string>{"index.safetensors",
+                                               "stage-g1-00000-of-00001-shard-00000-of-00002.safetensors",
+                                               "stage-g1-00000-of-00001-shard-00001-of-00002.safetensors"},
+                "HSDP's save is not one file per shard of the first replica");
+      }
+      DeviceMesh flat(world, {4, 1}, {"pp", "dp"});
+      Training w(flat, 99, ScheduleKind::one_f_one_b, DType::f32, config);
+      load_pipeline_checkpoint(hsdp_dir, w.checkpoint());
+      for (const auto& [name, t] : whole_values(w))
+        require(same_bits(t, trained.at(name)), "HSDP's save loaded whole, rank ", rank, ": ", name,
+                " is not the HSDP stage's value");
+    }
+    // Whole stages saved again (a file per pipeline rank), loaded sharded over 4 ranks.
+    {
+      DeviceMesh mesh(world, {2, 2}, {"pp", "dp"});
+      Training c(mesh, 99, ScheduleKind::one_f_one_b, DType::f32, config);
+      load_pipeline_checkpoint(dir, c.checkpoint());
+      save_pipeline_checkpoint(whole_dir, c.checkpoint());
+    }
+    require(load_safetensors_metadata(whole_dir + "/index.safetensors").at("shards") == "1", "the whole save's shards");
+    DeviceMesh mesh(world, {1, 4}, {"pp", "dp"});
+    Training d(mesh, 99, ScheduleKind::gpipe, DType::f32, config, FSDPOptions{});
+    load_pipeline_checkpoint(whole_dir, d.checkpoint());
+    for (const auto& [name, t] : whole_values(d))
+      require(same_bits(t, exported.at(name)), "whole stages loaded sharded, rank ", rank, ": ", name,
+              " is not the saved value");
+    const double loss = d.step(3);
+    require(std::abs(loss - continued[0]) <= 1e-5 * std::abs(continued[0]), "whole stages loaded sharded: step 3 "
+            "gives ", loss, ", the saving run ", continued[0]);
+  });
+  fs::remove_all(dir);
+  fs::remove_all(whole_dir);
+  fs::remove_all(hsdp_dir);
   fs::remove(path);
 }
 
@@ -528,6 +726,45 @@ TEST(TrainGptPipelineCheckpoint, SavedAtAnEpochsEndItResumesWithAnotherDp) {
 double number(const std::string& text) { return std::stod(text); }
 
 bool close(double a, double b) { return std::abs(a - b) <= 1e-5 * std::abs(b); }
+
+// train_gpt --pp 2 --dp 2 --fsdp (stages sharded over their pairs) saves a checkpoint of rows
+// after its first epoch; killed there and resumed with --fsdp, it ends with the uninterrupted
+// run's losses (identical in the metrics' digits), and the same checkpoint resumed with whole
+// stages (no --fsdp) gives them within 1e-5.
+TEST(TrainGptPipelineCheckpoint, ShardedStagesResumeShardedOrWholeToTheUninterruptedLosses) {
+  ASSERT_FALSE(program("LOOMRUN").empty() || program("TRAIN_GPT").empty()) << "meson test sets LOOMRUN, TRAIN_GPT";
+  const std::string corpus = write_corpus(), dir = temp_path("pp_fsdp_ckpt"), log = temp_path("pp_fsdp") + ".log";
+  auto command = [&](const std::string& metrics, const std::string& extra) {
+    return program("LOOMRUN") + " --nproc-per-node 4 " + program("TRAIN_GPT") + " --device cpu --config tiny --data " +
+           corpus + " --context 16 --batch-size 8 --epochs 2 --workers 1 --generate 0 --plot '' --metrics '" +
+           metrics + "' --pp 2 --dp 2 " + extra;
+  };
+  const std::string straight_metrics = temp_path("pp_fsdp_straight") + ".jsonl";
+  auto straight = testing::run_command(command(straight_metrics, "--fsdp"), 300);
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  const std::vector<std::string> want = metric(straight_metrics);
+  ASSERT_EQ(want.size(), 2u) << straight.output;
+  ASSERT_NO_FATAL_FAILURE(save_first_epoch_then_kill(command("", "--fsdp --save " + dir), dir, log));
+  std::set<std::string> shard_files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().find("-shard-") != std::string::npos)
+      shard_files.insert(e.path().filename().string());
+  EXPECT_EQ(shard_files.size(), 4u) << "one file per rank: the stages are sharded";
+
+  for (const std::string flags : {"--fsdp", ""}) {
+    SCOPED_TRACE(flags.empty() ? "whole stages" : flags);
+    const std::string metrics = temp_path("pp_fsdp_resumed") + ".jsonl";
+    auto resumed = testing::run_command(command(metrics, flags + " --resume " + dir), 300);
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("resumed " + dir + " at epoch 2, batch 0"), std::string::npos) << resumed.output;
+    const std::vector<std::string> got = metric(metrics);
+    ASSERT_EQ(got.size(), 1u) << resumed.output;
+    if (flags.empty()) EXPECT_TRUE(close(number(got[0]), number(want[1]))) << got[0] << " against " << want[1];
+    else EXPECT_EQ(got[0], want[1]);
+    fs::remove(metrics);
+  }
+  for (const std::string& path : {corpus, dir, log, straight_metrics}) fs::remove_all(path);
+}
 
 // Saved at its first epoch's end by 2 ranks (1F1B, 2 stages of the guide's 6 blocks), the
 // checkpoint resumes on 4 ranks (--pp 4) and on 2 ranks of two stages each (interleaved, 4

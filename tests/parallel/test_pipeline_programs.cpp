@@ -80,6 +80,39 @@ TEST(TrainGptPipeline, ShardedStagesPrintTheLossesOfReplicatedOnes) {
   }
 }
 
+// --fsdp --hsdp 2 with --pp 2 --dp 4 (8 ranks): each stage sharded over 2 ranks and
+// replicated twice prints the losses and sample of the replicated stages, and the mesh of
+// replicas and shards.
+TEST(TrainGptPipeline, HybridShardedStagesPrintTheLossesOfReplicatedOnes) {
+  const std::string text = ::testing::TempDir() + "/pp_hsdp_text.txt";
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 3000; ++i) out << "line " << i % 97 << ": the quick brown fox jumps over a lazy dog\n";
+  }
+  std::string replicated;
+  for (const char* fsdp : {"", " --fsdp --hsdp 2"}) {
+    SCOPED_TRACE(fsdp);
+    auto r = run_command(program("LOOMRUN") + " --nproc-per-node 8 " + program("TRAIN_GPT") +
+                             " --device cpu --data '" + text + "' --pp 2 --dp 4 --microbatches 4 --batch-size 8"
+                             " --context 32 --max-steps 8 --workers 1 --generate 16 --metrics '' --plot ''" + fsdp,
+                         300);
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex("train loss [0-9.]+  validation loss [0-9.]+"))) << r.output;
+    std::smatch sample;
+    ASSERT_TRUE(std::regex_search(r.output, sample, std::regex("--- sample [^\n]*\n[^\n]*"))) << r.output;
+    const std::string result = std::string(m[0]) + "\n" + std::string(sample[0]);
+    if (replicated.empty()) replicated = result;
+    EXPECT_EQ(result, replicated);
+    if (*fsdp)
+      EXPECT_NE(r.output.find("HSDP inside stages: each stage's 4 data-parallel ranks are 2 replicas, each sharded "
+                              "over 2"),
+                std::string::npos)
+          << r.output;
+  }
+  std::filesystem::remove(text);
+}
+
 TEST(TrainGptPipeline, BadPipelineFlagsAreNamed) {
   struct Case {
     std::string args, expected;

@@ -162,9 +162,8 @@ TEST(TrainGptDist, FsdpCombinationsItCannotRunStopNamingTheFlags) {
   const std::string loomrun = std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 ";
   const std::vector<Case> cases = {
       {loomrun, "--fsdp --pp 2 --schedule zb1", "--schedule zb1 splits backward into halves FSDP does not follow"},
-      {loomrun, "--fsdp --pp 2 --hsdp 2", "--hsdp with --pp is not available"},
-      {loomrun, "--fsdp --pp 2 --save " + ::testing::TempDir() + "/pp_fsdp_ckpt",
-       "--save with --pp and --fsdp is not available: pipeline checkpoints hold whole stages"},
+      {loomrun, "--fsdp --pp 2 --hsdp 2", "--hsdp 2 with --pp: the 1 data-parallel ranks of a stage (--dp) do not "
+                                          "divide into that many replicas"},
       {loomrun, "--fsdp --hsdp 3", "--hsdp 3: the 2 rank(s) started do not divide into that many replicas"},
       {loomrun, "--hsdp 2", "--hsdp is FSDP's: add --fsdp"},
       {"", "--fsdp --scaling 2", "--fsdp with --scaling is not available"},
