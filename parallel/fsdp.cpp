@@ -535,7 +535,10 @@ FullyShardedDataParallel::ForwardScope::ForwardScope(FullyShardedDataParallel& f
 FullyShardedDataParallel::ForwardScope::~ForwardScope() noexcept(false) {
   FSDPState& state = *fsdp_.state_;
   state.forward_known = true;  // the first forward has shown the order of its gathers
-  if (grad_enabled()) {
+  // A forward with gradients on owes a backward, unless nothing it holds trains (every
+  // parameter frozen): no gradient hook would ever end that backward.
+  const bool trains = std::any_of(state.units.begin(), state.units.end(), [](const Unit& u) { return u.trainable > 0; });
+  if (grad_enabled() && trains) {
     // What reads weights from now on is the backward (none comes for a forward that failed).
     state.begin_pass(Phase::backward);
     if (std::uncaught_exceptions() == 0) ++state.backwards_due;

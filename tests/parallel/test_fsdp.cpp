@@ -566,6 +566,29 @@ TEST(FsdpErrors, UnusedParametersAreNamedAndReadingOutsideAStepIsRefused) {
   });
 }
 
+// A model whose every parameter is frozen trains nothing, so its forwards with gradients on owe
+// no backward: each releases its units as an evaluation does, under ZeRO-3 and ZeRO-2, and the
+// parameters are outside a step again afterwards.
+TEST(FsdpErrors, AForwardWithNothingToTrainOwesNoBackward) {
+  for (ReshardAfterForward reshard : {ReshardAfterForward::yes, ReshardAfterForward::no})
+    run_ranks(2, [&](int, std::shared_ptr<ProcessGroup> group) {
+      auto model = std::make_shared<TwoLayers>();
+      for (Tensor& p : model->parameters()) p.set_requires_grad(false);
+      FSDPOptions options;
+      options.units = {{model->fc1}, {model->fc2}};
+      options.reshard_after_forward = reshard;
+      FullyShardedDataParallel fsdp(model, group, options);
+      const Tensor x = ones({2, 4});
+      for (int i = 0; i < 2; ++i) {
+        Tensor y = fsdp.forward(x);
+        require(!y.requires_grad(), "a frozen model's output requires a gradient");
+        require(fsdp.memory().full_parameter_bytes == 0, "forward ", i, " left ", fsdp.memory().full_parameter_bytes,
+                " bytes of full parameters gathered");
+      }
+      require_error([&] { (void)model->fc2->weight.to_vector<float>(); }, {"unit 'fc2'", "outside a step"});
+    });
+}
+
 TEST(FsdpStateDict, AFullStateDictLoadsBackIntoShardsOnAnotherWorldSize) {
   std::string path = temp_path("fsdp_state") + ".safetensors";
   run_ranks(3, [&](int rank, std::shared_ptr<ProcessGroup> group) {
