@@ -16,7 +16,7 @@
 #include "engine/ops.h"
 #include "engine/serialization.h"
 #include "layers/checkpoint_text.h"
-#include "parallel/sharded_checkpoint.h"
+#include "parallel/checkpoint_files.h"
 
 namespace loom::dist::pipeline {
 
@@ -126,26 +126,18 @@ Device device_of(const Pipeline& pipe) {
 
 // The generation of this save: one more than the finished checkpoint's in `dir`, as world
 // rank 0 reads it, sent to every rank. A folder holding another kind of checkpoint stops
-// every rank (generation 0 stands for that), rank 0 naming what it found.
+// every rank, rank 0 naming what it found.
 int64_t next_generation(const std::string& dir, ProcessGroup& world, Device device) {
-  int64_t generation = 1;
-  std::string refused;
-  const std::string index = (fs::path(dir) / kIndex).string();
-  if (world.rank() == 0 && fs::exists(index)) {
-    try {
-      generation = read_index(dir).generation + 1;
-    } catch (const Error& e) {
-      refused = e.what();
-      generation = 0;
-    }
-  }
-  Tensor g = from_vector(std::vector<int64_t>{generation}, {1}).to(device);
-  world.broadcast(g, 0)->wait();
-  generation = int64_t(g.item());
-  LOOM_CHECK(generation > 0, "save_pipeline_checkpoint(", dir, "): its ", kIndex,
-             " is not a pipeline checkpoint's, so saving there would mix two checkpoints: save into a new or empty "
-             "folder", refused.empty() ? " (world rank 0 read it)" : " (" + refused + ")");
-  return generation;
+  return agree_on_generation(
+      dir, (fs::path(dir) / kIndex).string(), world, device,
+      [&](const std::string&) {
+        try {
+          return read_index(dir).generation;
+        } catch (const Error& e) {
+          LOOM_FAIL(e.what(), "; saving into ", dir, " would mix two checkpoints: save into a new or empty folder");
+        }
+      },
+      "save_pipeline_checkpoint(" + dir + ")");
 }
 
 // A sharded stage's shards by the storage of the module's parameter, so that a state-dict

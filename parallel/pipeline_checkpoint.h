@@ -51,7 +51,7 @@
 // files of a save that never finished are found by no index and removed by the next save.
 //
 // Sharded and whole stages load into one another: a parameter's rows are put together from the
-// shard files that hold them (parallel/sharded_checkpoint.h, copy_saved_rows), so a
+// shard files that hold them (parallel/checkpoint_files.h, copy_saved_rows), so a
 // checkpoint saved with --fsdp at one data-parallel size loads sharded at another, or whole,
 // and one of whole stages loads sharded.
 //

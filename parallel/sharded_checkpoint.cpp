@@ -14,6 +14,7 @@
 #include "engine/ops.h"
 #include "engine/serialization.h"
 #include "layers/checkpoint_text.h"
+#include "parallel/checkpoint_files.h"
 
 namespace loom::dist {
 
@@ -120,29 +121,20 @@ void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullySharded
   fs::create_directories(dir);
 
   // The generation: one more than the finished checkpoint's, as rank 0 reads it. An index of
-  // another kind (a pipeline's checkpoint) or one that cannot be read stops every rank (0 is
-  // broadcast), so that nothing in the folder is overwritten and no rank waits for the others.
-  int64_t generation = 1;
-  std::string refusal;
+  // another kind (a pipeline's checkpoint) or one that cannot be read stops every rank, so
+  // that nothing in the folder is overwritten and no rank waits for the others.
   const std::string index = (fs::path(dir) / kIndex).string();
-  if (rank == 0 && fs::exists(index)) {
-    try {
-      auto meta = load_safetensors_metadata(index);
-      auto format = meta.find("format");
-      LOOM_CHECK(format != meta.end() && format->second == kFormat, index, " is the index of a checkpoint of format '",
-                 format == meta.end() ? std::string() : format->second, "', not a sharded one (", kFormat,
-                 "): save into another folder, so that it is not overwritten");
-      generation = text::parse<int64_t>(index, "generation", text::entry(meta, index, "generation")) + 1;
-    } catch (const Error& e) {
-      refusal = e.what();
-      generation = 0;
-    }
-  }
-  Tensor g = from_vector(std::vector<int64_t>{generation}, {1}).to(device);
-  group.broadcast(g, 0)->wait();
-  generation = int64_t(g.item());
-  LOOM_CHECK(generation > 0, "sharded checkpoint: ",
-             rank == 0 ? refusal : "rank 0 could not read the index in " + dir + " and saved nothing (its message says why)");
+  const int64_t generation = agree_on_generation(
+      dir, index, group, device,
+      [](const std::string& path) {
+        auto meta = load_safetensors_metadata(path);
+        auto format = meta.find("format");
+        LOOM_CHECK(format != meta.end() && format->second == kFormat, path,
+                   " is the index of a checkpoint of format '", format == meta.end() ? std::string() : format->second,
+                   "', not a sharded one (", kFormat, "): save into another folder, so that it is not overwritten");
+        return text::parse<int64_t>(path, "generation", text::entry(meta, path, "generation"));
+      },
+      "sharded checkpoint");
 
   nn::NamedTensors tensors;
   std::map<std::string, std::string> meta{{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}};
@@ -209,25 +201,6 @@ void save_sharded_checkpoint_of_one_replica(const std::string& dir, FullySharded
 }
 
 }  // namespace
-
-void copy_saved_rows(const std::string& key, const Shape& full, RowRange range, int world,
-                     const std::function<const Tensor*(int)>& saved, const std::function<std::string(int)>& file,
-                     const Tensor& dst) {
-  const int64_t n = rows_of(full), row_numel = n == 0 ? 0 : shape_numel(full) / n;
-  Tensor into = dst.reshape({range.count, row_numel});
-  for (int r = 0; r < world; ++r) {
-    const RowRange theirs = shard_rows(n, world, r);
-    const int64_t lo = std::max(theirs.start, range.start);
-    const int64_t hi = std::min(theirs.start + theirs.count, range.start + range.count);
-    if (lo >= hi) continue;
-    const Tensor* src = saved(r);
-    LOOM_CHECK(src != nullptr, "sharded checkpoint: ", file(r), " has no ", key);
-    LOOM_CHECK(src->numel() == theirs.count * row_numel, "sharded checkpoint: ", key, " in ", file(r), " has ",
-               src->numel(), " elements, expected ", theirs.count * row_numel);
-    copy_(into.slice(0, lo - range.start, hi - range.start),
-          src->reshape({theirs.count, row_numel}).slice(0, lo - theirs.start, hi - theirs.start));
-  }
-}
 
 void save_sharded_checkpoint(const std::string& dir, FullyShardedDataParallel& fsdp,
                              const optim::Optimizer* optimizer, const ShardedCheckpointExtras& extras) {

@@ -34,7 +34,6 @@
 // files that hold its rows.
 #pragma once
 
-#include <functional>
 #include <map>
 #include <string>
 
@@ -73,16 +72,6 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
 std::map<std::string, std::string> load_checkpoint_into_shards(const std::string& path, FullyShardedDataParallel& fsdp,
                                                                optim::Optimizer* optimizer = nullptr,
                                                                optim::LRScheduler* scheduler = nullptr);
-
-// Rows [range.start, range.start + range.count) of a tensor of full shape `full` saved as
-// `world` row shards (saved rank r's rows are shard_rows(n, world, r), as fsdp.h cuts them),
-// copied into dst (range.count rows, any shape of that size). saved(r) gives rank r's saved
-// tensor, null when it has none; file(r) names where it was looked for, in errors. Only the
-// ranks whose rows overlap the range are asked. The pipeline checkpoints of sharded stages
-// read their rows with it too.
-void copy_saved_rows(const std::string& key, const Shape& full, RowRange range, int world,
-                     const std::function<const Tensor*(int)>& saved, const std::function<std::string(int)>& file,
-                     const Tensor& dst);
 
 // Writes the full parameters (tied ones under every name) and buffers of the checkpoint in
 // `dir` to one safetensors file, as a plain model's state_dict() would be saved: PyTorch loads

@@ -272,6 +272,28 @@ std::map<std::string, Tensor> state_by_name(const Training& t) {
   return out;
 }
 
+// A folder whose index is another kind of checkpoint's (a sharded one) is not written into:
+// every rank stops before writing, rank 0 naming the format, and the folder is as it was.
+TEST(PipelineCheckpoint, AFolderOfAnotherKindOfCheckpointIsRefusedOnEveryRank) {
+  const std::string dir = temp_path("pipeline_ckpt_other_kind");
+  fs::create_directories(dir);
+  save_safetensors(dir + "/index.safetensors", {}, {{"format", "loom-sharded-1"}, {"generation", "3"}});
+  run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> world) {
+    DeviceMesh mesh(world, {2, 1}, {"pp", "dp"});
+    Training a(mesh, 7, ScheduleKind::one_f_one_b);
+    const std::vector<std::string> want =
+        rank == 0 ? std::vector<std::string>{"save_pipeline_checkpoint(" + dir + ")", "format 'loom-sharded-1'",
+                                             "new or empty folder"}
+                  : std::vector<std::string>{"rank 0 could not read the index in " + dir};
+    testing::require_error([&] { save_pipeline_checkpoint(dir, a.checkpoint()); }, want);
+  });
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) files += e.is_regular_file();
+  EXPECT_EQ(files, 1);
+  EXPECT_EQ(load_safetensors_metadata(dir + "/index.safetensors").at("format"), "loom-sharded-1");
+  fs::remove_all(dir);
+}
+
 // One stage holding both ends of GPT's tied embedding keeps one optimizer state for it; loaded
 // into two stages, the last stage's copy (lm_head.weight) gets that state too, so the step after
 // the load is the continued run's within 1e-5 (on 2 ranks: 1 x 2 saves, 2 x 1 loads).
