@@ -140,27 +140,40 @@ namespace {
 
 // FSDP's full parameters held at once at most, and the largest unit's full gradients with
 // the buffer they are reduce-scattered from (memory_plan.h).
-size_t gathered_bytes(const FullyShardedDataParallel& fsdp) {
+// What a sharded model holds unsharded: the units gathered at once (every unit under ZeRO-2;
+// under ZeRO-3 two, three with prefetch), all units' bytes (what its full gradients take when
+// they are kept over micro-batches), the largest unit's, and the buffer the largest unit's
+// gradients are reduce-scattered from (in the reduce dtype, the parameters' own when unset).
+struct Unsharded {
+  size_t held = 0, all = 0, largest = 0, reduce_buffer = 0;
+};
+
+Unsharded unsharded_bytes(const FullyShardedDataParallel& fsdp) {
   const FSDPOptions& o = fsdp.options();
   const bool zero3 = o.reshard_after_forward == ReshardAfterForward::yes;
   std::vector<size_t> units = fsdp.unit_bytes();
   std::sort(units.rbegin(), units.rend());
-  size_t all = 0;
-  for (size_t b : units) all += b;
-  size_t held = 0;
+  Unsharded out;
+  for (size_t b : units) out.all += b;
   if (!zero3) {
-    held = all;
+    out.held = out.all;
   } else {
     const size_t at_once = std::min(units.size(), size_t(o.prefetch ? 3 : 2));
-    for (size_t i = 0; i < at_once; ++i) held += units[i];
+    for (size_t i = 0; i < at_once; ++i) out.held += units[i];
   }
-  // The largest unit's full gradients, and the buffer they are reduce-scattered from (in
-  // the reduce dtype, the parameters' own when unset).
-  const size_t largest = units.empty() ? 0 : units.front();
+  out.largest = units.empty() ? 0 : units.front();
   const Tensor first = fsdp.parameters().empty() ? Tensor() : fsdp.parameters().front();
   const size_t param_size = first.defined() ? dtype_size(o.param_dtype.value_or(first.dtype())) : 1;
   const size_t reduce_size = first.defined() ? dtype_size(o.reduce_dtype.value_or(first.dtype())) : 1;
-  return held + largest + largest / param_size * reduce_size;
+  out.reduce_buffer = out.largest / param_size * reduce_size;
+  return out;
+}
+
+// A step of one sharded model: its gathered units, and the largest unit's full gradients
+// beside its reduce buffer at the end of that unit's backward.
+size_t gathered_bytes(const FullyShardedDataParallel& fsdp) {
+  const Unsharded u = unsharded_bytes(fsdp);
+  return u.held + u.largest + u.reduce_buffer;
 }
 
 // The shards' bytes and their gradients', each tensor once.
@@ -201,10 +214,19 @@ MemoryPlan plan_pipeline(const pipeline::Pipeline& pipe, const optim::Optimizer&
                   std::to_string(schedule.stages) + ", " + pipeline::schedule_name(schedule.kind) +
                   (sharded ? ", FSDP" : "");
   std::set<const TensorImpl*> seen;
+  // Sharded stages: one computes at a time, so the units of one are gathered at once; but
+  // every backward of a stage before its last in the step keeps the stage's full gradients
+  // (fsdp.h, step 9), so with several micro-batches those of all this rank's stages are held
+  // together until their last backwards reduce them.
+  size_t held = 0, full_gradients = 0, largest = 0, reduce_buffer = 0;
   for (const pipeline::Stage& s : pipe.stages()) {
     if (s.sharded) {
       add_shards(*s.sharded, seen, plan);
-      plan.gathered = std::max(plan.gathered, gathered_bytes(*s.sharded));  // one stage computes at a time
+      const Unsharded u = unsharded_bytes(*s.sharded);
+      held = std::max(held, u.held);
+      full_gradients += u.all;
+      largest = std::max(largest, u.largest);
+      reduce_buffer = std::max(reduce_buffer, u.reduce_buffer);
       continue;
     }
     for (const Tensor& p : s.module->parameters()) {
@@ -213,6 +235,7 @@ MemoryPlan plan_pipeline(const pipeline::Pipeline& pipe, const optim::Optimizer&
       if (p.requires_grad()) plan.gradients += p.nbytes();
     }
   }
+  if (sharded) plan.gathered = held + (schedule.microbatches > 1 ? full_gradients : largest) + reduce_buffer;
   plan.optimizer_state = optimizer.planned_state_bytes();
   plan.activations = microbatch_activations * size_t(pipe.simulation().peak_in_flight[size_t(pipe.rank())]);
   return plan;

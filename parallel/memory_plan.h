@@ -13,7 +13,10 @@
 //   added inside a step     gathered     FSDP: the full parameters held at once at most (ZeRO-3:
 //                                        the two largest units, and a third arriving with
 //                                        prefetch; ZeRO-2: every unit), and the largest unit's
-//                                        full gradients with their reduce-scatter buffer
+//                                        full gradients with their reduce-scatter buffer (a
+//                                        pipeline's sharded stages with several micro-batches:
+//                                        every unit's full gradients, kept until the stage's
+//                                        last backward of the step)
 //                           activations  what a forward and its backward hold at their peak
 //                                        beyond the parameters and their gradients: the saved
 //                                        activations, their gradients, the workspaces.
@@ -84,7 +87,8 @@ MemoryPlan plan_sharded(const FullyShardedDataParallel& fsdp, const optim::Optim
                         size_t activations);
 
 // A pipeline rank's plan: its stages' parameters (their shards, when sharded), gradients and
-// optimizer state, the most a sharded stage gathers, and `microbatch_activations` (what one
+// optimizer state, the most a sharded stage gathers with the full gradients its stages keep
+// over the micro-batches, and `microbatch_activations` (what one
 // micro-batch through this rank's stages holds) times the most micro-batches the schedule
 // has this rank hold at once.
 MemoryPlan plan_pipeline(const pipeline::Pipeline& pipe, const optim::Optimizer& optimizer,
