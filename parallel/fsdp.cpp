@@ -10,6 +10,7 @@
 #include <exception>
 #include <functional>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -18,6 +19,7 @@
 #include "layers/optim/clip.h"
 #include "parallel/device_mesh.h"
 #include "parallel/sync_tensors.h"
+#include "parallel/trace.h"
 
 namespace loom::dist {
 
@@ -128,6 +130,36 @@ struct FSDPState {
   int rank() const { return group->rank(); }
   int world() const { return group->size(); }
 
+  // Tracing (parallel/trace.h): each collective's span runs from its issue until it is first
+  // seen complete, as DDP's all-reduces do: polled at every gather and gradient, waited for at
+  // the end of backward and of a forward without one. Over Gloo a collective runs when issued,
+  // so its span is its exact duration.
+  struct Traced {
+    std::string name;
+    trace::Category category;
+    int64_t start_ns;
+    WorkPtr work;
+    int64_t bytes;
+  };
+  std::vector<Traced> traced;
+  void trace_issued(std::string name, trace::Category category, int64_t start_ns, const WorkPtr& work,
+                    int64_t bytes) {
+    traced.push_back({std::move(name), category, start_ns, work, bytes});
+    trace_completed(false);
+  }
+  void trace_completed(bool wait) {
+    for (auto it = traced.begin(); it != traced.end();) {
+      if (wait)
+        while (!it->work->is_completed()) std::this_thread::yield();
+      else if (!it->work->is_completed()) {
+        ++it;
+        continue;
+      }
+      trace::record(it->name, it->category, it->start_ns, trace::now_ns(), {.bytes = it->bytes});
+      it = traced.erase(it);
+    }
+  }
+
   void release(size_t u) {
     Unit& unit = units[u];
     if (!unit.gathered) return;
@@ -191,7 +223,7 @@ struct FSDPState {
     if (units[v].gathered) return;
     NoGradGuard no_grad;
     WorkPtr work;
-    Tensor gathered = issue_gather(units[v], units[v].compute_dtype, &work);
+    Tensor gathered = issue_gather(units[v], units[v].compute_dtype, &work, true);
     prefetched = PendingGather{v, gathered, work};
     memory.full_parameter_bytes += units[v].full_bytes;
     memory.peak_full_parameter_bytes = std::max(memory.peak_full_parameter_bytes, memory.full_parameter_bytes);
@@ -202,7 +234,7 @@ struct FSDPState {
   // all_gather is issued, and `work` says when its result is ready.
   // The all_gather runs in place: this rank's flat shard is written straight into its slice
   // of the gathered buffer.
-  Tensor issue_gather(const Unit& unit, DType dtype, WorkPtr* work) {
+  Tensor issue_gather(const Unit& unit, DType dtype, WorkPtr* work, bool prefetch = false) {
     Tensor gathered = Tensor::empty({world() * unit.flat_numel}, dtype, unit.device);
     Tensor flat = gathered.slice(0, rank() * unit.flat_numel, (rank() + 1) * unit.flat_numel);
     TensorList into, from;
@@ -212,8 +244,12 @@ struct FSDPState {
       from.push_back(p.shard.reshape({p.rows_on(rank()), p.row_numel}));
     }
     copy_all(into, from);
+    const int64_t start = trace::enabled() ? trace::now_ns() : -1;
     *work = group->all_gather(gathered, flat);
     ++memory.gathers;
+    if (start >= 0)
+      trace_issued("all_gather " + unit.name + (prefetch ? " (prefetch)" : ""), trace::Category::allgather, start,
+                   *work, int64_t(gathered.nbytes()));
     return gathered;
   }
   Tensor gather_flat(const Unit& unit, DType dtype) {
@@ -258,6 +294,7 @@ struct FSDPState {
     memory.peak_full_parameter_bytes = std::max(memory.peak_full_parameter_bytes, memory.full_parameter_bytes);
     held.push_back(u);
     if (first_in_pass) prefetch_after(u);
+    if (!traced.empty()) trace_completed(false);
   }
 
   // fsdp.h, step 5: the last gradient of unit u has been accumulated.
@@ -287,8 +324,12 @@ struct FSDPState {
       // A group of one reduces in place (its output is all of the input, kept anyway); a larger
       // group writes a buffer of its own, so the shard gradients do not hold the whole input.
       Tensor output = world() == 1 ? input : Tensor::empty({unit.flat_numel}, unit.reduce_dtype, unit.device);
+      const int64_t start = trace::enabled() ? trace::now_ns() : -1;
       WorkPtr work = group->reduce_scatter(output, input, ReduceOp::avg);
       ++memory.reduce_scatters;
+      if (start >= 0)
+        trace_issued("reduce_scatter " + unit.name, trace::Category::reduce_scatter, start, work,
+                     int64_t(input.nbytes()));
       reductions.push_back({u, output, input, work});
     }
     release(u);
@@ -299,7 +340,12 @@ struct FSDPState {
     callback_queued = false;
     for (PendingReduction& r : reductions) {
       r.work->wait();
-      if (replicas) r.work = replicas->all_reduce(r.output, ReduceOp::avg);
+      if (!replicas) continue;
+      const int64_t start = trace::enabled() ? trace::now_ns() : -1;
+      r.work = replicas->all_reduce(r.output, ReduceOp::avg);
+      if (start >= 0)
+        trace_issued("all_reduce " + units[r.unit].name + " (replicas)", trace::Category::allreduce, start, r.work,
+                     int64_t(r.output.nbytes()));
     }
     for (PendingReduction& r : reductions) {
       if (replicas) r.work->wait();
@@ -329,6 +375,7 @@ struct FSDPState {
         if (p.full.requires_grad() && !p.full.grad().defined()) unused += (unused.empty() ? "" : ", ") + p.name;
     }
     release_all();
+    if (!traced.empty()) trace_completed(true);
     // Another micro-batch's backward still to come reads its weights again, and counts its
     // gradients afresh. A synchronised backward is the last of its step: none is due after it
     // (a forward whose backward never ran is forgotten here).
@@ -356,6 +403,7 @@ struct FSDPState {
       queue_callback([self] { self->finish_backward(); });
     }
     if (--units[u].grads_pending == 0) end_unit_backward(u);
+    if (!traced.empty()) trace_completed(false);
   }
 
   void begin_forward() {
@@ -557,6 +605,7 @@ FullyShardedDataParallel::ForwardScope::~ForwardScope() noexcept(false) {
     }
   } else {
     state.release_all();
+    if (!state.traced.empty()) state.trace_completed(true);
   }
 }
 

@@ -32,6 +32,7 @@
 #include "parallel/memory_plan.h"
 #include "parallel/rendezvous.h"
 #include "parallel/sharded_checkpoint.h"
+#include "parallel/trace.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
 #include "samples/common/program.h"
@@ -219,8 +220,9 @@ int run(int argc, char** argv) {
   flags.add("microbatches", &o.microbatches, "with --pp: micro-batches per step (0: 2 x pp)", 0, 4096);
   flags.add("stages-per-rank", &o.stages_per_rank, "with --schedule interleaved: virtual stages per rank", 2, 64);
   flags.add("trace", &o.trace,
-            "with --pp: write every rank's step timeline here as Chrome-trace JSON (ui.perfetto.dev) and print the "
-            "measured bubble",
+            "write every rank's step timeline here as Chrome-trace JSON (ui.perfetto.dev): forward, backward, the "
+            "optimizer, DDP's all-reduces, FSDP's gathers and reduce-scatters; with --pp each stage's work and "
+            "sends, and the measured bubble",
             {}, "FILE");
   flags.add_switch("allow-nonfinite", &o.allow_nonfinite,
                    "train on even when the resumed weights or the loss hold NaN or infinity (default: stop, naming "
@@ -253,7 +255,7 @@ int run(int argc, char** argv) {
                  "--nproc-per-node N (or torchrun, mpirun, srun), or with --gpus N");
   }
   if (!pipelined)
-    for (const char* flag : {"dp", "schedule", "microbatches", "stages-per-rank", "trace"})
+    for (const char* flag : {"dp", "schedule", "microbatches", "stages-per-rank"})
       if (flags.given(flag)) flags.fail(std::string("--") + flag + " sets up a pipeline, and --pp is 1 (give --pp N)");
   if (pipelined) {
     for (const char* flag : {"scaling", "gpus"})
@@ -264,6 +266,9 @@ int run(int argc, char** argv) {
       flags.fail("--stages-per-rank " + std::to_string(o.stages_per_rank) + " is for --schedule interleaved, not " +
                  o.schedule);
   }
+  if (o.scaling > 0 && flags.given("trace"))
+    flags.fail("--trace with --scaling is not available: every scaling run would write the same file; trace one run "
+               "under a launcher");
   if (o.scaling > 0 && !dist::launched_with_rank()) {
     samples::ScalingOptions so;
     so.max_ranks = int(o.scaling);
@@ -472,6 +477,11 @@ int run(int argc, char** argv) {
 
   samples::MetricsLog metrics(main_rank ? o.metrics : "");
   std::vector<std::pair<double, double>> train_curve, val_curve;
+  // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).
+  if (!o.trace.empty()) {
+    if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
+    dist::trace::set_enabled(true, device);
+  }
   memory::reset_peak(device);
   bool plan_measured = false;
   for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
@@ -482,15 +492,22 @@ int run(int argc, char** argv) {
     int64_t steps = 0;
     data::Epoch batches = train_loader.epoch(epoch, batch);
     for (data::Batch& b : batches) {
+      dist::trace::Span step_span("step", dist::trace::Category::step);
       opt.zero_grad();
       Tensor loss;
       {
+        dist::trace::Span forward_span("forward", dist::trace::Category::forward);
         AutocastGuard cast(autocast);
         loss = model_loss(b);
       }
-      loss.backward();
+      {
+        dist::trace::Span backward_span("backward", dist::trace::Category::backward);
+        loss.backward();
+      }
+      dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
       if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
       opt.step();
+      optimizer_span.end();
       sched.step();
       ++step, ++batch, ++steps;
       Tensor l = loss.detach();
@@ -541,6 +558,11 @@ int run(int argc, char** argv) {
       dist::save_sharded_checkpoint(o.save, *fsdp, &opt, {.scheduler = &sched, .user = user});
     else if (!o.save.empty() && main_rank)
       nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched, .user = user});
+  }
+  if (!o.trace.empty()) {
+    dist::trace::set_enabled(false);  // the validation and the sample are not steps
+    dist::trace::write_merged_trace(ctx.active ? ctx.group.get() : nullptr, device, o.trace);
+    if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
   }
   if (o.generate > 0 && o.shards.empty()) {
     // A sharded model cannot run alone: its full weights (gathered on every rank, a

@@ -25,6 +25,7 @@
 #include "engine/ops.h"
 #include "layers/layers.h"
 #include "parallel/ddp.h"
+#include "parallel/fsdp.h"
 #include "parallel/store.h"
 #include "parallel/trace.h"
 
@@ -401,6 +402,60 @@ TEST(Trace, ADdpStepRecordsAnAllReduceSpanPerBucketBesideBackward) {
       require(e.start_ns >= backward_start && e.end_ns <= backward_end && e.start_ns <= e.end_ns, e.name,
               " does not lie inside backward");
     }
+  });
+}
+
+// FSDP's collectives appear beside the step as DDP's do: one all_gather span per gather (the
+// prefetched ones named so), one reduce_scatter span per unit's backward, on the
+// communication lane with their bytes, the forward's gathers inside forward and the
+// reduce-scatters inside backward. Two steps, so that the second prefetches.
+TEST(Trace, AnFsdpStepRecordsItsUnitsGathersAndReduceScattersBesideForwardAndBackward) {
+  run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> group) {
+    manual_seed(0);
+    auto first = std::make_shared<nn::Linear>(32, 32), second = std::make_shared<nn::Linear>(32, 32),
+         third = std::make_shared<nn::Linear>(32, 10);
+    auto model = std::make_shared<nn::Sequential>(
+        std::vector<std::shared_ptr<nn::Module>>{first, std::make_shared<nn::ReLU>(), second, third});
+    FSDPOptions options;
+    options.units = {{first}, {second}, {third}};
+    FullyShardedDataParallel fsdp(model, group, options);
+    trace::clear();
+    trace::set_enabled(true);
+    int64_t forward_start = 0, forward_end = 0, backward_start = 0, backward_end = 0;
+    for (int step = 0; step < 2; ++step) {
+      Tensor loss;
+      forward_start = trace::now_ns();
+      loss = cross_entropy(fsdp.forward(randn({8, 32})), from_vector(std::vector<int64_t>(8, rank), {8}));
+      forward_end = backward_start = trace::now_ns();
+      loss.backward();
+      backward_end = trace::now_ns();
+    }
+    trace::set_enabled(false);
+    int64_t gathers = 0, prefetches = 0, reduces = 0;
+    for (const trace::Event& e : trace::events()) {
+      if (e.category != trace::Category::allgather && e.category != trace::Category::reduce_scatter) continue;
+      require(e.lane == trace::kCommunicationLane, e.name, " is on lane ", e.lane);
+      require(e.bytes > 0 && e.start_ns <= e.end_ns, e.name, " has no bytes or ends before it starts");
+      if (e.category == trace::Category::reduce_scatter) {
+        ++reduces;
+        require(e.name.starts_with("reduce_scatter "), "a reduce-scatter span is named ", e.name);
+        if (e.start_ns >= forward_start)
+          require(e.start_ns >= backward_start && e.end_ns <= backward_end, e.name, " lies outside backward");
+        continue;
+      }
+      ++gathers;
+      prefetches += e.name.ends_with(" (prefetch)");
+      require(e.name.starts_with("all_gather "), "a gather span is named ", e.name);
+      if (e.start_ns >= forward_start && e.end_ns <= forward_end) continue;  // the last step's forward
+      require(e.end_ns <= forward_start || (e.start_ns >= backward_start && e.end_ns <= backward_end), e.name,
+              " lies across the last step's forward and backward");
+    }
+    const FSDPMemory m = fsdp.memory();
+    require(gathers == m.gathers && prefetches == m.prefetches && reduces == m.reduce_scatters, "spans: ", gathers,
+            " gathers (", prefetches, " prefetched), ", reduces, " reduce-scatters; FSDP counted ", m.gathers, " (",
+            m.prefetches, "), ", m.reduce_scatters);
+    require(prefetches > 0 && reduces == 6, prefetches, " prefetched gathers and ", reduces,
+            " reduce-scatters in two steps of three units");
   });
 }
 

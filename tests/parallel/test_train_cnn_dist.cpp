@@ -154,6 +154,49 @@ TEST(TrainGptDist, FsdpOnTwoCpuRanksPrintsTheLossesOfDdp) {
   }
 }
 
+// train_gpt --trace without --pp: every rank's steps (forward, backward, optimizer) beside its
+// collectives, in one file: DDP's bucket all-reduces, or FSDP's gathers (some prefetched) and
+// reduce-scatters per unit.
+TEST(TrainGptDist, TraceShowsEachRanksStepsBesideItsCollectives) {
+  struct Case {
+    std::string flags;
+    std::vector<std::string> spans;
+  };
+  const std::vector<Case> cases = {
+      {"", {"\"name\":\"all_reduce bucket 0\",\"cat\":\"allreduce\""}},
+      {"--fsdp", {"\"name\":\"all_gather transformer.h.1\",\"cat\":\"allgather\"",
+                  "\"name\":\"all_gather transformer.h.1 (prefetch)\",\"cat\":\"allgather\"",
+                  "\"name\":\"reduce_scatter transformer.h.0\",\"cat\":\"reduce-scatter\""}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.flags.empty() ? "DDP" : c.flags);
+    const std::string path = ::testing::TempDir() + "/train_gpt_trace.json";
+    std::filesystem::remove(path);
+    RunResult r = run(std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 " + std::getenv("TRAIN_GPT") +
+                          " --device cpu --config tiny --max-steps 3 --workers 1 --generate 0 --metrics '' --plot '' "
+                          "--trace " + path + " " + c.flags,
+                      120);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("wrote the step timeline of 2 rank(s) to " + path), std::string::npos) << r.output;
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string json = text.str();
+    std::vector<std::string> want = c.spans;
+    for (const char* name : {"forward", "backward", "optimizer"})
+      want.push_back(std::string("\"name\":\"") + name + "\"");
+    want.push_back("\"args\":{\"name\":\"rank 1\"}");
+    for (const std::string& span : want) EXPECT_NE(json.find(span), std::string::npos) << span;
+    for (int rank : {0, 1}) {
+      // Each rank's collectives: the spans on its communication lane (tid 1).
+      const std::regex lane("\"cat\":\"(allreduce|allgather|reduce-scatter)\",\"ph\":\"X\",\"pid\":" +
+                            std::to_string(rank) + ",\"tid\":1");
+      EXPECT_TRUE(std::regex_search(json, lane)) << "rank " << rank << " has no collective on its communication lane";
+    }
+    std::filesystem::remove(path);
+  }
+}
+
 // What --fsdp cannot run stops before training, exits non-zero and names the flags.
 TEST(TrainGptDist, FsdpCombinationsItCannotRunStopNamingTheFlags) {
   struct Case {
