@@ -85,6 +85,23 @@ std::string generate(nn::GPT& model, const std::string& prompt, int64_t count, d
   return out;
 }
 
+EpochLog::EpochLog(const Options& o, bool main_rank)
+    : o_(o), main_rank_(main_rank), metrics_(main_rank ? o.metrics : "") {}
+
+void EpochLog::record(int64_t epoch, int64_t step, double train_loss, double val_loss, double tokens_per_s,
+                      const std::string& device, const samples::MetricRecord& extra) {
+  samples::MetricRecord line{{"epoch", epoch}, {"step", step}, {"train_loss", train_loss},
+                             {"val_loss", val_loss}, {"tokens_per_s", tokens_per_s}, {"config", o_.config},
+                             {"precision", o_.precision}, {"device", device}};
+  line.insert(line.end(), extra.begin(), extra.end());
+  metrics_.write(line);
+  train_curve_.emplace_back(double(epoch), train_loss);
+  val_curve_.emplace_back(double(epoch), val_loss);
+  if (main_rank_ && !o_.plot.empty())
+    samples::write_svg_chart(o_.plot, "GPT " + o_.config,
+                             {{"loss", "epoch", "cross-entropy", {{"train", train_curve_}, {"validation", val_curve_}}}});
+}
+
 double validation_loss(data::DataLoader& val_loader, const std::optional<DType>& autocast,
                        const std::function<Tensor(const data::Batch&)>& loss) {
   Tensor sum;
@@ -475,8 +492,7 @@ int run(int argc, char** argv) {
                 device.str().c_str(), ctx.active ? (", " + std::to_string(ctx.size) + " ranks").c_str() : "");
   if (main_rank) std::printf("%s\n", plan.table().c_str());
 
-  samples::MetricsLog metrics(main_rank ? o.metrics : "");
-  std::vector<std::pair<double, double>> train_curve, val_curve;
+  EpochLog log(o, main_rank);
   // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).
   if (!o.trace.empty()) {
     if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
@@ -542,14 +558,7 @@ int run(int argc, char** argv) {
                     double(fsdp->memory().peak_full_parameter_bytes) / 1e6);
       std::fflush(stdout);
     }
-    metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss},
-                   {"tokens_per_s", tokens_per_s}, {"config", o.config}, {"precision", o.precision},
-                   {"device", device.str()}});
-    train_curve.emplace_back(double(epoch + 1), train_loss);
-    val_curve.emplace_back(double(epoch + 1), val_loss);
-    if (main_rank && !o.plot.empty())
-      samples::write_svg_chart(o.plot, "GPT " + o.config,
-                               {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"validation", val_curve}}}});
+    log.record(epoch + 1, step, train_loss, val_loss, tokens_per_s, device.str());
     const bool finished = batch >= steps_per_epoch;
     const std::map<std::string, std::string> user =
         saved_entries(o, ctx.size, train_set->size(), finished ? epoch + 1 : epoch, finished ? 0 : batch, step);

@@ -8,12 +8,15 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "data/loader.h"
 #include "data/text.h"
 #include "layers/models/gpt.h"
 #include "parallel/init.h"
 #include "samples/common/flags.h"
+#include "samples/common/metrics.h"
 
 namespace loom::train_gpt {
 
@@ -37,6 +40,22 @@ std::string generate(nn::GPT& model, const std::string& prompt, int64_t count, d
 // GPU per batch.
 double validation_loss(data::DataLoader& val_loader, const std::optional<DType>& autocast,
                        const std::function<Tensor(const data::Batch&)>& loss);
+
+// An epoch's end as both runs record it: a line of metrics (--metrics, rank 0) and the
+// train and validation curves redrawn into --plot (rank 0).
+class EpochLog {
+ public:
+  EpochLog(const Options& o, bool main_rank);
+  // `extra` fields follow the common ones in the metrics line.
+  void record(int64_t epoch, int64_t step, double train_loss, double val_loss, double tokens_per_s,
+              const std::string& device, const samples::MetricRecord& extra = {});
+
+ private:
+  const Options& o_;
+  bool main_rank_;
+  samples::MetricsLog metrics_;
+  std::vector<std::pair<double, double>> train_curve_, val_curve_;
+};
 
 // The entries a checkpoint carries: where the data stands (the next epoch and batch, the step
 // count), and the settings a resumed run must share.

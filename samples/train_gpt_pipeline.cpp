@@ -163,7 +163,7 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
     dist::trace::set_enabled(true, ctx.device);
   }
-  samples::MetricsLog metrics(main_rank ? o.metrics : "");
+  EpochLog log(o, main_rank);
   memory::reset_peak(ctx.device);
   bool plan_measured = false;
   for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
@@ -219,9 +219,8 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
       std::printf("\n");
       std::fflush(stdout);
     }
-    metrics.write({{"epoch", epoch + 1}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss},
-                   {"tokens_per_s", tokens_per_s}, {"config", o.config}, {"precision", o.precision},
-                   {"device", ctx.device.str()}, {"pp", o.pp}, {"schedule", o.schedule}});
+    log.record(epoch + 1, step, train_loss, val_loss, tokens_per_s, ctx.device.str(),
+               {{"pp", o.pp}, {"schedule", o.schedule}});
     if (!o.save.empty()) {
       const bool finished = batch >= steps_per_epoch;
       checkpoint.user = pipeline_entries(o, ctx.size, stages, train_windows, finished ? epoch + 1 : epoch,
