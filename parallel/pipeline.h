@@ -40,9 +40,12 @@
 //   for). I is sent on at once; W fills the slots that were bubbles in 1F1B:
 //     rank 0  F0 F1 F2 F3 .  .  I0 W0 I1 W1 I2 W2 I3 W3
 //     rank 3  .  .  .  F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 W2 W3
-//   with the same limit of p - r micro-batches in flight as 1F1B, so the same memory, and, at
-//   F = I = W, a third of its bubble. Loom's builder orders the actions by simulating unit
-//   costs with priorities I, then F, then W (parallel/pipeline_schedule.cpp).
+//   with the same limit of p - r micro-batches in flight as 1F1B and, at F = I = W, a third
+//   of its bubble. Its memory is 1F1B's plus what each W left waiting keeps for its products:
+//   the output gradients of the weight products, and for a GPT block's MLP the gradient
+//   through its GELU (four times the width), which I computes anyway and W reuses. Loom's
+//   builder orders the actions by simulating unit costs with priorities F (within those
+//   limits), then I, then W (parallel/pipeline_schedule.cpp).
 //
 // How the code follows the drawings. parallel/pipeline_schedule.h turns each drawing into a
 // table: per rank, the compute actions in order, and between them the transfers (receive an

@@ -185,14 +185,22 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
     Tensor sx = x.detach(), sw1 = w1.used.detach(), sw2 = w2.used.detach();
     const bool has_b1 = b1.input.defined(), has_b2 = b2.input.defined(), need_x = x.requires_grad(), fused = o.fused;
     const DType out_dtype = o.dtype;
+    // A split pass's input half computes dz (with b1's sums) for x and keeps it here for the
+    // weight half, which would otherwise compute that product again: the weight half gets
+    // the same dz, and holds it (hidden wide) instead of nothing until it runs.
+    struct Kept {
+      Tensor dy;  // the output gradient dz was computed from (held, so that it stays itself)
+      Tensor dz, db1;
+    };
+    auto kept = std::make_shared<Kept>();
     record("gelu_mlp", {x, w1.input, b1.input, w2.input, b2.input, o.residual}, {y},
-           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden, out_features,
-            f32](const TensorList& g) {
+           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden, out_features, f32,
+            kept](const TensorList& g) {
              const Tensor dy = read_gradient(g[0], t);
              // What a split pass asks for (gradient_wanted): each bias's sums ride in a product
              // the weight beside it needs, so both are computed, or neither. dz, which both x and
-             // w1 need, is computed again when they are asked for apart, each time the same way
-             // (with b1's sums) so that it comes out the same.
+             // w1 need, is computed once: when they are asked for apart, x's half keeps it for
+             // w1's (`kept`, matched by the output gradient both are called with).
              const bool want_x = need_x && gradient_wanted(0);
              const bool want_first = gradient_wanted(1) || (has_b1 && gradient_wanted(2));
              const bool want_second = gradient_wanted(3) || (has_b2 && gradient_wanted(4));
@@ -206,12 +214,19 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
              if (!want_x && !want_first) return TensorList{Tensor(), Tensor(), Tensor(), dw2, db2_out, dresidual};
              // b1's sums ride in the dgelu product, in its (16-bit) dtype: f32 params get a cast
              // of those (hidden) values.
-             Tensor db1 = bias_grad(has_b1, hidden, t, dy.device());
-             Tensor dz = ops::product_2d(dy, sw2, [&](GemmArgs& a) {
-               a.epilogue = GemmEpilogue::dgelu;
-               a.aux = z.data_ptr(), a.ld_aux = hidden;
-               a.column_sums = ptr_or_null(db1);
-             });
+             Tensor db1, dz;
+             if (kept->dz.defined() && kept->dy.impl() == g[0].impl()) {
+               dz = kept->dz, db1 = kept->db1;
+             } else {
+               db1 = bias_grad(has_b1, hidden, t, dy.device());
+               dz = ops::product_2d(dy, sw2, [&](GemmArgs& a) {
+                 a.epilogue = GemmEpilogue::dgelu;
+                 a.aux = z.data_ptr(), a.ld_aux = hidden;
+                 a.column_sums = ptr_or_null(db1);
+               });
+             }
+             *kept = {};
+             if (want_x && !want_first) *kept = {g[0], dz, db1};  // the weight half comes later
              Tensor dw1 = want_first ? ops::product_2d(dz.t(), sx, {}, f32) : Tensor();
              Tensor dx = want_x ? ops::product_2d(dz, sw1) : Tensor();
              return TensorList{dx, dw1, f32 ? cast_bias_grad(db1, DType::f32) : db1, dw2, db2_out, dresidual};

@@ -2,7 +2,8 @@
 // schedules run: the stage input's gradient is ready when it returns and no parameter has a
 // gradient yet; DeferredGradients::run() then gives every parameter run_backward's gradient,
 // to the bit, over small graphs of products and over two GPT blocks (plain and recomputed).
-// Each weight product, recomputed ones included, runs in the weight half. What each half asks
+// Each weight product, recomputed ones included, runs in the weight half, and gelu_mlp's
+// product through w2 runs once, in the input half. What each half asks
 // of a node (gradient_wanted), and of the pass a recomputed node runs inside, hooks and
 // callbacks in each half, and the weight half's life: once only, and nothing left behind when
 // it is dropped unrun.
@@ -404,6 +405,33 @@ TEST(SplitBackward, AGradientComputedThoughNotWantedIsKeptForTheWeightHalf) {
   rest.run();
   EXPECT_EQ(calls, (std::vector<std::string>{"a-"})) << "the node is not called again";
   expect_bitwise_equal(w.grad(), want[1], "w");
+}
+
+// gelu_mlp's input half computes dz (the product through w2 with GELU's derivative) for x and
+// keeps it for the weight half, which computes w1's gradient from it instead of computing it
+// again: w2 changed between the halves leaves w1's and b1's gradients those of one pass (a
+// weight half that recomputed dz would read the changed w2), and w2's own is the product of dy
+// and the hidden values, which w2 does not enter either.
+TEST(SplitBackward, GeluMlpsWeightHalfReusesTheInputHalfsProductThroughW2) {
+  Tensor x = param({6, 4}), w1 = param({8, 4}), b1 = param({8}), w2 = param({4, 8}), b2 = param({4});
+  auto loss_of = [&] { return sum(tanh(gelu_mlp(x, w1, b1, w2, b2))); };
+  Tensor loss = loss_of();
+  run_backward({loss}, {ones_like(loss)});
+  const TensorList want = grads_of({x, w1, b1, w2, b2});
+  clear_grads({x, w1, b1, w2, b2});
+
+  loss = loss_of();
+  DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+  expect_bitwise_equal(x.grad(), want[0], "x");
+  {
+    NoGradGuard no_grad;
+    mul_(w2, 3.0);  // the weight half must not read it
+  }
+  rest.run();
+  expect_bitwise_equal(w1.grad(), want[1], "w1");
+  expect_bitwise_equal(b1.grad(), want[2], "b1");
+  expect_bitwise_equal(w2.grad(), want[3], "w2");
+  expect_bitwise_equal(b2.grad(), want[4], "b2");
 }
 
 TEST(SplitBackward, APassInsideANodesBackwardIsSplitAsTheNodeIsAsked) {
