@@ -63,6 +63,7 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 std::vector<int64_t> parse_shape(const std::string& text, const std::string& where) {
   std::vector<int64_t> shape;
+  LOOM_CHECK(!text.ends_with(','), where, ": the shape '", text, "' is not a list of sizes");
   std::stringstream in(text);
   for (std::string part; std::getline(in, part, ',');) {
     LOOM_CHECK(!part.empty() && part.find_first_not_of("0123456789") == std::string::npos, where, ": the shape '",

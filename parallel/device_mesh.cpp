@@ -84,10 +84,14 @@ const std::shared_ptr<ProcessGroup>& DeviceMesh::group(const std::string& name) 
   return groups_[dimension(name)];
 }
 
-const std::shared_ptr<ProcessGroup>& DeviceMesh::flatten(const std::vector<std::string>& names, const std::string& as) {
+std::shared_ptr<ProcessGroup> DeviceMesh::flatten(const std::vector<std::string>& names, const std::string& as) {
   LOOM_CHECK(!names.empty(), "DeviceMesh::flatten: no dimensions given to join into '", as, "'");
   std::vector<int> dims;
-  for (const std::string& n : names) dims.push_back(dimension(n));
+  for (const std::string& n : names) {
+    LOOM_CHECK(find_flattened(n) == nullptr, "DeviceMesh::flatten: '", n, "' is a flattened group already; join "
+               "the mesh's own dimensions (", joined(names_), ")");
+    dims.push_back(dimension(n));
+  }
   for (size_t i = 1; i < dims.size(); ++i)
     LOOM_CHECK(dims[i] == dims[i - 1] + 1, "DeviceMesh::flatten: ", joined(names), " are not adjacent dimensions in "
                "mesh order (", joined(names_), ")");

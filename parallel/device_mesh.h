@@ -23,6 +23,7 @@
 // "replicate" (parallel/fsdp.h, step 8).
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,7 +50,7 @@ class DeviceMesh {
   // Joins the adjacent dimensions `names` (in mesh order) into a group named `as`: the ranks
   // that differ from this one along those dimensions only, ordered as the mesh orders them.
   // Every rank calls it at the same point (it creates groups); returns this rank's.
-  const std::shared_ptr<ProcessGroup>& flatten(const std::vector<std::string>& names, const std::string& as);
+  std::shared_ptr<ProcessGroup> flatten(const std::vector<std::string>& names, const std::string& as);
   const std::shared_ptr<ProcessGroup>& world() const { return world_; }
 
   // The world rank at `coordinates` (one per dimension), and the reverse.
@@ -73,7 +74,7 @@ class DeviceMesh {
     int size = 0, coordinate = 0;
     std::shared_ptr<ProcessGroup> group;
   };
-  std::vector<Flattened> flattened_;
+  std::deque<Flattened> flattened_;  // a deque: group() hands out references into it
   const Flattened* find_flattened(const std::string& name) const;
 };
 

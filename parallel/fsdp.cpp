@@ -583,21 +583,26 @@ FullyShardedDataParallel::ForwardScope::ForwardScope(FullyShardedDataParallel& f
 FullyShardedDataParallel::ForwardScope::~ForwardScope() noexcept(false) {
   FSDPState& state = *fsdp_.state_;
   state.forward_known = true;  // the first forward has shown the order of its gathers
-  // A forward with gradients on owes a backward, unless nothing it holds trains (every
-  // parameter frozen): no gradient hook would ever end that backward.
   const bool trains = std::any_of(state.units.begin(), state.units.end(), [](const Unit& u) { return u.trainable > 0; });
-  if (grad_enabled() && trains) {
+  if (grad_enabled()) {
     // What reads weights from now on is the backward (none comes for a forward that failed).
     state.begin_pass(Phase::backward);
-    if (std::uncaught_exceptions() == 0) ++state.backwards_due;
-    return;
+    if (trains) {
+      if (std::uncaught_exceptions() == 0) ++state.backwards_due;
+      return;
+    }
+    // Nothing trains (every parameter frozen): no gradient hook would end a backward, so none
+    // is owed and the units go now, as after an evaluation. A backward that still runs
+    // through them (to an input that requires a gradient) gathers what it reads again.
+  } else {
+    // Without a backward to come, nothing releases the units: do it here. A backward of an
+    // earlier forward may still be due (an evaluation between a pipeline's micro-batches): it
+    // gathers what it reads again.
+    if (state.backwards_due > 0) state.begin_pass(Phase::backward);
+    else state.phase = Phase::idle;
   }
-  // Without a backward to come, nothing releases the units: do it here. Waiting for a
-  // prefetch can fail (a collective that timed out); while a failed forward unwinds, its own
-  // error is the one reported. A backward of an earlier forward may still be due (an
-  // evaluation between a pipeline's micro-batches): it gathers what it reads again.
-  if (state.backwards_due > 0) state.begin_pass(Phase::backward);
-  else state.phase = Phase::idle;
+  // Waiting for a prefetch can fail (a collective that timed out); while a failed forward
+  // unwinds, its own error is the one reported.
   if (std::uncaught_exceptions() > 0) {
     try {
       state.release_all();

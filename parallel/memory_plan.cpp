@@ -214,16 +214,17 @@ MemoryPlan plan_pipeline(const pipeline::Pipeline& pipe, const optim::Optimizer&
                   std::to_string(schedule.stages) + ", " + pipeline::schedule_name(schedule.kind) +
                   (sharded ? ", FSDP" : "");
   std::set<const TensorImpl*> seen;
-  // Sharded stages: one computes at a time, so the units of one are gathered at once; but
-  // every backward of a stage before its last in the step keeps the stage's full gradients
-  // (fsdp.h, step 9), so with several micro-batches those of all this rank's stages are held
-  // together until their last backwards reduce them.
+  // Sharded stages: a stage whose backward is still due keeps what it gathered (ZeRO-3: up to
+  // its two or three units; ZeRO-2: all of them) while the rank's other stages run, so each
+  // stage's gathered units count; and every backward of a stage before its last in the step
+  // keeps the stage's full gradients (fsdp.h, step 9), so with several micro-batches those of
+  // all this rank's stages are held together until their last backwards reduce them.
   size_t held = 0, full_gradients = 0, largest = 0, reduce_buffer = 0;
   for (const pipeline::Stage& s : pipe.stages()) {
     if (s.sharded) {
       add_shards(*s.sharded, seen, plan);
       const Unsharded u = unsharded_bytes(*s.sharded);
-      held = std::max(held, u.held);
+      held += u.held;
       full_gradients += u.all;
       largest = std::max(largest, u.largest);
       reduce_buffer = std::max(reduce_buffer, u.reduce_buffer);

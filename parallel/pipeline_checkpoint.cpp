@@ -220,13 +220,17 @@ void write_index(const std::string& dir, int64_t generation, const PipelineCheck
   save_safetensors((fs::path(dir) / kIndex).string(), {}, meta);
 }
 
-// The stage files of every generation but `generation`: older checkpoints, and saves that
-// never finished. No index names them.
-void remove_other_generations(const std::string& dir, int64_t generation) {
-  const std::string keep = "stage-g" + std::to_string(generation) + "-";
+// Every stage file but this save's (generation, pipeline ranks, shards): older checkpoints,
+// and saves that never finished, of this generation too (a save killed before its index was
+// retried with another layout). No index names them.
+void remove_other_files(const std::string& dir, int64_t generation, int ranks, int shards) {
+  std::set<std::string> keep;
+  for (int r = 0; r < ranks; ++r)
+    for (int d = 0; d < shards; ++d)
+      keep.insert(fs::path(stage_file(dir, generation, r, ranks, d, shards)).filename().string());
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string file = entry.path().filename().string();
-    if (file.starts_with("stage-g") && !file.starts_with(keep)) fs::remove(entry.path());
+    if (file.starts_with("stage-g") && !keep.count(file)) fs::remove(entry.path());
   }
 }
 
@@ -241,17 +245,29 @@ class SavedFiles {
   std::string name(int rank, int shard = 0) const {
     return stage_file(dir_, index_.generation, rank, int(index_.ranks), shard, index_.shards);
   }
+  // A file's metadata, from its header alone (the tensors are read when first asked for),
+  // checked to be the file of that pipeline rank and shard.
+  const text::Metadata& meta(int rank, int shard = 0) {
+    auto it = meta_.find({rank, shard});
+    if (it != meta_.end()) return it->second;
+    const std::string path = name(rank, shard);
+    LOOM_CHECK(fs::exists(path), "pipeline checkpoint: ", path, ", which ", index_.path, " names, is missing");
+    text::Metadata m = load_safetensors_metadata(path);
+    auto says = [&](const char* key, const std::string& want) {
+      auto found = m.find(key);
+      LOOM_CHECK(found == m.end() || found->second == want, "pipeline checkpoint: ", path, " says ", key, " ",
+                 found->second, ", where ", index_.path, " puts it at ", key, " ", want);
+    };
+    says("pp_rank", std::to_string(rank));
+    says("shard", std::to_string(shard));
+    says("shards", std::to_string(index_.shards));
+    return meta_.emplace(std::make_pair(rank, shard), std::move(m)).first->second;
+  }
   const SafetensorsFile& file(int rank, int shard = 0) {
     auto it = files_.find({rank, shard});
     if (it != files_.end()) return it->second;
-    const std::string path = name(rank, shard);
-    LOOM_CHECK(fs::exists(path), "pipeline checkpoint: ", path, ", which ", index_.path, " names, is missing");
-    SafetensorsFile file = load_safetensors(path);
-    auto shards = file.metadata.find("shards");
-    LOOM_CHECK(shards == file.metadata.end() || shards->second == std::to_string(index_.shards),
-               "pipeline checkpoint: ", path, " says its stages were cut into ", shards->second,
-               " shards, and ", index_.path, " says ", index_.shards);
-    return files_.emplace(std::make_pair(rank, shard), std::move(file)).first->second;
+    (void)meta(rank, shard);  // checked first
+    return files_.emplace(std::make_pair(rank, shard), load_safetensors(name(rank, shard))).first->second;
   }
   const Tensor* find(int rank, int shard, const std::string& key) {
     for (const auto& [name, t] : file(rank, shard).tensors)
@@ -262,8 +278,8 @@ class SavedFiles {
   // The whole shape of entry `name` as pipeline rank `rank` saved it, and whether its rows are
   // spread over the rank's shard files.
   std::pair<Shape, bool> shape(const std::string& name, int rank) {
-    const SafetensorsFile& first = file(rank);
-    if (auto it = first.metadata.find("shape." + name); it != first.metadata.end())
+    const text::Metadata& first = meta(rank);
+    if (auto it = first.find("shape." + name); it != first.end())
       return {text::parse_shape(it->second, this->name(rank)), true};
     const Tensor* t = find(rank, 0, name);
     LOOM_CHECK(t != nullptr, "pipeline checkpoint: ", this->name(rank), " lists ", name, " but holds no such tensor");
@@ -301,11 +317,12 @@ class SavedFiles {
  private:
   std::string dir_;
   const Index& index_;
+  std::map<std::pair<int, int>, text::Metadata> meta_;
   std::map<std::pair<int, int>, SafetensorsFile> files_;
 };
 
-// Where the checkpoint's entries are: every stage file's list of names, read from the first
-// file of each pipeline rank, in stage order, which is the whole model's state-dict order. A
+// Where the checkpoint's entries are: every stage file's list of names, read from the header
+// of the first file of each pipeline rank, in stage order, which is the whole model's state-dict order. A
 // name listed twice is taken once, from its first pipeline rank.
 struct SavedNames {
   std::vector<std::string> order;
@@ -318,7 +335,7 @@ SavedNames saved_names(const Index& index, SavedFiles& files) {
   for (int64_t s = 0; s < index.stages; ++s) {
     const int rank = int(s % index.ranks);
     for (const std::string& name :
-         text::split_list(text::entry(files.file(rank).metadata, files.name(rank), "stage." + std::to_string(s))))
+         text::split_list(text::entry(files.meta(rank), files.name(rank), "stage." + std::to_string(s))))
       if (out.rank_of.emplace(name, rank).second) {
         out.position[name] = out.order.size();
         out.order.push_back(name);
@@ -420,13 +437,14 @@ optim::OptimizerState saved_optimizer(const optim::Optimizer& opt, const Pipelin
     auto holder = saved.rank_of.find(names[i]);
     LOOM_CHECK(holder != saved.rank_of.end(), "pipeline checkpoint: ", dir, " holds no ", names[i],
                ", which this run's optimizer steps");
-    const SafetensorsFile& file = files.file(holder->second);
+    const text::Metadata& header = files.meta(holder->second);
     // A name the saving stage held as a second name of another parameter (tied) has its
     // state under that parameter's name, in the same file.
-    auto tied = file.metadata.find("tied." + names[i]);
-    const std::string& filed = tied == file.metadata.end() ? names[i] : tied->second;
-    auto step = file.metadata.find("step." + filed);
-    if (step == file.metadata.end()) continue;  // never stepped
+    auto tied = header.find("tied." + names[i]);
+    const std::string& filed = tied == header.end() ? names[i] : tied->second;
+    auto step = header.find("step." + filed);
+    if (step == header.end()) continue;  // never stepped
+    const SafetensorsFile& file = files.file(holder->second);
     const std::string key = "state." + std::to_string(i) + ".";
     state.scalars[key + "step"] = text::parse<double>(files.name(holder->second), step->first, step->second);
     const auto [full, spread] = files.shape(filed, holder->second);
@@ -436,11 +454,12 @@ optim::OptimizerState saved_optimizer(const optim::Optimizer& opt, const Pipelin
       if (!saved_key.starts_with(prefix)) continue;
       const std::string buffer = saved_key.substr(prefix.size());
       if (buffer.find('.') != std::string::npos) continue;  // another parameter's, whose name extends this one
+      // A shard's buffer has the shard's shape ((rows, ...), a scalar's (rows)).
       Tensor rows = files.rows(saved_key, holder->second, full, spread, wanted);
-      LOOM_CHECK(rows.shape() == shapes[i], "pipeline checkpoint: ", saved_key, " gives shape ",
+      LOOM_CHECK(rows.numel() == shape_numel(shapes[i]), "pipeline checkpoint: ", saved_key, " gives shape ",
                  shape_str(rows.shape()), " from ", files.name(holder->second), " but its parameter has shape ",
                  shape_str(shapes[i]), " here");
-      state.tensors.emplace_back(key + buffer, rows);
+      state.tensors.emplace_back(key + buffer, rows.reshape(shapes[i]));
     }
   }
   return state;
@@ -458,7 +477,7 @@ void save_pipeline_checkpoint(const std::string& dir, const PipelineCheckpoint& 
   world.barrier()->wait();
   if (world.rank() == 0) {
     write_index(dir, generation, state);
-    remove_other_generations(dir, generation);
+    remove_other_files(dir, generation, state.pipeline->schedule().ranks, shard_place(*state.pipeline).shards);
   }
   world.barrier()->wait();
 }
@@ -485,7 +504,7 @@ std::map<std::string, std::string> load_pipeline_checkpoint(const std::string& d
   LOOM_CHECK(!state.scheduler || !schedule_state.empty(), "pipeline checkpoint: ", index.path,
              " holds no learning-rate schedule, and this run has one");
   const std::string generator_file = saved_rank ? files.name(pipe.rank()) : index.path;
-  const auto generator = text::read_generator(saved_rank ? files.file(pipe.rank()).metadata : index.meta, generator_file);
+  const auto generator = text::read_generator(saved_rank ? files.meta(pipe.rank()) : index.meta, generator_file);
   LOOM_CHECK(generator.has_value(), "pipeline checkpoint: ", generator_file, " has no random generator state");
 
   // The optimizer and the schedule check their own state before they change; the stages'
@@ -525,7 +544,7 @@ void export_pipeline_checkpoint(const std::string& dir, const std::string& path)
   for (int64_t s = 0; s < index.stages; ++s) {
     const int rank = int(s % index.ranks);
     for (const std::string& name :
-         text::split_list(text::entry(files.file(rank).metadata, files.name(rank), "stage." + std::to_string(s)))) {
+         text::split_list(text::entry(files.meta(rank), files.name(rank), "stage." + std::to_string(s)))) {
       LOOM_CHECK(seen.insert(name).second, "pipeline checkpoint: ", name, " is held by two stages of ", dir);
       const auto [full, spread] = files.shape(name, rank);
       out.emplace_back(name, files.rows(name, rank, full, spread, {0, rows_of(full)}));

@@ -85,7 +85,7 @@ struct PipelineCheckpoint {
   // Every rank of every pipeline (the save's barriers, the generation's broadcast).
   ProcessGroup* world = nullptr;
   // This rank's data-parallel coordinate: the replicas of coordinate 0 write the stage files
-  // (every rank writes its rows of a sharded stage).
+  // (of a sharded stage, every rank of the first replica's shard group writes its rows).
   int replica = 0;
   optim::Optimizer* optimizer = nullptr;    // built on the stages' parameters; may be null
   optim::LRScheduler* scheduler = nullptr;  // may be null

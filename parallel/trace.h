@@ -27,8 +27,9 @@
 // launch until the reducer first sees the collective complete (it polls at every gradient
 // hook and waits at the end of backward); over Gloo the collective runs on the calling
 // thread, so that is its exact duration. FSDP's all-gathers ("all_gather <unit>", with
-// " (prefetch)" when issued ahead) and reduce-scatters ("reduce_scatter <unit>") are
-// recorded the same way: from their issue until first seen complete.
+// " (prefetch)" when issued ahead), reduce-scatters ("reduce_scatter <unit>") and, under
+// HSDP, the replicas' all-reduces ("all_reduce <unit> (replicas)") are recorded the same way:
+// from their issue until first seen complete.
 //
 // Merging. write_merged_trace(group, device, path) is called by every rank at the end: the
 // ranks meet at a barrier and each reads its clock there; each rank's events are serialized

@@ -569,7 +569,7 @@ int run(int argc, char** argv) {
       nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched, .user = user});
   }
   if (!o.trace.empty()) {
-    dist::trace::set_enabled(false);  // the validation and the sample are not steps
+    dist::trace::set_enabled(false);  // the sample after training is not traced
     dist::trace::write_merged_trace(ctx.active ? ctx.group.get() : nullptr, device, o.trace);
     if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
   }

@@ -567,25 +567,37 @@ TEST(FsdpErrors, UnusedParametersAreNamedAndReadingOutsideAStepIsRefused) {
 }
 
 // A model whose every parameter is frozen trains nothing, so its forwards with gradients on owe
-// no backward: each releases its units as an evaluation does, under ZeRO-3 and ZeRO-2, and the
-// parameters are outside a step again afterwards.
+// no backward: each releases its units as an evaluation does, under ZeRO-3 and ZeRO-2. A
+// backward that runs through it to an input requiring a gradient gathers the weights it reads
+// again and gives that input the frozen model's gradient.
 TEST(FsdpErrors, AForwardWithNothingToTrainOwesNoBackward) {
   for (ReshardAfterForward reshard : {ReshardAfterForward::yes, ReshardAfterForward::no})
     run_ranks(2, [&](int, std::shared_ptr<ProcessGroup> group) {
+      manual_seed(3);
       auto model = std::make_shared<TwoLayers>();
       for (Tensor& p : model->parameters()) p.set_requires_grad(false);
+      // The input's gradient one process computes with the same frozen weights.
+      Tensor x = ones({2, 4});
+      x.set_requires_grad();
+      sum(model->forward(x)).backward();
+      const Tensor want = x.grad().clone();
+      x.zero_grad();
       FSDPOptions options;
       options.units = {{model->fc1}, {model->fc2}};
       options.reshard_after_forward = reshard;
       FullyShardedDataParallel fsdp(model, group, options);
-      const Tensor x = ones({2, 4});
       for (int i = 0; i < 2; ++i) {
-        Tensor y = fsdp.forward(x);
+        Tensor y = fsdp.forward(x.detach());
         require(!y.requires_grad(), "a frozen model's output requires a gradient");
         require(fsdp.memory().full_parameter_bytes == 0, "forward ", i, " left ", fsdp.memory().full_parameter_bytes,
                 " bytes of full parameters gathered");
       }
-      require_error([&] { (void)model->fc2->weight.to_vector<float>(); }, {"unit 'fc2'", "outside a step"});
+      Tensor y = fsdp.forward(x);
+      require(y.requires_grad() && fsdp.memory().full_parameter_bytes == 0,
+              "a frozen forward to an input requiring a gradient kept its units, or gave no gradient to follow");
+      sum(y).backward();
+      require(x.grad().defined() && relative_difference(x.grad(), want) <= 1e-12, "the input's gradient through the frozen "
+              "model is not one process's");
     });
 }
 

@@ -196,13 +196,16 @@ TEST(PipelineCheckpoint, ASaveKilledBeforeItsIndexLeavesThePreviousOneAndItsFile
     for (const auto& m : a.gp.modules)
       for (const auto& entry : m->state_dict()) later.push_back(entry);
     save_safetensors(dir + "/stage-g2-0000" + std::to_string(rank) + "-of-00002.safetensors", later);
+    // And a shard file of generation 2 that a killed save of sharded stages left behind.
+    if (rank == 0) save_safetensors(dir + "/stage-g2-00000-of-00002-shard-00001-of-00002.safetensors", later);
     world->barrier()->wait();
 
     Training b(mesh, 99, ScheduleKind::one_f_one_b);
     load_pipeline_checkpoint(dir, b.checkpoint());
     require_same(snapshot(b), first, "loaded past the unfinished save");
 
-    // The next save is generation 2 over the leftovers; generation 1's files are removed.
+    // The next save is generation 2 over the leftovers; generation 1's files and the stray
+    // shard file are removed.
     save_pipeline_checkpoint(dir, b.checkpoint());
     std::set<std::string> files;
     for (const auto& e : fs::directory_iterator(dir)) files.insert(e.path().filename().string());
@@ -291,6 +294,89 @@ TEST(PipelineCheckpoint, AFolderOfAnotherKindOfCheckpointIsRefusedOnEveryRank) {
   for (const auto& e : fs::directory_iterator(dir)) files += e.is_regular_file();
   EXPECT_EQ(files, 1);
   EXPECT_EQ(load_safetensors_metadata(dir + "/index.safetensors").at("format"), "loom-sharded-1");
+  fs::remove_all(dir);
+}
+
+// A stage of a linear layer and a learned scalar scale.
+class ScaledLinear : public nn::Module {
+ public:
+  ScaledLinear() {
+    lin = register_module("lin", std::make_shared<nn::Linear>(4, 4));
+    scale = register_parameter("scale", randn({}));
+  }
+  Tensor forward(const Tensor& x) override { return mul(lin->forward(x), scale); }
+  Tensor loss(const Tensor& x, const Tensor& targets) { Tensor d = sub(forward(x), targets);
+    return mean(mul(d, d)); }
+  std::shared_ptr<nn::Linear> lin;
+  Tensor scale;
+};
+
+// A one-stage pipeline of ScaledLinear on 2 ranks, sharded over them (the scalar's one row,
+// and its optimizer state's, on shard 0; none on shard 1) or replicated, AdamW.
+struct ScaledTraining {
+  ModelPipeline<ScaledLinear> gp;
+  std::unique_ptr<optim::AdamW> opt;
+  int rank;
+  ScaledTraining(const DeviceMesh& mesh, uint64_t seed, bool sharded) : rank(mesh.coordinate("dp")) {
+    manual_seed(seed);
+    PipelineOptions options{.schedule = ScheduleKind::one_f_one_b, .microbatches = 2,
+                            .data_parallel = mesh.group("dp")};
+    if (sharded) options.shard = FSDPOptions{};
+    gp = make_residual_pipeline<ScaledLinear>(mesh.group("pp"), 1, 3, 4, options, {},
+                                              [](int, int64_t, int64_t, bool) {
+                                                return std::make_shared<ScaledLinear>();
+                                              });
+    opt = std::make_unique<optim::AdamW>(gp.parameters(), optim::AdamWOptions{.lr = 1e-2});
+  }
+  double step(int s) {
+    manual_seed(uint64_t(100 + s));
+    Tensor x = randn({4, 3, 4}), y = randn({4, 3, 4});
+    opt->zero_grad();
+    const double loss = gp.pipeline->step(x.slice(0, 2 * rank, 2 * rank + 2), y.slice(0, 2 * rank, 2 * rank + 2)).item();
+    opt->step();
+    return loss;
+  }
+  PipelineCheckpoint checkpoint(const DeviceMesh& mesh) {
+    return {.pipeline = gp.pipeline.get(), .world = mesh.world().get(), .replica = rank, .optimizer = opt.get(),
+            .scheduler = nullptr, .user = {}};
+  }
+};
+
+// The scalar's rows and its optimizer state's load into the sharded stage again bit for bit
+// (shard 0 holding them, shard 1 none), and into a replicated stage, whose next step is the
+// sharded one's.
+TEST(PipelineCheckpoint, AShardedScalarParameterAndItsOptimizerStateLoadBack) {
+  const std::string dir = temp_path("pipeline_ckpt_scalar");
+  run_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> world) {
+    DeviceMesh mesh(world, {1, 2}, {"pp", "dp"});
+    std::map<std::string, Tensor> saved;
+    double continued = 0;
+    {
+      ScaledTraining a(mesh, 7, true);
+      for (int s = 0; s < 2; ++s) a.step(s);
+      save_pipeline_checkpoint(dir, a.checkpoint(mesh));
+      for (const auto& [name, t] : a.gp.pipeline->stages()[0].sharded->named_parameters()) saved[name] = t.clone();
+      for (const auto& [key, t] : a.opt->state_dict().tensors) saved["optimizer." + key] = t.clone();
+      continued = a.step(2);
+    }
+    ScaledTraining b(mesh, 99, true);
+    load_pipeline_checkpoint(dir, b.checkpoint(mesh));
+    std::map<std::string, Tensor> loaded;
+    for (const auto& [name, t] : b.gp.pipeline->stages()[0].sharded->named_parameters()) loaded[name] = t.clone();
+    for (const auto& [key, t] : b.opt->state_dict().tensors) loaded["optimizer." + key] = t.clone();
+    require(loaded.size() == saved.size(), "rank ", rank, ": ", loaded.size(), " tensors loaded, ", saved.size(),
+            " saved");
+    for (const auto& [name, t] : saved)
+      require(loaded.count(name) && same_bits(loaded.at(name), t), "rank ", rank, ": ", name, " did not load back");
+    require(saved.at("scale").numel() == (rank == 0 ? 1 : 0), "rank ", rank, " holds ", saved.at("scale").numel(),
+            " rows of the scalar");
+    require(b.step(2) == continued, "the sharded stage's step after the load is not the saving run's");
+    ScaledTraining c(mesh, 99, false);
+    load_pipeline_checkpoint(dir, c.checkpoint(mesh));
+    const double whole = c.step(2);
+    require(std::abs(whole - continued) <= 1e-6 * std::abs(continued), "the replicated stage's step after the load ",
+            "gives ", whole, ", the saving run ", continued);
+  });
   fs::remove_all(dir);
 }
 
