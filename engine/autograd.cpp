@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "engine/op_boundary.h"
 #include "engine/ops.h"
 
 namespace loom {
@@ -108,13 +109,28 @@ std::optional<DType> gradient_read_dtype(const Tensor& t) {
   return t.grad_fn()->outputs[size_t(t.impl()->output_nr)].grad_read_as;
 }
 
+namespace {
+thread_local std::vector<std::function<void()>> g_after_op;
+}  // namespace
+
+void after_current_op(std::function<void()> callback) { g_after_op.push_back(std::move(callback)); }
+
+void run_op_boundary() {
+  if (g_after_op.empty()) return;
+  std::vector<std::function<void()>> now;
+  now.swap(g_after_op);  // what these ask for goes to the next boundary
+  for (auto& callback : now) callback();
+}
+
 void record(const char* name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward) {
   new_node(name, inputs, outputs)->backward = std::move(backward);
+  run_op_boundary();
 }
 
 void record_accumulating(const char* name, const TensorList& inputs, const TensorList& outputs,
                          AccumulatingBackwardFn backward) {
   new_node(name, inputs, outputs)->backward_into = std::move(backward);
+  run_op_boundary();
 }
 
 void queue_callback(std::function<void()> callback) {
@@ -273,6 +289,7 @@ void run_node(const Node& node, GradientBuffers& buffers) {
   TensorList grads_in = buffers.take(node);
   if (node.leaf) {
     accumulate(node, grads_in[0]);
+    run_op_boundary();
     return;
   }
   const TensorList grads_out = call_backward(node, grads_in, buffers, nullptr);
@@ -280,6 +297,7 @@ void run_node(const Node& node, GradientBuffers& buffers) {
     const Edge& e = node.next_edges[i];
     if (e.node && grads_out[i].defined()) buffers.add(e, grads_out[i]);
   }
+  run_op_boundary();
 }
 
 // A pass's callbacks, in the order queued. By index: a callback may queue another, which
@@ -404,6 +422,7 @@ void run_part(Step& step, GradientBuffers& buffers) {
       buffers.add(e, step.nested->leaves[i].grad());
     }
   }
+  run_op_boundary();
 }
 }  // namespace
 

@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "engine/autograd.h"
+#include "engine/op_boundary.h"
 #include "engine/ops.h"
 #include "layers/optim/clip.h"
 #include "parallel/device_mesh.h"
@@ -126,6 +127,13 @@ struct FSDPState {
   bool forward_known = false, backward_known = false;
   std::vector<bool> gathered_in_pass;
   std::optional<PendingGather> prefetched;
+  // A prefetch asked for in a training pass, waiting for the op that gathered its unit to end
+  // (prefetch_at_op_end): that unit, and the pass.
+  std::optional<size_t> prefetch_pending;
+  Phase pending_phase = Phase::idle;
+  bool boundary_asked = false;
+  bool forward_marks_ends = false;  // this forward runs with gradients on: its ops mark their ends
+  std::weak_ptr<FSDPState> self;  // for the op-boundary callback, which may outlive the state
 
   int rank() const { return group->rank(); }
   int world() const { return group->size(); }
@@ -175,6 +183,7 @@ struct FSDPState {
   void release_all() {
     while (!held.empty()) release(held.front());
     drop_prefetch();
+    prefetch_pending.reset();
   }
 
   // A prefetch that will not be used: its all_gather is waited for (so that the streams stay
@@ -206,13 +215,52 @@ struct FSDPState {
     gathered_in_pass.assign(units.size(), false);
   }
 
-  // Step 3's prefetch: after unit u is first gathered in a pass, the all_gather of the unit
-  // the first step gathered after it in the same pass is issued without waiting, so that on
-  // a GPU it runs on the communication stream while u computes. A unit gathered again in the
-  // same pass (a tied weight read by a later layer) prefetches nothing. It releases nothing:
-  // the op that made u gather may still be reading the unit gathered before it (one kernel
-  // reads the token and the position embeddings), so the earliest unit goes when the
-  // prefetched one is gathered, as on demand.
+  // Step 3's prefetch, asked for when unit u is first gathered in a pass. The op that made u
+  // gather may still be reading the unit gathered before it (one kernel reads the token and
+  // the position embeddings), so the prefetch waits for that op to end (engine/op_boundary.h):
+  // in backward, where each node's end is one, and in a forward run with gradients on, where
+  // each op's recording of its node is. Then, under ZeRO-3, every other unit is released and
+  // the prefetch issued: u and the unit arriving are all that is unsharded (a released unit
+  // read again is gathered again, on demand). A forward under NoGradGuard marks no ends: its
+  // prefetch is issued at once, and the earliest unit goes when the prefetched one is gathered.
+  void ask_prefetch_after(size_t u) {
+    if (!options.prefetch || !(phase == Phase::forward ? forward_known : backward_known)) return;
+    if (phase == Phase::forward && !forward_marks_ends) {
+      prefetch_after(u);
+      return;
+    }
+    prefetch_pending = u;
+    pending_phase = phase;
+    ask_boundary();
+  }
+  void ask_boundary() {
+    if (boundary_asked) return;
+    boundary_asked = true;
+    after_current_op([weak = self] {
+      if (auto state = weak.lock()) state->prefetch_at_op_end();
+    });
+  }
+  void prefetch_at_op_end() {
+    boundary_asked = false;
+    if (!prefetch_pending) return;
+    const size_t u = *prefetch_pending;
+    if (phase != pending_phase || !units[u].gathered) {  // the pass ended, or u went
+      prefetch_pending.reset();
+      return;
+    }
+    if (options.reshard_after_forward == ReshardAfterForward::yes) {
+      const std::deque<size_t> others = held;
+      for (size_t other : others)
+        if (other != u) release(other);
+    }
+    prefetch_pending.reset();
+    prefetch_after(u);
+  }
+
+  // The prefetch itself: the all_gather of the unit the first step gathered after u in the
+  // same pass, issued without waiting, so that on a GPU it runs on the communication stream
+  // while u computes. A unit gathered again in the same pass (a tied weight read by a later
+  // layer) prefetches nothing.
   void prefetch_after(size_t u) {
     const bool forward = phase == Phase::forward;
     const std::vector<size_t>& order = forward ? forward_order : backward_order;
@@ -293,7 +341,7 @@ struct FSDPState {
     unit.gathered = true;
     memory.peak_full_parameter_bytes = std::max(memory.peak_full_parameter_bytes, memory.full_parameter_bytes);
     held.push_back(u);
-    if (first_in_pass) prefetch_after(u);
+    if (first_in_pass) ask_prefetch_after(u);
     if (!traced.empty()) trace_completed(false);
   }
 
@@ -414,6 +462,7 @@ struct FSDPState {
     reductions.clear();
     for (Unit& unit : units) unit.grads_pending = unit.trainable;
     begin_pass(Phase::forward);
+    forward_marks_ends = grad_enabled();
   }
 };
 
@@ -506,6 +555,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
       state_(std::make_shared<FSDPState>()) {
   LOOM_CHECK(module_ && group_, "FullyShardedDataParallel needs a module and a process group");
   state_->group = group_;
+  state_->self = state_;
   state_->replicas = options.replicate_group;
   state_->options = options;
   NoGradGuard no_grad;

@@ -44,16 +44,22 @@
 //    step on, once a unit is first gathered in a pass, the all_gather of the unit that came
 //    after it in that pass is issued without waiting. On a GPU it runs on the communication
 //    stream while the current unit computes, and the unit's first read only makes the compute
-//    stream wait for it. The prefetch releases nothing (the op that made the current unit
-//    gather may still read the one before), so under ZeRO-3 three units are unsharded while it
-//    is in flight: two held and one arriving. A unit gathered again in the same pass (GPT's tied embedding, read again by the
-//    output layer) prefetches nothing; a step that reads another unit first drops the
-//    prefetch (waited for, then freed) and gathers on demand. Prefetching issues the same
-//    all_gathers as gathering on demand, only earlier (FSDPMemory counts both).
+//    stream wait for it. The op that made the current unit gather may still be reading the
+//    unit before it, so the prefetch waits for that op to end (engine/op_boundary.h: where it
+//    records its autograd node, or, in backward, where its node has run). Then, under ZeRO-3,
+//    forward releases every other unit and issues the prefetch, and backward (whose units go
+//    as their backward ends, step 5) issues it once the current unit is the only one held: at
+//    most two units are unsharded, the current one and the one arriving. Under NoGradGuard
+//    (evaluation) no op marks a boundary, so the prefetch is issued at once and a third unit
+//    may be arriving while two are held. A unit gathered again in the same pass (GPT's tied
+//    embedding, read again by the output layer) prefetches nothing; a step that reads another
+//    unit first drops the prefetch (waited for, then freed) and gathers on demand.
+//    Prefetching issues the same all_gathers as gathering on demand, only earlier (FSDPMemory
+//    counts both).
 //
 // 4. Free after use (reshard_after_forward). ZeRO-3 (ReshardAfterForward::yes): at most
 //    two units are held at once; gathering a third releases the one gathered earliest (with
-//    prefetch, a third may be arriving meanwhile: step 3). As
+//    prefetch, the unit before goes when the next one's all_gather is issued: step 3). As
 //    units run one after the other this frees a unit's full values once the next but one
 //    starts, and backward gathers them again when it reads the weights its ops saved (those
 //    saved copies share the parameter's storage, so they see the re-acquired values).

@@ -141,8 +141,8 @@ namespace {
 // FSDP's full parameters held at once at most, and the largest unit's full gradients with
 // the buffer they are reduce-scattered from (memory_plan.h).
 // What a sharded model holds unsharded: the units gathered at once (every unit under ZeRO-2;
-// under ZeRO-3 two, three with prefetch), all units' bytes (what its full gradients take when
-// they are kept over micro-batches), the largest unit's, and the buffer the largest unit's
+// under ZeRO-3 two, a prefetch included: fsdp.h, step 3), all units' bytes (what its full
+// gradients take when they are kept over micro-batches), the largest unit's, and the buffer the largest unit's
 // gradients are reduce-scattered from (in the reduce dtype, the parameters' own when unset).
 struct Unsharded {
   size_t held = 0, all = 0, largest = 0, reduce_buffer = 0;
@@ -158,7 +158,7 @@ Unsharded unsharded_bytes(const FullyShardedDataParallel& fsdp) {
   if (!zero3) {
     out.held = out.all;
   } else {
-    const size_t at_once = std::min(units.size(), size_t(o.prefetch ? 3 : 2));
+    const size_t at_once = std::min(units.size(), size_t(2));
     for (size_t i = 0; i < at_once; ++i) out.held += units[i];
   }
   out.largest = units.empty() ? 0 : units.front();
@@ -215,7 +215,7 @@ MemoryPlan plan_pipeline(const pipeline::Pipeline& pipe, const optim::Optimizer&
                   (sharded ? ", FSDP" : "");
   std::set<const TensorImpl*> seen;
   // Sharded stages: a stage whose backward is still due keeps what it gathered (ZeRO-3: up to
-  // its two or three units; ZeRO-2: all of them) while the rank's other stages run, so each
+  // its two units; ZeRO-2: all of them) while the rank's other stages run, so each
   // stage's gathered units count; and every backward of a stage before its last in the step
   // keeps the stage's full gradients (fsdp.h, step 9), so with several micro-batches those of
   // all this rank's stages are held together until their last backwards reduce them.

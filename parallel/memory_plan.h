@@ -11,8 +11,8 @@
 //                                        kept from step to step (with gradient_as_bucket_view
 //                                        the gradients are those buffers: none more)
 //   added inside a step     gathered     FSDP: the full parameters held at once at most (ZeRO-3:
-//                                        the two largest units, and a third arriving with
-//                                        prefetch; ZeRO-2: every unit), and the largest unit's
+//                                        the two largest units, prefetch included; ZeRO-2:
+//                                        every unit), and the largest unit's
 //                                        full gradients with their reduce-scatter buffer (a
 //                                        pipeline's sharded stages with several micro-batches:
 //                                        every unit's full gradients, kept until the stage's
