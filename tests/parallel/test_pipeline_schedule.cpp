@@ -105,7 +105,9 @@ TEST(PipelineSchedule, ZeroBubbleH1HalvesTheBubbleAtOneFOneBsMemory) {
       // The most micro-batches any rank holds: 1F1B's (rank 0's p).
       EXPECT_EQ(*std::max_element(zb.peak_in_flight.begin(), zb.peak_in_flight.end()),
                 *std::max_element(ofob.peak_in_flight.begin(), ofob.peak_in_flight.end()));
-      if (m >= p) EXPECT_NEAR(zb.bubble(), (p - 1.0) / (3.0 * m + p - 1), 1e-12) << "p=" << p << " m=" << m;
+      if (m >= p) {
+        EXPECT_NEAR(zb.bubble(), (p - 1.0) / (3.0 * m + p - 1), 1e-12) << "p=" << p << " m=" << m;
+      }
     }
 }
 
