@@ -119,7 +119,16 @@ void run_op_boundary() {
   if (g_after_op.empty()) return;
   std::vector<std::function<void()>> now;
   now.swap(g_after_op);  // what these ask for goes to the next boundary
-  for (auto& callback : now) callback();
+  for (size_t i = 0; i < now.size(); ++i) {
+    try {
+      now[i]();
+    } catch (...) {
+      // The callbacks not run yet wait for the next boundary, before any asked for since.
+      g_after_op.insert(g_after_op.begin(), std::make_move_iterator(now.begin() + ptrdiff_t(i) + 1),
+                        std::make_move_iterator(now.end()));
+      throw;
+    }
+  }
 }
 
 void record(const char* name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward) {

@@ -132,7 +132,8 @@ struct FSDPState {
   std::optional<size_t> prefetch_pending;
   Phase pending_phase = Phase::idle;
   bool boundary_asked = false;
-  bool forward_marks_ends = false;  // this forward runs with gradients on: its ops mark their ends
+  // This forward runs with gradients on, so its ops that record a node mark their ends.
+  bool forward_marks_ends = false;
   std::weak_ptr<FSDPState> self;  // for the op-boundary callback, which may outlive the state
 
   int rank() const { return group->rank(); }
@@ -219,10 +220,12 @@ struct FSDPState {
   // gather may still be reading the unit gathered before it (one kernel reads the token and
   // the position embeddings), so the prefetch waits for that op to end (engine/op_boundary.h):
   // in backward, where each node's end is one, and in a forward run with gradients on, where
-  // each op's recording of its node is. Then, under ZeRO-3, every other unit is released and
-  // the prefetch issued: u and the unit arriving are all that is unsharded (a released unit
-  // read again is gathered again, on demand). A forward under NoGradGuard marks no ends: its
-  // prefetch is issued at once, and the earliest unit goes when the prefetched one is gathered.
+  // an op's recording of its node is (ops whose inputs need no gradient record none, and the
+  // prefetch then waits for the next op that does). Then, under ZeRO-3, every other unit is
+  // released and the prefetch issued: u and the unit arriving are all that is unsharded (a
+  // released unit read again is gathered again, on demand). A forward under NoGradGuard marks
+  // no ends: its prefetch is issued at once, and the earliest unit goes when the prefetched
+  // one is gathered.
   void ask_prefetch_after(size_t u) {
     if (!options.prefetch || !(phase == Phase::forward ? forward_known : backward_known)) return;
     if (phase == Phase::forward && !forward_marks_ends) {
@@ -248,13 +251,17 @@ struct FSDPState {
       prefetch_pending.reset();
       return;
     }
+    prefetch_pending.reset();
+    // Nothing to prefetch (u is last, or the next is here or on its way): nothing goes either,
+    // so that the units held stay as the first step recorded them.
+    const std::optional<size_t> next = next_to_prefetch(u);
+    if (!next) return;
     if (options.reshard_after_forward == ReshardAfterForward::yes) {
       const std::deque<size_t> others = held;
       for (size_t other : others)
         if (other != u) release(other);
     }
-    prefetch_pending.reset();
-    prefetch_after(u);
+    prefetch(*next);
   }
 
   // The prefetch itself: the all_gather of the unit the first step gathered after u in the
@@ -262,13 +269,21 @@ struct FSDPState {
   // while u computes. A unit gathered again in the same pass (a tied weight read by a later
   // layer) prefetches nothing.
   void prefetch_after(size_t u) {
+    if (const std::optional<size_t> next = next_to_prefetch(u)) prefetch(*next);
+  }
+  // The unit to prefetch after u: the one after it in this pass's recorded order, unless it
+  // is gathered or a prefetch is in flight already.
+  std::optional<size_t> next_to_prefetch(size_t u) const {
     const bool forward = phase == Phase::forward;
     const std::vector<size_t>& order = forward ? forward_order : backward_order;
-    if (!options.prefetch || !(forward ? forward_known : backward_known) || prefetched) return;
+    if (!options.prefetch || !(forward ? forward_known : backward_known) || prefetched) return std::nullopt;
     auto pos = std::find(order.begin(), order.end(), u);
-    if (pos == order.end() || pos + 1 == order.end()) return;
+    if (pos == order.end() || pos + 1 == order.end()) return std::nullopt;
     const size_t v = *(pos + 1);
-    if (units[v].gathered) return;
+    if (units[v].gathered) return std::nullopt;
+    return v;
+  }
+  void prefetch(size_t v) {
     NoGradGuard no_grad;
     WorkPtr work;
     Tensor gathered = issue_gather(units[v], units[v].compute_dtype, &work, true);
@@ -460,6 +475,7 @@ struct FSDPState {
     if (backwards_due > 0 && options.reshard_after_forward == ReshardAfterForward::no) drop_prefetch();
     else release_all();
     reductions.clear();
+    callback_queued = false;  // a backward that failed never ran its end
     for (Unit& unit : units) unit.grads_pending = unit.trainable;
     begin_pass(Phase::forward);
     forward_marks_ends = grad_enabled();

@@ -47,9 +47,9 @@
 //    stream wait for it. The op that made the current unit gather may still be reading the
 //    unit before it, so the prefetch waits for that op to end (engine/op_boundary.h: where it
 //    records its autograd node, or, in backward, where its node has run). Then, under ZeRO-3,
-//    forward releases every other unit and issues the prefetch, and backward (whose units go
-//    as their backward ends, step 5) issues it once the current unit is the only one held: at
-//    most two units are unsharded, the current one and the one arriving. Under NoGradGuard
+//    every other unit is released (one read again is gathered again, on demand) and the
+//    prefetch issued: at most two units are unsharded, the current one and the one arriving;
+//    when there is nothing to prefetch, nothing is released early. Under NoGradGuard
 //    (evaluation) no op marks a boundary, so the prefetch is issued at once and a third unit
 //    may be arriving while two are held. A unit gathered again in the same pass (GPT's tied
 //    embedding, read again by the output layer) prefetches nothing; a step that reads another
@@ -94,7 +94,8 @@
 // One unit's life through a ZeRO-3 step (S: elements of its flat shard, W ranks):
 //
 //   forward   a weight read -> all_gather -> [full, W S]  compute  .. released when the unit
-//             after next is gathered -> [shard, S]
+//             after next is gathered, or, with prefetch, once the next one's first op has
+//             ended -> [shard, S]
 //   backward  a saved weight read -> all_gather -> [full, W S]  compute
 //             last gradient -> [full grads, W S] -reduce_scatter(avg)-> [shard grad, S]
 //             full values and full gradients released
