@@ -6,7 +6,11 @@
 // count: --warmup steps, then --steps steps with tracing on; the measured bubble is the share
 // of each step's schedule window a rank spent outside forward, backward and backward-weight,
 // averaged over the ranks and steps (parallel/pipeline.h, measured_bubble), and the memory is
-// the most bytes in use above the step's start on each rank (last_step_peak_bytes).
+// the most bytes in use above the step's start on each rank (last_step_peak_bytes). Beside
+// them, the mean forward, backward and (zb1) weight-half spans over all ranks, and the bubble
+// the schedule's own order reaches at those costs on every rank (check_schedule's
+// simulation). The measured bubble above it comes from the executor, or from costs that
+// differ between ranks: stage 0's input half is empty, the last stage's forward holds the loss.
 //
 //   loomrun --nproc-per-node 4 bench_pipeline --device cpu --microbatches 4,16
 //
@@ -103,10 +107,10 @@ int run(int argc, char** argv) {
   if (main_rank)
     std::printf("bench_pipeline: %d stages of %lld blocks (width %lld, %lld heads), micro-batches of %lld x %lld "
                 "tokens, on %s; %lld measured steps after %lld\n"
-                "%-12s %4s %10s %10s %14s %14s %12s\n",
+                "%-12s %4s %10s %10s %10s %14s %14s %12s %20s\n",
                 p, (long long)o.blocks, (long long)o.width, (long long)o.heads, (long long)o.rows,
                 (long long)o.tokens, ctx.device.str().c_str(), (long long)o.steps, (long long)o.warmup, "schedule",
-                "m", "bubble", "formula", "peak rank 0", "peak max", "step ms");
+                "m", "bubble", "formula", "at costs", "peak rank 0", "peak max", "step ms", "F / B (I) / W ms");
   dist::trace::set_enabled(false);
   for (ScheduleKind kind : kinds)
     for (int m : counts) {
@@ -135,6 +139,9 @@ int run(int argc, char** argv) {
       Tensor targets = zeros({o.rows * m}, DType::f32, ctx.device);
       double bubble = 0, ms = 0;
       int64_t peak = 0;
+      // This rank's forward, backward (the input half under zb1) and weight-half spans: their
+      // total milliseconds and counts, for the costs the schedule is simulated at.
+      std::vector<double> spans(6, 0.0);
       for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
         const bool measured = step >= o.warmup;
         dist::trace::clear();
@@ -145,6 +152,15 @@ int run(int argc, char** argv) {
         const double elapsed = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
         if (!measured) continue;
         bubble += pipe.measured_bubble();
+        for (const dist::trace::Event& e : dist::trace::events()) {
+          const int k = e.category == dist::trace::Category::forward           ? 0
+                        : e.category == dist::trace::Category::backward        ? 1
+                        : e.category == dist::trace::Category::backward_weight ? 2
+                                                                               : -1;
+          if (k < 0) continue;
+          spans[size_t(2 * k)] += double(e.end_ns - e.start_ns) / 1e6;
+          spans[size_t(2 * k + 1)] += 1;
+        }
         ms += elapsed;
         peak = std::max(peak, pipe.last_step_peak_bytes());
         dist::trace::set_enabled(false);
@@ -163,18 +179,34 @@ int run(int argc, char** argv) {
                                  ? check_schedule(pipe.schedule(), {.forward = 1, .backward = 2, .backward_input = 1,
                                                                     .backward_weight = 1}).bubble()
                                  : formula_bubble(kind, p, m, v);
+      // The mean span of each kind over every rank, and the bubble the schedule's own order
+      // reaches at those costs (the same on every rank; see the header comment).
+      Tensor totals = from_vector(spans, {6});
+      if (ctx.device.is_cuda()) totals = totals.to(ctx.device);
+      ctx.group->all_reduce(totals)->wait();
+      const std::vector<double> t = totals.to(Device::cpu()).to_vector<double>();
+      auto mean = [&](int k) { return t[size_t(2 * k + 1)] > 0 ? t[size_t(2 * k)] / t[size_t(2 * k + 1)] : 0.0; };
+      const double f = mean(0), b = mean(1), w = mean(2);
+      const bool split = kind == ScheduleKind::zero_bubble_h1;
+      const Costs costs = split ? Costs{.forward = f, .backward = b + w, .backward_input = b, .backward_weight = w}
+                                : Costs{.forward = f, .backward = b, .backward_input = b / 2, .backward_weight = b / 2};
+      const double at_costs = f > 0 && b + w > 0 ? check_schedule(pipe.schedule(), costs).bubble() : 0.0;
       if (main_rank) {
-        std::printf("%-12s %4d %9.1f%% %9.1f%% %14.0f %14.0f %12.1f\n", schedule_name(kind), m, 100 * bubble,
-                    100 * formula, all[0], peak_max, ms);
+        char costs_text[64];
+        std::snprintf(costs_text, sizeof costs_text, split ? "%.2f / %.2f / %.2f" : "%.2f / %.2f", f, b, w);
+        std::printf("%-12s %4d %9.1f%% %9.1f%% %9.1f%% %14.0f %14.0f %12.1f %20s\n", schedule_name(kind), m,
+                    100 * bubble, 100 * formula, 100 * at_costs, all[0], peak_max, ms, costs_text);
         std::fflush(stdout);
         log.write({{"schedule", schedule_name(kind)}, {"microbatches", m}, {"ranks", p}, {"bubble", bubble},
-                   {"formula", formula}, {"peak_bytes_rank0", all[0]}, {"peak_bytes_max", peak_max},
-                   {"step_ms", ms}, {"device", ctx.device.str()}});
+                   {"formula", formula}, {"bubble_at_costs", at_costs}, {"forward_ms", f}, {"backward_ms", b},
+                   {"weight_ms", w}, {"peak_bytes_rank0", all[0]}, {"peak_bytes_max", peak_max}, {"step_ms", ms},
+                   {"device", ctx.device.str()}});
       }
     }
   if (main_rank)
     std::printf("(formula: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, zb1 its unit-cost "
-                "simulation with F = I = W)\n");
+                "simulation with F = I = W; at costs: the schedule simulated at the mean measured spans, F forward, "
+                "B backward (zb1: its input half I), W zb1's weight half)\n");
   return 0;
 }
 

@@ -140,6 +140,8 @@ TEST(TrainGptPipeline, BadPipelineFlagsAreNamed) {
   }
 }
 
+// bench_pipeline prints a row per schedule and micro-batch count: the bubble measured, its
+// formula, the bubble simulated at the measured mean spans, and those spans.
 TEST(BenchPipeline, PrintsARowPerScheduleAndMicrobatchCount) {
   auto r = run_command(program("LOOMRUN") + " --nproc-per-node 2 " + program("BENCH_PIPELINE") +
                            " --width 16 --heads 2 --tokens 8 --blocks 1 --warmup 1 --steps 1 --microbatches 2,4"
@@ -150,6 +152,10 @@ TEST(BenchPipeline, PrintsARowPerScheduleAndMicrobatchCount) {
     for (const char* m : {" 2 ", " 4 "})
       EXPECT_TRUE(std::regex_search(r.output, std::regex(std::string(row) + " +" + m + "+ *[0-9.]+%")))
           << row << m << "\n" << r.output;
+  // Each row ends with the mean spans its schedule is simulated at: F and B, and zb1's W.
+  EXPECT_NE(r.output.find("at costs"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("1f1b +4 .* [0-9.]+ / [0-9.]+\n"))) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("zb1 +4 .* [0-9.]+ / [0-9.]+ / [0-9.]+\n"))) << r.output;
 }
 
 }  // namespace
