@@ -51,6 +51,29 @@ std::string losses_and_sample(const std::string& output) {
   return std::string(m[0]) + "\n" + std::string(sample[0]);
 }
 
+// Runs train_gpt --device cpu --data `text` on `ranks` ranks with `flags` and then each of
+// `variants` added; every run must end well and print the first one's losses and sample.
+// Returns each run's output (as many as ran).
+std::vector<std::string> runs_printing_the_same_losses(int ranks, const std::string& text, const std::string& flags,
+                                                       const std::vector<std::string>& variants) {
+  std::vector<std::string> outputs;
+  std::string first;
+  for (const std::string& variant : variants) {
+    SCOPED_TRACE(variant);
+    auto r = run_command(program("LOOMRUN") + " --nproc-per-node " + std::to_string(ranks) + " " +
+                             program("TRAIN_GPT") + " --device cpu --data '" + text + "' " + flags + variant,
+                         300);
+    EXPECT_EQ(r.code, 0) << r.output;
+    const std::string result = losses_and_sample(r.output);
+    EXPECT_FALSE(result.empty()) << r.output;
+    if (r.code != 0 || result.empty()) break;
+    if (first.empty()) first = result;
+    EXPECT_EQ(result, first);
+    outputs.push_back(r.output);
+  }
+  return outputs;
+}
+
 // --fsdp with --pp shards each stage over its --dp pair: the same losses and sample as the
 // replicated stages (2 pipelines of 2 stages on 4 ranks), and each prints its memory plan
 // with the measured peak beside it.
@@ -65,25 +88,19 @@ TEST(TrainGptPipeline, ShardedStagesPrintTheLossesOfReplicatedOnes) {
     in.read(head.data(), std::streamsize(head.size()));
     std::ofstream(text, std::ios::binary).write(head.data(), in.gcount());
   }
-  std::string replicated;
-  for (const char* fsdp : {"", " --fsdp", " --fsdp --reshard-after-forward no"}) {
-    SCOPED_TRACE(fsdp);
-    auto r = run_command(program("LOOMRUN") + " --nproc-per-node 4 " + program("TRAIN_GPT") +
-                             " --device cpu --data '" + text + "' --pp 2 --dp 2 --microbatches 4 --batch-size 8"
-                             " --context 32 --max-steps 12 --workers 1 --generate 16 --metrics '' --plot ''" + fsdp,
-                         300);
-    ASSERT_EQ(r.code, 0) << r.output;
-    const std::string result = losses_and_sample(r.output);
-    ASSERT_FALSE(result.empty()) << r.output;
-    if (replicated.empty()) replicated = result;
-    EXPECT_EQ(result, replicated);
-    EXPECT_NE(r.output.find(std::string("memory plan per rank (pipeline stage 0 of 2, 1f1b") +
-                            (*fsdp ? ", FSDP)" : ")")),
+  const std::vector<std::string> variants = {"", " --fsdp", " --fsdp --reshard-after-forward no"};
+  const std::vector<std::string> outputs = runs_printing_the_same_losses(
+      4, text, "--pp 2 --dp 2 --microbatches 4 --batch-size 8 --context 32 --max-steps 12 --workers 1 --generate 16 "
+      "--metrics '' --plot ''", variants);
+  ASSERT_EQ(outputs.size(), variants.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    EXPECT_NE(outputs[i].find(std::string("memory plan per rank (pipeline stage 0 of 2, 1f1b") +
+                              (i > 0 ? ", FSDP)" : ")")),
               std::string::npos)
-        << r.output;
-    EXPECT_TRUE(std::regex_search(r.output, std::regex("memory after 12 steps: peak [0-9.]+ MB on this rank, [0-9]+% "
-                                                       "of the plan's [0-9.]+ MB")))
-        << r.output;
+        << outputs[i];
+    EXPECT_TRUE(std::regex_search(outputs[i], std::regex("memory after 12 steps: peak [0-9.]+ MB on this rank, "
+                                                         "[0-9]+% of the plan's [0-9.]+ MB")))
+        << outputs[i];
   }
 }
 
@@ -96,25 +113,14 @@ TEST(TrainGptPipeline, HybridShardedStagesPrintTheLossesOfReplicatedOnes) {
     std::ofstream out(text);
     for (int i = 0; i < 3000; ++i) out << "line " << i % 97 << ": the quick brown fox jumps over a lazy dog\n";
   }
-  std::string replicated;
-  for (const char* fsdp : {"", " --fsdp --hsdp 2"}) {
-    SCOPED_TRACE(fsdp);
-    auto r = run_command(program("LOOMRUN") + " --nproc-per-node 8 " + program("TRAIN_GPT") +
-                             " --device cpu --data '" + text + "' --pp 2 --dp 4 --microbatches 4 --batch-size 8"
-                             " --context 32 --max-steps 8 --workers 1 --generate 16 --metrics '' --plot ''" + fsdp,
-                         300);
-    ASSERT_EQ(r.code, 0) << r.output;
-    const std::string result = losses_and_sample(r.output);
-    ASSERT_FALSE(result.empty()) << r.output;
-    if (replicated.empty()) replicated = result;
-    EXPECT_EQ(result, replicated);
-    if (*fsdp) {
-      EXPECT_NE(r.output.find("HSDP inside stages: each stage's 4 data-parallel ranks are 2 replicas, each sharded "
-                              "over 2"),
-                std::string::npos)
-          << r.output;
-    }
-  }
+  const std::vector<std::string> outputs = runs_printing_the_same_losses(
+      8, text, "--pp 2 --dp 4 --microbatches 4 --batch-size 8 --context 32 --max-steps 8 --workers 1 --generate 16 "
+      "--metrics '' --plot ''", {"", " --fsdp --hsdp 2"});
+  ASSERT_EQ(outputs.size(), 2u);
+  EXPECT_NE(outputs[1].find("HSDP inside stages: each stage's 4 data-parallel ranks are 2 replicas, each sharded "
+                            "over 2"),
+            std::string::npos)
+      << outputs[1];
   std::filesystem::remove(text);
 }
 
