@@ -17,11 +17,11 @@
 // Rank 0 prints one row per (schedule, m) and, with --json, writes them as JSON lines.
 #include <cstdio>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "engine/ops.h"
+#include "layers/checkpoint_text.h"
 #include "layers/models/gpt.h"
 #include "parallel/init.h"
 #include "parallel/pipeline.h"
@@ -39,14 +39,6 @@ struct Options {
   std::string device = "cpu", schedules = "gpipe,1f1b,zb1", microbatches = "4,16", json;
   int64_t blocks = 2, width = 128, heads = 4, tokens = 64, rows = 2, warmup = 2, steps = 5, timeout_s = 300;
 };
-
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
 
 // One stage: --blocks GPT blocks; the last stage ends in the mean square of its output.
 class EqualStage : public nn::Module {
@@ -89,9 +81,9 @@ int run(int argc, char** argv) {
   if (o.width % o.heads != 0)
     flags.fail("--heads " + std::to_string(o.heads) + " does not divide --width " + std::to_string(o.width));
   std::vector<ScheduleKind> kinds;
-  for (const std::string& name : split_list(o.schedules)) kinds.push_back(parse_schedule(name));
+  for (const std::string& name : nn::checkpoint_text::split_list(o.schedules)) kinds.push_back(parse_schedule(name));
   std::vector<int> counts;
-  for (const std::string& m : split_list(o.microbatches)) {
+  for (const std::string& m : nn::checkpoint_text::split_list(o.microbatches)) {
     char* end = nullptr;
     long v = std::strtol(m.c_str(), &end, 10);
     if (*end != '\0' || v < 1) flags.fail("--microbatches: '" + m + "' is not a positive count");

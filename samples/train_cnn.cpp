@@ -527,11 +527,7 @@ int run(int argc, char** argv) {
       nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched, .user = user});
   };
 
-  // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).
-  if (!o.trace.empty()) {
-    if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
-    dist::trace::set_enabled(true, device);
-  }
+  samples::start_step_trace(o.trace, ctx, device);
   const auto run_start = std::chrono::steady_clock::now();
   bool plan_measured = false;
   memory::reset_peak(device);
@@ -619,10 +615,7 @@ int run(int argc, char** argv) {
                                {{"loss", "epoch", "cross-entropy", {{"train", train_curve}, {"test", test_loss_curve}}},
                                 {"test accuracy", "epoch", "%", {{"test", test_acc_curve}}}});
   }
-  if (!o.trace.empty()) {
-    dist::trace::write_merged_trace(ctx.active ? ctx.group.get() : nullptr, device, o.trace);
-    if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
-  }
+  samples::write_step_trace(o.trace, ctx, device);
   return 0;
 }
 

@@ -493,11 +493,7 @@ int run(int argc, char** argv) {
   if (main_rank) std::printf("%s\n", plan.table().c_str());
 
   EpochLog log(o, main_rank);
-  // --trace: spans of each step (on a GPU, synchronized so they hold its work; parallel/trace.h).
-  if (!o.trace.empty()) {
-    if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
-    dist::trace::set_enabled(true, device);
-  }
+  samples::start_step_trace(o.trace, ctx, device);
   memory::reset_peak(device);
   bool plan_measured = false;
   for (; epoch < o.epochs && step < total_steps; ++epoch, batch = 0) {
@@ -568,11 +564,7 @@ int run(int argc, char** argv) {
     else if (!o.save.empty() && main_rank)
       nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = &opt, .scheduler = &sched, .user = user});
   }
-  if (!o.trace.empty()) {
-    dist::trace::set_enabled(false);  // the sample after training is not traced
-    dist::trace::write_merged_trace(ctx.active ? ctx.group.get() : nullptr, device, o.trace);
-    if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
-  }
+  samples::write_step_trace(o.trace, ctx, device);
   if (o.generate > 0 && o.shards.empty()) {
     // A sharded model cannot run alone: its full weights (gathered on every rank, a
     // collective) go into a plain GPT on rank 0, which generates.

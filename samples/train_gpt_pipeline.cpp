@@ -159,10 +159,7 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
     std::printf("%s\n", plan.table().c_str());
     std::fflush(stdout);
   }
-  if (!o.trace.empty()) {
-    if (main_rank) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not after training
-    dist::trace::set_enabled(true, ctx.device);
-  }
+  samples::start_step_trace(o.trace, ctx, ctx.device);
   EpochLog log(o, main_rank);
   memory::reset_peak(ctx.device);
   bool plan_measured = false;
@@ -228,10 +225,7 @@ int train_pipelined(Options& o, dist::DistContext& ctx, const nn::GPTConfig& con
       save_pipeline_checkpoint(o.save, checkpoint);
     }
   }
-  if (!o.trace.empty()) {
-    dist::trace::write_merged_trace(ctx.group.get(), ctx.device, o.trace);
-    if (main_rank) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, o.trace.c_str());
-  }
+  samples::write_step_trace(o.trace, ctx, ctx.device);
   if (o.generate > 0 && o.shards.empty()) {
     // A sharded stage's full values come from its shards over the --dp group (every rank).
     nn::NamedTensors stage_state;

@@ -14,6 +14,7 @@
 #include "engine/serialization.h"
 #include "layers/checkpoint.h"
 #include "parallel/sharded_checkpoint.h"
+#include "parallel/trace.h"
 #include "kernels/core/error.h"
 
 namespace loom::samples {
@@ -264,6 +265,19 @@ void check_finite_loss(double loss, int64_t step, bool exact) {
             exact ? "" : " (the first step at which it was read: on a GPU it is read every few steps)",
             ": training stopped (a learning rate too high for this model? lower --lr, or add --clip); pass ",
             kAllowNonfiniteFlag, " to go on regardless");
+}
+
+void start_step_trace(const std::string& path, const dist::DistContext& ctx, Device device) {
+  if (path.empty()) return;
+  if (ctx.is_main()) dist::trace::write_chrome_trace(path, {});  // fails now, not after training
+  dist::trace::set_enabled(true, device);
+}
+
+void write_step_trace(const std::string& path, const dist::DistContext& ctx, Device device) {
+  if (path.empty()) return;
+  dist::trace::set_enabled(false);  // what follows (a sample, the last report) is not a step
+  dist::trace::write_merged_trace(ctx.active ? ctx.group.get() : nullptr, device, path);
+  if (ctx.is_main()) std::printf("wrote the step timeline of %d rank(s) to %s\n", ctx.size, path.c_str());
 }
 
 }  // namespace loom::samples

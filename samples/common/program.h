@@ -114,6 +114,13 @@ void check_finite_parameters(const nn::Module& model, const std::string& source)
 // The same for named tensors (an FSDP model's shards, parallel/fsdp.h).
 void check_finite_parameters(const nn::NamedTensors& parameters, const std::string& source);
 
+// --trace FILE (parallel/trace.h): start_step_trace checks now that rank 0 can write FILE, not
+// after training, and starts recording every rank's spans (on a GPU, synchronized with its
+// compute stream); write_step_trace merges them into FILE on rank 0 and says so. Every rank
+// calls both; nothing happens when FILE is "".
+void start_step_trace(const std::string& path, const dist::DistContext& ctx, Device device);
+void write_step_trace(const std::string& path, const dist::DistContext& ctx, Device device);
+
 // Stops a run whose loss is no longer finite, naming the step. On the CPU each step's loss
 // is read anyway; on a GPU reading it waits for the device, so it is checked where the
 // program reads it (`exact` false: the message says the step it was seen at).
