@@ -35,7 +35,7 @@ int64_t agree_on_generation(const std::string& dir, const std::string& index, Pr
 void copy_saved_rows(const std::string& key, const Shape& full, RowRange range, int world,
                      const std::function<const Tensor*(int)>& saved, const std::function<std::string(int)>& file,
                      const Tensor& dst) {
-  const int64_t n = full.empty() ? 1 : full[0], row_numel = n == 0 ? 0 : shape_numel(full) / n;
+  const int64_t n = rows_of(full), row_numel = n == 0 ? 0 : shape_numel(full) / n;
   Tensor into = dst.reshape({range.count, row_numel});
   for (int r = 0; r < world; ++r) {
     const RowRange theirs = shard_rows(n, world, r);

@@ -23,6 +23,10 @@ int64_t agree_on_generation(const std::string& dir, const std::string& index, Pr
                             const std::function<int64_t(const std::string&)>& read_generation,
                             const std::string& what);
 
+// The rows of a tensor of `shape` as fsdp.h cuts it, seen as (rows, row_numel): a scalar is
+// one row.
+inline int64_t rows_of(const Shape& shape) { return shape.empty() ? 1 : shape[0]; }
+
 // Rows [range.start, range.start + range.count) of a tensor of full shape `full` saved as
 // `world` row shards (saved rank r's rows are shard_rows(n, world, r), as fsdp.h cuts them),
 // copied into dst (range.count rows, any shape of that size). saved(r) gives rank r's saved

@@ -64,8 +64,6 @@ bool writes_stage_file(const PipelineCheckpoint& state) {
   return state.replica == 0;
 }
 
-// Rows of a tensor of `shape` seen as (rows, row_numel), as fsdp.h cuts it.
-int64_t rows_of(const Shape& shape) { return shape.empty() ? 1 : shape[0]; }
 
 namespace text = nn::checkpoint_text;
 

@@ -40,8 +40,6 @@ void append(std::string& list, const std::string& item) {
 
 namespace text = nn::checkpoint_text;
 
-// Rows of a tensor of `shape` seen as (rows, row_numel), as fsdp.h shards it.
-int64_t rows_of(const Shape& shape) { return shape.empty() ? 1 : shape[0]; }
 
 // The optimizer's parameter index (its state_dict numbering) -> the FSDP parameter name.
 std::vector<std::string> optimizer_names(const optim::Optimizer& opt, const FullyShardedDataParallel& fsdp) {
