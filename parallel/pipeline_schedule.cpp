@@ -354,6 +354,10 @@ std::string describe(const Schedule& s, int rank, const Action& a) {
 }  // namespace
 
 Simulation check_schedule(const Schedule& s, const Costs& costs) {
+  return check_schedule(s, std::vector<Costs>(size_t(std::max(s.stages, 0)), costs));
+}
+
+Simulation check_schedule(const Schedule& s, const std::vector<Costs>& stage_costs) {
   const int p = s.ranks;
   LOOM_CHECK(int(s.actions.size()) == p, "pipeline schedule: ", s.actions.size(), " action lists for ", p, " ranks");
   LOOM_CHECK(s.stages >= p && s.stages % p == 0, "pipeline schedule: ", s.stages, " stages on ", p,
@@ -417,8 +421,11 @@ Simulation check_schedule(const Schedule& s, const Costs& costs) {
   }
   // What each rank has: (op-kind, stage, mb) facts: forward done, input there, output gradient there.
   std::set<std::tuple<int, int, int>> have;  // ('F' forward done / 'A' input activation / 'G' output grad / 'I' backward-input done)
-  auto cost = [&](Op op) {
-    switch (op) {
+  LOOM_CHECK(stage_costs.size() == size_t(s.stages), "pipeline schedule: costs for ", stage_costs.size(),
+             " stages; the schedule has ", s.stages);
+  auto cost = [&](const Action& a) {
+    const Costs& costs = stage_costs[size_t(a.stage)];
+    switch (a.op) {
       case Op::forward: return costs.forward;
       case Op::backward: return costs.backward;
       case Op::backward_input: return costs.backward_input;
@@ -491,8 +498,8 @@ Simulation check_schedule(const Schedule& s, const Costs& costs) {
           }
           LOOM_CHECK(ready, "pipeline schedule: rank ", r, " reaches ", a.str(), " (action ", pos[size_t(r)],
                      ") before its input is there");
-          clock[size_t(r)] += cost(a.op);
-          sim.busy[size_t(r)] += cost(a.op);
+          clock[size_t(r)] += cost(a);
+          sim.busy[size_t(r)] += cost(a);
           if (a.op == Op::forward) {
             have.insert({'F', a.stage, a.microbatch});
             sim.peak_in_flight[size_t(r)] = std::max(sim.peak_in_flight[size_t(r)], ++in_flight[size_t(r)]);

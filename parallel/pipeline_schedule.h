@@ -141,6 +141,9 @@ struct Simulation {
 // Checks the schedule (see the header comment) and returns its timeline under `costs`, with
 // transfers taking no time. Throws loom::Error describing the fault.
 Simulation check_schedule(const Schedule& schedule, const Costs& costs = {});
+// The same with each stage's own costs (stage_costs[stage], one per stage): stages whose costs
+// differ, as stage 0's empty input half and the last stage's loss make them.
+Simulation check_schedule(const Schedule& schedule, const std::vector<Costs>& stage_costs);
 
 // The bubble fraction of GPipe and 1F1B with equal stages, (p - 1) / (m + p - 1); for the
 // interleaved schedule (p - 1) / (v m + p - 1).

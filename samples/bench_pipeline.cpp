@@ -9,12 +9,15 @@
 // the most bytes in use above the step's start on each rank (last_step_peak_bytes). Beside
 // them, the mean forward, backward and (zb1) weight-half spans over all ranks, and the bubble
 // the schedule's own order reaches at those costs on every rank (check_schedule's
-// simulation). The measured bubble above it comes from the executor, or from costs that
-// differ between ranks: stage 0's input half is empty, the last stage's forward holds the loss.
+// simulation), then at each stage's own mean spans ("per stage"): stage 0's input half is
+// empty, the last stage's forward holds the loss, and an input half can cost more than its
+// weight half. What the measured bubble has above the per-stage figure is the executor's:
+// transfers and bookkeeping.
 //
 //   loomrun --nproc-per-node 4 bench_pipeline --device cpu --microbatches 4,16
 //
-// Rank 0 prints one row per (schedule, m) and, with --json, writes them as JSON lines.
+// Rank 0 prints one row per (schedule, m) and, with --json, writes them as JSON lines; with
+// --trace FILE, the last row's last step as one timeline of every rank.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -36,7 +39,7 @@ using namespace loom::dist::pipeline;
 namespace {
 
 struct Options {
-  std::string device = "cpu", schedules = "gpipe,1f1b,zb1", microbatches = "4,16", json;
+  std::string device = "cpu", schedules = "gpipe,1f1b,zb1", microbatches = "4,16", json, trace;
   int64_t blocks = 2, width = 128, heads = 4, tokens = 64, rows = 2, warmup = 2, steps = 5, timeout_s = 300;
 };
 
@@ -76,6 +79,8 @@ int run(int argc, char** argv) {
   flags.add("steps", &o.steps, "measured steps", 1, 100000);
   flags.add("timeout-s", &o.timeout_s, "seconds before a stuck transfer ends the run", 1);
   flags.add("json", &o.json, "append one JSON line per row here", {}, "FILE");
+  flags.add("trace", &o.trace, "write the last row's last step as a Chrome-trace / Perfetto timeline of every rank",
+            {}, "FILE");
   const auto positional = flags.parse(argc, argv);
   samples::reject_positional(flags, positional, "");
   if (o.width % o.heads != 0)
@@ -99,10 +104,11 @@ int run(int argc, char** argv) {
   if (main_rank)
     std::printf("bench_pipeline: %d stages of %lld blocks (width %lld, %lld heads), micro-batches of %lld x %lld "
                 "tokens, on %s; %lld measured steps after %lld\n"
-                "%-12s %4s %10s %10s %10s %14s %14s %12s %20s\n",
+                "%-12s %4s %10s %10s %10s %10s %14s %14s %12s %20s\n",
                 p, (long long)o.blocks, (long long)o.width, (long long)o.heads, (long long)o.rows,
                 (long long)o.tokens, ctx.device.str().c_str(), (long long)o.steps, (long long)o.warmup, "schedule",
-                "m", "bubble", "formula", "at costs", "peak rank 0", "peak max", "step ms", "F / B (I) / W ms");
+                "m", "bubble", "formula", "at costs", "per stage", "peak rank 0", "peak max", "step ms", "F / B (I) / W ms");
+  if (main_rank && !o.trace.empty()) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not at the end
   dist::trace::set_enabled(false);
   for (ScheduleKind kind : kinds)
     for (int m : counts) {
@@ -131,9 +137,11 @@ int run(int argc, char** argv) {
       Tensor targets = zeros({o.rows * m}, DType::f32, ctx.device);
       double bubble = 0, ms = 0;
       int64_t peak = 0;
-      // This rank's forward, backward (the input half under zb1) and weight-half spans: their
-      // total milliseconds and counts, for the costs the schedule is simulated at.
-      std::vector<double> spans(6, 0.0);
+      // Each stage's forward, backward (the input half under zb1) and weight-half spans: their
+      // total milliseconds and counts (6 numbers a stage, this rank's stages filled), for the
+      // costs the schedule is simulated at.
+      const int stage_count = p * v;
+      std::vector<double> spans(size_t(6 * stage_count), 0.0);
       for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
         const bool measured = step >= o.warmup;
         dist::trace::clear();
@@ -149,13 +157,19 @@ int run(int argc, char** argv) {
                         : e.category == dist::trace::Category::backward        ? 1
                         : e.category == dist::trace::Category::backward_weight ? 2
                                                                                : -1;
-          if (k < 0) continue;
-          spans[size_t(2 * k)] += double(e.end_ns - e.start_ns) / 1e6;
-          spans[size_t(2 * k + 1)] += 1;
+          if (k < 0 || e.stage < 0 || e.stage >= stage_count) continue;
+          spans[size_t(6 * e.stage + 2 * k)] += double(e.end_ns - e.start_ns) / 1e6;
+          spans[size_t(6 * e.stage + 2 * k + 1)] += 1;
         }
         ms += elapsed;
         peak = std::max(peak, pipe.last_step_peak_bytes());
         dist::trace::set_enabled(false);
+        const bool last_row = kind == kinds.back() && m == counts.back();
+        if (last_row && step + 1 == o.warmup + o.steps && !o.trace.empty()) {
+          dist::trace::write_merged_trace(ctx.group.get(), ctx.device, o.trace);
+          if (main_rank) std::printf("wrote the timeline of the last step of %s at m = %d to %s\n",
+                                     schedule_name(kind), m, o.trace.c_str());
+        }
       }
       bubble /= double(o.steps);
       ms /= double(o.steps);
@@ -171,26 +185,41 @@ int run(int argc, char** argv) {
                                  ? check_schedule(pipe.schedule(), {.forward = 1, .backward = 2, .backward_input = 1,
                                                                     .backward_weight = 1}).bubble()
                                  : formula_bubble(kind, p, m, v);
-      // The mean span of each kind over every rank, and the bubble the schedule's own order
-      // reaches at those costs (the same on every rank; see the header comment).
-      Tensor totals = from_vector(spans, {6});
+      // The mean span of each kind, over every stage (printed) and per stage, and the bubble
+      // the schedule's own order reaches at each stage's costs (the same on every rank; see
+      // the header comment).
+      Tensor totals = from_vector(spans, {int64_t(spans.size())});
       if (ctx.device.is_cuda()) totals = totals.to(ctx.device);
       ctx.group->all_reduce(totals)->wait();
       const std::vector<double> t = totals.to(Device::cpu()).to_vector<double>();
-      auto mean = [&](int k) { return t[size_t(2 * k + 1)] > 0 ? t[size_t(2 * k)] / t[size_t(2 * k + 1)] : 0.0; };
-      const double f = mean(0), b = mean(1), w = mean(2);
+      auto mean_of = [&](int first, int last, int k) {
+        double sum = 0, count = 0;
+        for (int st = first; st < last; ++st) {
+          sum += t[size_t(6 * st + 2 * k)];
+          count += t[size_t(6 * st + 2 * k + 1)];
+        }
+        return count > 0 ? sum / count : 0.0;
+      };
       const bool split = kind == ScheduleKind::zero_bubble_h1;
-      const Costs costs = split ? Costs{.forward = f, .backward = b + w, .backward_input = b, .backward_weight = w}
-                                : Costs{.forward = f, .backward = b, .backward_input = b / 2, .backward_weight = b / 2};
-      const double at_costs = f > 0 && b + w > 0 ? check_schedule(pipe.schedule(), costs).bubble() : 0.0;
+      auto costs_of = [&](int first, int last) {
+        const double f = mean_of(first, last, 0), b = mean_of(first, last, 1), w = mean_of(first, last, 2);
+        return split ? Costs{.forward = f, .backward = b + w, .backward_input = b, .backward_weight = w}
+                     : Costs{.forward = f, .backward = b, .backward_input = b / 2, .backward_weight = b / 2};
+      };
+      const double f = mean_of(0, stage_count, 0), b = mean_of(0, stage_count, 1), w = mean_of(0, stage_count, 2);
+      std::vector<Costs> stage_costs;
+      for (int st = 0; st < stage_count; ++st) stage_costs.push_back(costs_of(st, st + 1));
+      const bool timed = f > 0 && b + w > 0;
+      const double at_costs = timed ? check_schedule(pipe.schedule(), costs_of(0, stage_count)).bubble() : 0.0;
+      const double at_stage_costs = timed ? check_schedule(pipe.schedule(), stage_costs).bubble() : 0.0;
       if (main_rank) {
         char costs_text[64];
         std::snprintf(costs_text, sizeof costs_text, split ? "%.2f / %.2f / %.2f" : "%.2f / %.2f", f, b, w);
-        std::printf("%-12s %4d %9.1f%% %9.1f%% %9.1f%% %14.0f %14.0f %12.1f %20s\n", schedule_name(kind), m,
-                    100 * bubble, 100 * formula, 100 * at_costs, all[0], peak_max, ms, costs_text);
+        std::printf("%-12s %4d %9.1f%% %9.1f%% %9.1f%% %9.1f%% %14.0f %14.0f %12.1f %20s\n", schedule_name(kind), m,
+                    100 * bubble, 100 * formula, 100 * at_costs, 100 * at_stage_costs, all[0], peak_max, ms, costs_text);
         std::fflush(stdout);
         log.write({{"schedule", schedule_name(kind)}, {"microbatches", m}, {"ranks", p}, {"bubble", bubble},
-                   {"formula", formula}, {"bubble_at_costs", at_costs}, {"forward_ms", f}, {"backward_ms", b},
+                   {"formula", formula}, {"bubble_at_costs", at_costs}, {"bubble_at_stage_costs", at_stage_costs}, {"forward_ms", f}, {"backward_ms", b},
                    {"weight_ms", w}, {"peak_bytes_rank0", all[0]}, {"peak_bytes_max", peak_max}, {"step_ms", ms},
                    {"device", ctx.device.str()}});
       }
@@ -198,7 +227,8 @@ int run(int argc, char** argv) {
   if (main_rank)
     std::printf("(formula: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, zb1 its unit-cost "
                 "simulation with F = I = W; at costs: the schedule simulated at the mean measured spans, F forward, "
-                "B backward (zb1: its input half I), W zb1's weight half)\n");
+                "B backward (zb1: its input half I), W zb1's weight half; per stage: simulated at each stage's own "
+                "mean spans)\n");
   return 0;
 }
 

@@ -111,6 +111,27 @@ TEST(PipelineSchedule, ZeroBubbleH1HalvesTheBubbleAtOneFOneBsMemory) {
     }
 }
 
+// Per-stage costs: equal ones give the uniform walk; GPipe over 2 ranks and one micro-batch
+// is the chain F0 F1 B1 B0, so its makespan is the sum of the four stages' own costs.
+TEST(PipelineSchedule, EachStageCanHaveItsOwnCosts) {
+  const Schedule gpipe = build_schedule(ScheduleKind::gpipe, 2, 1);
+  const Costs first{.forward = 1, .backward = 3}, last{.forward = 2, .backward = 5};
+  EXPECT_DOUBLE_EQ(check_schedule(gpipe, std::vector<Costs>{first, last}).makespan, 1 + 2 + 5 + 3);
+  const Schedule zb = build_schedule(ScheduleKind::zero_bubble_h1, 4, 8);
+  const Costs unit{.forward = 1, .backward = 2, .backward_input = 1, .backward_weight = 1};
+  EXPECT_DOUBLE_EQ(check_schedule(zb, std::vector<Costs>(4, unit)).bubble(), check_schedule(zb, unit).bubble());
+  // Input halves heavier than the weight halves (the chain of input gradients from the last
+  // stage back grows, the weight halves that fill the bubbles shrink): ZB-H1's bubble grows
+  // past its unit-cost figure. Stage 0's empty input half alone leaves it as it is.
+  std::vector<Costs> skewed(4, {.forward = 1, .backward = 2, .backward_input = 1.5, .backward_weight = 0.5});
+  skewed[0] = {.forward = 1, .backward = 2, .backward_input = 0, .backward_weight = 2};
+  EXPECT_GT(check_schedule(zb, skewed).bubble(), check_schedule(zb, unit).bubble() + 0.05);
+  std::vector<Costs> first_only(4, unit);
+  first_only[0] = skewed[0];
+  EXPECT_DOUBLE_EQ(check_schedule(zb, first_only).bubble(), check_schedule(zb, unit).bubble());
+  EXPECT_THROW(check_schedule(zb, std::vector<Costs>(3, unit)), loom::Error);
+}
+
 TEST(PipelineSchedule, TransfersAreDerivedAndBatched) {
   Schedule s = build_schedule(ScheduleKind::one_f_one_b, 2, 3);
   // Rank 0: one warm-up forward, then sends and receives paired around each compute.
