@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kernels/config.h"
@@ -44,6 +45,7 @@ struct Block {
   size_t size;
   StreamHandle stream;
   std::vector<StreamHandle> other_streams;
+  int pool = 0;  // 0: the ordinary cache; else a CUDA graph's (begin_capture)
 };
 
 struct Pending {  // released, waiting for other streams' events
@@ -59,7 +61,7 @@ class DeviceCache {
     size_t size = size_class(nbytes);
     std::lock_guard lock(mu_);
     reclaim_pending();
-    auto& bin = free_[key(size, stream)];
+    auto& bin = free_[key(size, stream, capture_pool_)];
     void* ptr = nullptr;
     if (!bin.empty()) {
       ptr = bin.back();
@@ -67,7 +69,8 @@ class DeviceCache {
       stats_.num_cache_hits++;
     } else {
       cudaError_t err = cudaMalloc(&ptr, size);
-      if (err == cudaErrorMemoryAllocation) {
+      // Freeing the cache synchronizes the device, which a capture cannot do.
+      if (err == cudaErrorMemoryAllocation && capture_pool_ == 0) {
         cudaGetLastError();
         release_cached();
         err = cudaMalloc(&ptr, size);
@@ -84,7 +87,7 @@ class DeviceCache {
       stats_.reserved += size;
       stats_.num_allocs++;
     }
-    live_[ptr] = Block{size, stream, {}};
+    live_[ptr] = Block{size, stream, {}, capture_pool_};
     stats_.allocated += size;
     stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
     return ptr;
@@ -97,8 +100,10 @@ class DeviceCache {
     Block block = std::move(it->second);
     live_.erase(it);
     stats_.allocated -= block.size;
+    if (capture_pool_ != 0) block.pool = capture_pool_;  // the graph may use it: it stays the graph's
+    else if (block.pool != 0 && !live_pools_.count(block.pool)) block.pool = 0;
     if (block.other_streams.empty()) {
-      free_[key(block.size, block.stream)].push_back(ptr);
+      free_[key(block.size, block.stream, block.pool)].push_back(ptr);
       return;
     }
     Pending p{ptr, {}};
@@ -123,6 +128,41 @@ class DeviceCache {
     std::lock_guard lock(mu_);
     return stats_;
   }
+  void begin_capture(int pool) {
+    std::lock_guard lock(mu_);
+    LOOM_CHECK(capture_pool_ == 0, "cuda:", index_, " is already being captured (pool ", capture_pool_,
+               "); one capture at a time a device");
+    LOOM_ASSERT(pool != 0, "pool 0 is the ordinary cache");
+    capture_pool_ = pool;
+    live_pools_.insert(pool);
+  }
+  void end_capture() {
+    std::lock_guard lock(mu_);
+    capture_pool_ = 0;
+  }
+  void release_pool(int pool) {
+    std::lock_guard lock(mu_);
+    live_pools_.erase(pool);
+    for (auto it = free_.begin(); it != free_.end();) {
+      if (it->first.pool != pool) {
+        ++it;
+        continue;
+      }
+      auto& to = free_[key(it->first.size, it->first.stream, 0)];
+      to.insert(to.end(), it->second.begin(), it->second.end());
+      it = free_.erase(it);
+    }
+  }
+  size_t pool_bytes(int pool) {
+    std::lock_guard lock(mu_);
+    size_t bytes = 0;
+    for (const auto& [ptr, block] : live_)
+      if (block.pool == pool) bytes += block.size;
+    for (const auto& [k, ptrs] : free_)
+      if (k.pool == pool) bytes += k.size * ptrs.size();
+    return bytes;
+  }
+
   void reset_peak() {
     std::lock_guard lock(mu_);
     stats_.peak_allocated = stats_.allocated;
@@ -137,12 +177,15 @@ class DeviceCache {
   struct Key {
     size_t size;
     StreamHandle stream;
+    int pool;
     bool operator==(const Key&) const = default;
   };
   struct KeyHash {
-    size_t operator()(const Key& k) const { return std::hash<size_t>()(k.size) ^ std::hash<void*>()(k.stream); }
+    size_t operator()(const Key& k) const {
+      return std::hash<size_t>()(k.size) ^ std::hash<void*>()(k.stream) ^ (std::hash<int>()(k.pool) << 1);
+    }
   };
-  static Key key(size_t size, StreamHandle stream) { return {size, stream}; }
+  static Key key(size_t size, StreamHandle stream, int pool) { return {size, stream, pool}; }
 
   void reclaim_pending() {
     for (size_t i = 0; i < pending_.size();) {
@@ -155,20 +198,27 @@ class DeviceCache {
       }
       for (cudaEvent_t ev : pending_[i].events) cudaEventDestroy(ev);
       auto node = pending_blocks_.extract(pending_[i].ptr);
-      free_[key(node.mapped().size, node.mapped().stream)].push_back(pending_[i].ptr);
+      int pool = node.mapped().pool;
+      if (pool != 0 && !live_pools_.count(pool)) pool = 0;
+      free_[key(node.mapped().size, node.mapped().stream, pool)].push_back(pending_[i].ptr);
       pending_[i] = std::move(pending_.back());
       pending_.pop_back();
     }
   }
 
+  // The ordinary cache's free blocks go back to the driver; a graph's pool keeps its own.
   void release_cached() {
-    for (auto& [k, ptrs] : free_) {
-      for (void* p : ptrs) {
-        cudaFree(p);
-        stats_.reserved -= k.size;
+    for (auto it = free_.begin(); it != free_.end();) {
+      if (it->first.pool != 0) {
+        ++it;
+        continue;
       }
+      for (void* p : it->second) {
+        cudaFree(p);
+        stats_.reserved -= it->first.size;
+      }
+      it = free_.erase(it);
     }
-    free_.clear();
   }
 
   int index_;
@@ -178,6 +228,8 @@ class DeviceCache {
   std::unordered_map<void*, Block> pending_blocks_;
   std::vector<Pending> pending_;
   MemoryStats stats_;
+  int capture_pool_ = 0;          // the pool of the capture under way, 0 when none
+  std::unordered_set<int> live_pools_;
 };
 
 DeviceCache& cache(Device device) {
@@ -282,6 +334,38 @@ void empty_cache(Device device) {
 #if LOOM_WITH_CUDA
   if (device.is_cuda()) cache(device).empty_cache();
 #endif
+}
+
+void begin_capture(Device device, int pool) {
+  LOOM_CHECK(device.is_cuda(), "a capture pool needs a CUDA device, got ", device.str());
+#if LOOM_WITH_CUDA
+  cache(device).begin_capture(pool);
+#else
+  (void)pool;
+#endif
+}
+
+void end_capture(Device device) {
+#if LOOM_WITH_CUDA
+  if (device.is_cuda()) cache(device).end_capture();
+#endif
+}
+
+void release_pool(Device device, int pool) {
+#if LOOM_WITH_CUDA
+  if (device.is_cuda()) cache(device).release_pool(pool);
+#else
+  (void)pool;
+#endif
+}
+
+size_t pool_bytes(Device device, int pool) {
+#if LOOM_WITH_CUDA
+  if (device.is_cuda()) return cache(device).pool_bytes(pool);
+#endif
+  (void)device;
+  (void)pool;
+  return 0;
 }
 
 int64_t available_bytes(Device device) {

@@ -44,6 +44,19 @@ void empty_cache(Device device);
 // blocks this allocator caches unused. -1 for the CPU, and in a build without CUDA.
 int64_t available_bytes(Device device);
 
+// CUDA graph capture (engine/cuda_graph.h). Between begin_capture and end_capture every
+// allocation on `device` comes from pool `pool` (a number the graph owns, not 0), and every
+// block released meanwhile joins that pool, wherever it was allocated: the graph may read
+// or write it at each replay, so nothing outside the graph may get it again. Pool blocks
+// released after the capture go back to the pool; allocations outside a capture never take
+// them. release_pool hands the pool's free blocks to the ordinary cache (the graph is gone,
+// its work done) and sends its live ones there when they are released.
+void begin_capture(Device device, int pool);
+void end_capture(Device device);
+void release_pool(Device device, int pool);
+// Bytes in pool `pool`: held by live tensors plus kept free for the graph's replays.
+size_t pool_bytes(Device device, int pool);
+
 // Rounded size the allocator serves for a request of nbytes (exposed for tests).
 size_t size_class(size_t nbytes);
 

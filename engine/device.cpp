@@ -79,7 +79,16 @@ StreamHandle compute_stream(Device device) {
 
 void synchronize(Device device) {
   if (device.is_cpu()) return;
+  LOOM_CHECK(!capturing(device), "synchronize(", device.str(), ") inside a captured step: a CUDA graph cannot "
+             "wait for the host; read results after the step (engine/cuda_graph.h)");
   LOOM_CUDA(cudaStreamSynchronize(static_cast<cudaStream_t>(compute_stream(device))));
+}
+
+bool capturing(Device device) {
+  if (device.is_cpu()) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  LOOM_CUDA(cudaStreamIsCapturing(static_cast<cudaStream_t>(compute_stream(device)), &status));
+  return status != cudaStreamCaptureStatusNone;
 }
 
 Event::Event() { LOOM_CUDA(cudaEventCreate(reinterpret_cast<cudaEvent_t*>(&event_))); }
@@ -126,6 +135,7 @@ StreamHandle compute_stream(Device device) {
   return nullptr;
 }
 void synchronize(Device) {}
+bool capturing(Device) { return false; }
 Event::Event() { LOOM_FAIL("CUDA events need a build of Loom with CUDA"); }
 Event::~Event() {}
 void Event::record(StreamHandle) {}

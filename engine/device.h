@@ -40,6 +40,9 @@ StreamHandle compute_stream(Device device);
 void set_current_device(Device device);
 // Waits until all work on the device's compute stream is done (no-op on the CPU).
 void synchronize(Device device);
+// Whether the device's compute stream is being captured into a CUDA graph
+// (engine/cuda_graph.h); false for the CPU.
+bool capturing(Device device);
 
 // An event recorded on one stream and waited on by another, for ordering without
 // device-wide synchronisation.

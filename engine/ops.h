@@ -236,9 +236,12 @@ TensorList layer_norm_tee(const Tensor& x, const Tensor& weight, const Tensor& b
 // on CUDA one kernel launch covers all of them. Not recorded by autograd.
 //
 // SGD: a momentum buffer that is undefined on entry is created (as the gradient) and stored
-// back into `momentum_buffers`; with momentum 0 the buffers are not used.
+// back into `momentum_buffers`; with momentum 0 the buffers are not used. `lr_at`, when
+// defined (one f64 on the parameters' device), holds the learning rate the kernel reads in
+// place of `lr`: a captured step's (engine/cuda_graph.h).
 void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorList& momentum_buffers, double lr,
-                      double momentum, double dampening, double weight_decay, bool nesterov);
+                      double momentum, double dampening, double weight_decay, bool nesterov,
+                      const Tensor& lr_at = Tensor());
 // dst[i] = src[i] for every pair (same shapes, one device and floating dtype, contiguous):
 // one kernel launch on CUDA, as DDP gathers a bucket's gradients. Not recorded by autograd.
 void copy_many_(const TensorList& dst, const TensorList& src);

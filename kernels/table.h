@@ -200,6 +200,10 @@ struct SgdHyper {
   double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
   bool nesterov = false;
   const uint8_t* first = nullptr;
+  // When set, the learning rate is read from here (one double on the parameters' device) at
+  // every launch instead of `lr`: a step captured in a CUDA graph then follows a schedule
+  // that writes it between replays.
+  const double* lr_at = nullptr;
 };
 
 // torch.optim.Adam / AdamW's update, step[i] >= 1 being tensor i's step count after this one:

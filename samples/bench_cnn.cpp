@@ -4,8 +4,13 @@
 // so the figure is the engine's: forward, loss, backward, optimizer step.
 //   bench_cnn [--model simplecnn|resnet18] [--image 1x28x28|3x32x32] [--batch N]
 //             [--precision f32|bf16] [--warmup N] [--steps N] [--ddp] [--json FILE]
-//             [--no-cudnn-graph]
-// --ddp also runs the step through DistributedDataParallel over an NCCL group of one rank,
+//             [--no-cudnn-graph] [--no-graph]
+// By default the step is captured as one CUDA graph after the first eager steps and
+// replayed (layers/optim/captured_step.h), as train_cnn does: SimpleCNN's step is bound by
+// kernel launches otherwise. --no-graph times eager steps. The peak memory of a captured
+// step is the capture's (its allocations are the eager step's; replays allocate nothing).
+// --ddp runs eagerly (its all-reduce runs on a stream of its own, outside the graph);
+// it also runs the step through DistributedDataParallel over an NCCL group of one rank,
 // alternating rounds of plain and DDP steps of the same model: the cost of data
 // parallelism's machinery (hooks, buckets, the all-reduce) on one GPU.
 // --no-cudnn-graph runs the convolutions through cuDNN's convolution API alone
@@ -20,6 +25,7 @@
 #include <vector>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "engine/allocator.h"
@@ -28,6 +34,7 @@
 #include "engine/ops.h"
 #include "engine/options.h"
 #include "layers/layers.h"
+#include "layers/optim/captured_step.h"
 #include "parallel/ddp.h"
 #include "samples/common/flags.h"
 #include "samples/common/metrics.h"
@@ -38,7 +45,7 @@ using namespace loom;
 int main(int argc, char** argv) {
   std::string model_name = "resnet18", image = "3x32x32", precision = "bf16", json;
   int64_t batch = 256, warmup = 10, steps = 50;
-  bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api;
+  bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api, graph = true;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
   flags.add("image", &image, "image shape", {"1x28x28", "3x32x32"});
@@ -50,8 +57,15 @@ int main(int argc, char** argv) {
   flags.add_switch("bucket-view", &bucket_view, "with --ddp: gradients stay views into the buckets (no copy back)");
   flags.add("json", &json, "append the result here as a JSON line", {}, "FILE");
   flags.add_switch("cudnn-graph", &cudnn_graph, "convolutions on cuDNN's graph API plans (else its convolution API)");
+  flags.add_switch("graph", &graph, "capture the step as one CUDA graph after 2 eager steps and replay it (not with --ddp)");
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
     flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
+  if (ddp) graph = false;
+  constexpr int kEagerFirst = 2;  // the steps before the capture (CapturedStep's warmup)
+  if (graph && warmup <= kEagerFirst)
+    flags.fail("--warmup " + std::to_string(warmup) + ": with the step captured (the default), at least " +
+               std::to_string(kEagerFirst + 1) + " untimed steps come first (" + std::to_string(kEagerFirst) +
+               " eager, then the capture); or pass --no-graph");
   Options run_options = options();
   run_options.cudnn_graph_api = cudnn_graph;
   set_options(run_options);
@@ -105,15 +119,26 @@ int main(int argc, char** argv) {
       mark(marks);
       opt.step();
       mark(marks);
+      return loss;
     };
     std::function<void()> plain = [&] { step(model, plain_marks); },
                           data_parallel = [&] { step(trained, ddp_marks); };
+    std::optional<optim::CapturedStep> captured;
+    if (graph) {
+      captured.emplace(dev, std::vector<optim::Optimizer*>{&opt}, [&] { return step(model, plain_marks); }, kEagerFirst);
+      plain = [&] { captured->run(); };
+    }
     for (int64_t i = 0; i < warmup; ++i) {
+      // A captured step's memory is counted over its capture, which allocates as an eager step.
+      if (graph && i == kEagerFirst) {
+        synchronize(dev);
+        memory::reset_peak(dev);
+      }
       plain();
       if (ddp) data_parallel();
     }
     synchronize(dev);
-    memory::reset_peak(dev);
+    if (!graph) memory::reset_peak(dev);
     std::vector<double> plain_ms, ddp_ms;
     if (ddp) {
       // Plain and DDP steps of the same model in alternating rounds, so both see the same clocks.
@@ -161,6 +186,7 @@ int main(int argc, char** argv) {
                                  {"batch", batch},
                                  {"precision", precision},
                                  {"ddp", int64_t(ddp) + int64_t(ddp && bucket_view)},
+                                 {"graph", int64_t(graph)},
                                  {"images_per_s", double(batch) / (step_ms * 1e-3)},
                                  {"ms_per_step", step_ms},
                                  {"peak_mib", peak_mib}};

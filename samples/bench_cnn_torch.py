@@ -1,9 +1,14 @@
 """PyTorch side of bench_cnn: the same model (the guide's SimpleCNN, or ResNet-18 with the
 CIFAR stem), batch, precision (f32 with TF32 allowed, or bf16 autocast) and optimizer (SGD,
-momentum 0.9, weight decay 5e-4), synthetic data on the GPU, eager mode with cuDNN's
-autotuner on (torch.backends.cudnn.benchmark = True, its fastest setting).
-  python3 bench_cnn_torch.py MODEL IMAGE BATCH PRECISION [WARMUP STEPS]
-Prints one JSON object like bench_cnn's."""
+momentum 0.9, weight decay 5e-4), synthetic data on the GPU, cuDNN's autotuner on
+(torch.backends.cudnn.benchmark = True), in PyTorch's fast settings, one JSON line each:
+  eager     channels_last model and input (NHWC convolutions, the fast layout for cuDNN);
+  compile   the same with the model under torch.compile (default mode);
+  graph     the eager step (forward, backward and SGD's step) captured once as one CUDA graph
+            and replayed, inputs copied into its static tensors: PyTorch's answer to launch cost.
+The faster of them is PyTorch's best; bench_cnn's rows are compared against it.
+  python3 bench_cnn_torch.py MODEL IMAGE BATCH PRECISION [WARMUP STEPS [VARIANTS]]
+VARIANTS is a comma-separated subset of eager,compile,graph (all three by default)."""
 import json
 import sys
 
@@ -58,44 +63,78 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
-def main():
-    model_name, image, batch, precision = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    warmup = int(sys.argv[5]) if len(sys.argv) > 5 else 10
-    steps = int(sys.argv[6]) if len(sys.argv) > 6 else 50
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    torch.backends.cudnn.benchmark = True
+def median(values):
+    ms, n = sorted(values), len(values)
+    return ms[n // 2] if n % 2 else 0.5 * (ms[n // 2 - 1] + ms[n // 2])
+
+
+def measure(model_name, image, batch, precision, warmup, steps, variant):
     c, side = (1, 28) if image == "1x28x28" else (3, 32)
     torch.manual_seed(0)
     model = (SimpleCNN(c, side) if model_name == "simplecnn" else ResNet18(c)).cuda().train()
+    model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-    x = torch.randn(batch, c, side, side, device="cuda")
+    x = torch.randn(batch, c, side, side, device="cuda").to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device="cuda")
+    forward = torch.compile(model) if variant == "compile" else model
+    # Autocast's weight cache must be off while a graph is captured.
+    bf16 = precision == "bf16"
 
     def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = nn.functional.cross_entropy(model(x).float(), y)
+        opt.zero_grad(set_to_none=variant != "graph")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=variant != "graph"):
+            loss = nn.functional.cross_entropy(forward(x).float(), y)
         loss.backward()
         opt.step()
 
+    run = step
+    if variant == "graph":
+        # Warm up on a side stream (cuDNN's plans, the optimizer's momentum buffers), then
+        # capture one whole step; replaying it reads x and y where they are.
+        side_stream = torch.cuda.Stream()
+        side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side_stream):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side_stream)
+        # The step's memory is taken while capturing: replays allocate nothing.
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        run = graph.replay
     for _ in range(warmup):
-        step()
+        run()
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if variant != "graph":
+        torch.cuda.reset_peak_memory_stats()
     # Each step between CUDA events recorded back to back; the median step, as bench_cnn.
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     events[0].record()
     for i in range(steps):
-        step()
+        run()
         events[i + 1].record()
     torch.cuda.synchronize()
-    ms = sorted(events[i].elapsed_time(events[i + 1]) for i in range(steps))
-    step_ms = ms[steps // 2] if steps % 2 else 0.5 * (ms[steps // 2 - 1] + ms[steps // 2])
-    print(json.dumps({"engine": "pytorch", "torch": torch.__version__, "model": model_name, "image": image,
-                      "batch": batch, "precision": precision, "images_per_s": batch / (step_ms * 1e-3),
-                      "ms_per_step": step_ms,
-                      "peak_mib": torch.cuda.max_memory_allocated() / 2**20}))
+    step_ms = median(events[i].elapsed_time(events[i + 1]) for i in range(steps))
+    return {"engine": "pytorch", "torch": torch.__version__, "variant": variant, "model": model_name, "image": image,
+            "batch": batch, "precision": precision, "images_per_s": batch / (step_ms * 1e-3), "ms_per_step": step_ms,
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+
+
+def main():
+    model_name, image, batch, precision = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    warmup = int(sys.argv[5]) if len(sys.argv) > 5 else 10
+    steps = int(sys.argv[6]) if len(sys.argv) > 6 else 50
+    variants = sys.argv[7].split(",") if len(sys.argv) > 7 else ["eager", "compile", "graph"]
+    for v in variants:
+        if v not in ("eager", "compile", "graph"):
+            sys.exit(f"bench_cnn_torch.py: variant '{v}' is not one of eager, compile, graph")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    for v in variants:
+        print(json.dumps(measure(model_name, image, batch, precision, warmup, steps, v)), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ void raw_copy(const Tensor& dst, const Tensor& src) {
 #if LOOM_WITH_CUDA
   size_t n = dst.nbytes();
   if (n == 0) return;
+  for (const Device d : {src.device(), dst.device()})
+    LOOM_CHECK(!capturing(d), "a copy from ", src.device().str(), " to ", dst.device().str(),
+               " inside a captured step on ", d.str(), " (engine/cuda_graph.h): a graph cannot move host "
+               "memory or wait for the host; copy the batch into the step's static tensors before the replay");
   if (src.device().is_cpu()) {  // host to device
     auto s = static_cast<cudaStream_t>(ops::stream(dst));
     LOOM_CUDA(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), n, cudaMemcpyHostToDevice, s));

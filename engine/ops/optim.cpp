@@ -74,14 +74,20 @@ struct Copies {
   DType dtype = DType::bf16;
   bool any = false;
 
-  explicit Copies(const TensorList& params) : tensors(params.size()), ptrs(params.size(), nullptr) {
+  // A fresh tensor for each copy, except for a step that is or may be captured
+  // (engine/cuda_graph.h): there the copy the forward read is written in place, so that a
+  // graph's next replay reads the values this update wrote, whether the update was the
+  // graph's or an eager step's between replays (a last, smaller batch).
+  Copies(const TensorList& params, bool in_place) : tensors(params.size()), ptrs(params.size(), nullptr) {
     if (params[0].dtype() != DType::f32) return;
     for (size_t i = 0; i < params.size(); ++i) {
       const std::optional<DType> d = weight_copy_dtype(params[i]);
       if (!d || (*d != DType::bf16 && *d != DType::f16) || (any && *d != dtype)) continue;
       dtype = *d;
       any = true;
-      tensors[i] = Tensor::empty(params[i].shape(), dtype, params[i].device());
+      Tensor kept = in_place ? kept_weight_copy(params[i]) : Tensor();
+      tensors[i] = kept.defined() && kept.dtype() == dtype ? kept
+                                                           : Tensor::empty(params[i].shape(), dtype, params[i].device());
       ptrs[i] = tensors[i].data_ptr();
     }
   }
@@ -112,7 +118,7 @@ Lists lists_of(const TensorList& params, const TensorList& grads) {
 }  // namespace
 
 void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorList& momentum_buffers, double lr,
-                      double momentum, double dampening, double weight_decay, bool nesterov) {
+                      double momentum, double dampening, double weight_decay, bool nesterov, const Tensor& lr_at) {
   const char* op = "sgd_update_fused";
   const size_t n = params.size();
   const bool use_momentum = momentum != 0;
@@ -149,7 +155,14 @@ void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorL
   hyper.weight_decay = weight_decay;
   hyper.nesterov = nesterov;
   hyper.first = first.data();
-  const Copies copies(params);
+  // A capturable optimizer's step (lr on the device) keeps its weight copies in place.
+  const Copies copies(params, capturing(device) || lr_at.defined());
+  if (lr_at.defined()) {
+    LOOM_CHECK(lr_at.numel() == 1 && lr_at.dtype() == DType::f64 && lr_at.device() == device && lr_at.is_contiguous(),
+               op, ": lr_at must be one f64 on ", device.str(), ", got ", dtype_name(lr_at.dtype()), " ",
+               shape_str(lr_at.shape()), " on ", lr_at.device().str());
+    hyper.lr_at = lr_at.data<double>();
+  }
   MultiTensorArgs args = l.args(dtype);
   copies.add_to(args);
   ops::kernels(device).sgd_step(args, hyper, ops::stream(params[0]));
@@ -189,7 +202,10 @@ void adam_update_fused(const TensorList& params, const TensorList& grads, const 
   hyper.weight_decay = weight_decay;
   hyper.decoupled = decoupled;
   hyper.step = steps.data();
-  const Copies copies(params);
+  LOOM_CHECK(!capturing(params[0].device()), op, " inside a captured step (engine/cuda_graph.h): its bias "
+             "corrections follow a step count kept on the host, which every replay would repeat; run Adam's steps "
+             "eagerly");
+  const Copies copies(params, false);
   MultiTensorArgs args = l.args(params[0].dtype());
   copies.add_to(args);
   ops::kernels(params[0].device()).adam_step(args, hyper, ops::stream(params[0]));

@@ -23,6 +23,9 @@ uint64_t claim(int64_t n, uint64_t* seed) {
 void check_random_target(const Tensor& t, const char* op) {
   ops::check_floating(t, op);
   LOOM_CHECK(!(grad_enabled() && t.requires_grad()), op, " on a tensor that requires a gradient: wrap it in NoGradGuard");
+  LOOM_CHECK(!capturing(t.device()), op, " on ", t.device().str(), " inside a captured step (engine/cuda_graph.h): "
+             "its Philox offset would be frozen into the graph and every replay would draw the same numbers; run "
+             "steps with random ops (dropout) eagerly");
 }
 }  // namespace
 

@@ -72,7 +72,8 @@ void sgd_step(const MultiTensorArgs& a, const SgdHyper& h, StreamHandle) {
   dispatch_floating(a.dtype, "sgd_step", [&](auto t) {
     using T = decltype(t);
     using A = acc_t<T>;
-    const auto math = optim_math::Sgd<A>::make(h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov);
+    const auto math =
+        optim_math::Sgd<A>::make(h.lr_at ? *h.lr_at : h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov);
     for_each_range(a, [&](int64_t i, int64_t begin, int64_t end) {
       T* p = list_at<T>(a.params, i);
       const T* g = static_cast<const T*>(a.grads[i]);

@@ -49,7 +49,12 @@ template <class A> struct SgdOp {
   using Extra = uint8_t;            // 1: the buffer is new (fill it with the gradient)
   optim_math::Sgd<A> math;
   bool momentum;
+  const double* lr_at;  // the learning rate on the device, or null (math.lr)
 
+  // Once a block, before the elements: the per-launch values that live on the device.
+  __device__ __forceinline__ void load() {
+    if (lr_at) math.lr = A(*lr_at);
+  }
   __device__ __forceinline__ bool reads(int k, Extra first) const { return k < 2 || (momentum && !first); }
   __device__ __forceinline__ bool writes(int k) const { return k == 0 || (k == 2 && momentum); }
   __device__ __forceinline__ void operator()(A (&x)[kLists], Extra first) const {
@@ -62,6 +67,7 @@ template <class A> struct AdamOp {
   using Extra = optim_math::AdamTensor<A>;
   optim_math::Adam<A> math;
 
+  __device__ __forceinline__ void load() {}
   __device__ __forceinline__ bool reads(int, const Extra&) const { return true; }
   __device__ __forceinline__ bool writes(int k) const { return k != 1; }
   __device__ __forceinline__ void operator()(A (&x)[kLists], const Extra& s) const {
@@ -73,6 +79,7 @@ template <class A> struct CopyOp {
   static constexpr int kLists = 2;  // destination (params), source (grads)
   using Extra = uint8_t;
 
+  __device__ __forceinline__ void load() {}
   __device__ __forceinline__ bool reads(int k, Extra) const { return k == 1; }
   __device__ __forceinline__ bool writes(int k) const { return k == 0; }
   __device__ __forceinline__ void operator()(A (&x)[kLists], Extra) const { x[0] = x[1]; }
@@ -120,7 +127,8 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const __grid_con
   using A = acc_t<T>;
   constexpr int K = Op::kLists;
   constexpr int N = int(16 / sizeof(T));
-  const Op op = l.op;
+  Op op = l.op;
+  op.load();
   const int i = tensor_of_block(l);
   const int64_t begin = int64_t(int32_t(blockIdx.x) - l.block_start[i]) * kChunk;
   const int64_t n = l.numel[i] - begin < kChunk ? l.numel[i] - begin : kChunk;
@@ -257,7 +265,7 @@ void sgd_step(const MultiTensorArgs& a, const SgdHyper& h, StreamHandle stream) 
     using T = decltype(t);
     using A = acc_t<T>;
     const SgdOp<A> op{optim_math::Sgd<A>::make(h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov),
-                      momentum};
+                      momentum, h.lr_at};
     launch_all<T>(a, op, [&](int64_t i) { return uint8_t(momentum && h.first[i] ? 1 : 0); }, as_cuda(stream));
   });
 }

@@ -27,6 +27,7 @@ void Optimizer::add_group(ParamGroup group) {
     LOOM_CHECK(seen.insert(p.impl()).second, type_name(), ": parameter ", i,
                " appears in more than one place in the parameter groups");
   }
+  if (capturable_) group.lr_at = full({1}, group.lr, DType::f64, group.params[0].device());
   groups_.push_back(std::move(group));
 }
 
@@ -37,6 +38,25 @@ void Optimizer::zero_grad() {
 
 void Optimizer::set_lr(double lr) {
   for (ParamGroup& g : groups_) g.lr = lr;
+}
+
+void Optimizer::make_capturable(Device device) {
+  LOOM_CHECK(supports_capture(), type_name(), ": its step cannot be captured in a CUDA graph yet (its bias "
+             "corrections follow a step count kept on the host); run its steps eagerly, or train with SGD");
+  for (ParamGroup& g : groups_) {
+    for (const Tensor& p : g.params)
+      LOOM_CHECK(p.device() == device, type_name(), ": a capturable step runs on ", device.str(), " but a parameter "
+                 "of shape ", shape_str(p.shape()), " is on ", p.device().str());
+    g.lr_at = zeros({1}, DType::f64, device);
+  }
+  capturable_ = true;
+  write_device_lr();
+}
+
+void Optimizer::write_device_lr() {
+  NoGradGuard no_grad;
+  for (ParamGroup& g : groups_)
+    if (g.lr_at.defined()) fill_(g.lr_at, g.lr);
 }
 
 const ParamState* Optimizer::state(const Tensor& param) const {

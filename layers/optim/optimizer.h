@@ -32,6 +32,9 @@ struct ParamGroup {
   double momentum = 0, dampening = 0;
   Nesterov nesterov = Nesterov::no;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  // Set by make_capturable: lr as one f64 on the parameters' device, which the step's kernels
+  // read (write_device_lr copies lr into it); undefined otherwise.
+  Tensor lr_at;
 };
 
 // A parameter's state: how many updates it has had and its named buffers (torch's names:
@@ -65,6 +68,16 @@ class Optimizer {
   const std::vector<ParamGroup>& param_groups() const { return groups_; }
   // Sets the learning rate of every group.
   void set_lr(double lr);
+
+  // For a step captured in a CUDA graph (engine/cuda_graph.h, layers/optim/captured_step.h):
+  // from now on the step's kernels read each group's learning rate from a scalar on
+  // `device` (ParamGroup::lr_at) instead of taking it from the host at launch, so a replay
+  // follows a schedule; write_device_lr() copies every group's lr there, and must run before
+  // each replay (CapturedStep does). Throws for an optimizer whose step cannot be captured
+  // (Adam and AdamW: their bias corrections follow a step count kept on the host).
+  void make_capturable(Device device);
+  bool capturable() const { return capturable_; }
+  void write_device_lr();
   // The state of `param`; nullptr before its first update.
   const ParamState* state(const Tensor& param) const;
   // The bytes of buffers the state holds once every trained parameter has had an update:
@@ -91,6 +104,8 @@ class Optimizer {
   ParamState& state_of(const Tensor& param);
   // The buffer names this optimizer keeps per parameter (checked on load).
   virtual std::vector<std::string> buffer_names() const = 0;
+  // Whether step() honours ParamGroup::lr_at and keeps to what a capture asks.
+  virtual bool supports_capture() const { return false; }
   // How many of them a parameter of `group` gets (all of them unless overridden).
   virtual size_t buffers_kept(const ParamGroup& group) const {
     (void)group;
@@ -100,6 +115,7 @@ class Optimizer {
  private:
   std::vector<ParamGroup> groups_;
   std::unordered_map<const TensorImpl*, ParamState> state_;
+  bool capturable_ = false;
 };
 
 // For the update functions (sgd_update, adam_update): the fused ops they call take tensors

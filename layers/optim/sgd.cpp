@@ -65,7 +65,8 @@ void sgd_update(const TensorList& params, const TensorList& grads, TensorList& m
       // An optimizer-owned buffer can simply be replaced by a contiguous copy.
       bufs.push_back(momentum_buffers[i].defined() ? momentum_buffers[i].contiguous() : Tensor());
     }
-    sgd_update_fused(ps, gs, bufs, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov == Nesterov::yes);
+    sgd_update_fused(ps, gs, bufs, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov == Nesterov::yes,
+                     h.lr_at.defined() && h.lr_at.device() == ps[0].device() ? h.lr_at : Tensor());
     staging.copy_back();
     for (size_t k = 0; k < part.size(); ++k) momentum_buffers[part[k]] = bufs[k];
   }
