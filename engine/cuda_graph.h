@@ -21,7 +21,8 @@
 // - Nothing waits for the GPU or reads it from the host. synchronize() and copies between
 //   host and device refuse to run inside a capture, naming it; so do random ops, whose
 //   offsets would be frozen into the graph. Values a host decides per step (the learning
-//   rate under a schedule) are read by the kernels from the device (SgdHyper::lr_at),
+//   rate under a schedule, Adam's bias corrections) are read by the kernels from the device
+//   (ParamGroup::hyper_at, layers/optim/optimizer.h),
 //   written before each replay.
 // Capture uses cudaStreamCaptureModeRelaxed: the allocator may call cudaMalloc while
 // capturing (the pool grows on the first capture only).

@@ -247,9 +247,13 @@ void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorL
 void copy_many_(const TensorList& dst, const TensorList& src);
 // Adam (decoupled = false: L2 decay added to the gradient) and AdamW (decoupled = true);
 // steps[i] is tensor i's step count including this update (>= 1).
+// `scalars_at`, when defined (three f64 on the parameters' device), holds what the kernel
+// reads in place of lr and the steps: lr / (1 - beta1^t), sqrt(1 - beta2^t) and
+// 1 - lr * weight_decay, for a captured step (engine/cuda_graph.h); every steps[i] is then t.
 void adam_update_fused(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                        const TensorList& exp_avg_sqs, const std::vector<int64_t>& steps, double lr, double beta1,
-                       double beta2, double eps, double weight_decay, bool decoupled);
+                       double beta2, double eps, double weight_decay, bool decoupled,
+                       const Tensor& scalars_at = Tensor());
 
 // ---- attention (ops/attention.cpp) ----------------------------------------------
 // Fused attention, torch.nn.functional.scaled_dot_product_attention without attn_mask or

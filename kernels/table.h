@@ -215,6 +215,11 @@ struct AdamHyper {
   double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
   bool decoupled = false;
   const int64_t* step = nullptr;
+  // When set, three doubles on the parameters' device, for every tensor of the call: the
+  // step size lr / (1 - beta1^t), sqrt(1 - beta2^t) and the decoupled shrink 1 - lr *
+  // weight_decay, read at every launch in place of what `lr` and `step` give: a step
+  // captured in a CUDA graph then follows the step count and the schedule between replays.
+  const double* scalars_at = nullptr;
 };
 
 // Where one attention operand's rows lie: element strides of its batch, head and sequence

@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -35,6 +36,7 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/layers.h"
+#include "layers/optim/captured_step.h"
 #include "parallel/ddp.h"
 #include "parallel/device_mesh.h"
 #include "parallel/fsdp.h"
@@ -63,6 +65,7 @@ struct Options {
           hsdp = 1;
   double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
   bool gpu_resident = false, quiet = false, sync_bn_stats = false, allow_nonfinite = false, fsdp = false;
+  bool graph = true;
 };
 
 struct Datasets {
@@ -291,6 +294,9 @@ int run(int argc, char** argv) {
             "--metrics JSON lines, --plot SVG); add --device cpu for CPU ranks",
             0, 1024);
   flags.add_switch("quiet", &o.quiet, "print only the per-epoch summaries");
+  flags.add_switch("graph", &o.graph,
+                   "on one GPU, capture the training step as one CUDA graph after 2 eager steps and replay it "
+                   "(not under DDP or FSDP, nor with --clip or --trace; a smaller last batch runs eagerly)");
   flags.add_switch("allow-nonfinite", &o.allow_nonfinite,
                    "train on even when the initial weights or the loss hold NaN or infinity (default: stop, naming "
                    "the parameter or the step)");
@@ -527,6 +533,36 @@ int run(int argc, char** argv) {
       nn::save_checkpoint(o.save, {.model = model.get(), .optimizer = opt.get(), .scheduler = &sched, .user = user});
   };
 
+  // One training step on `inputs` and `targets`; returns its loss.
+  auto train_step = [&](const Tensor& inputs, const Tensor& targets) {
+    opt->zero_grad();
+    Tensor loss;
+    {
+      dist::trace::Span forward_span("forward", dist::trace::Category::forward);
+      AutocastGuard cast(autocast);
+      Tensor logits = forward(inputs);
+      loss = cross_entropy(logits.to(DType::f32), targets, -100, o.label_smoothing);
+    }
+    {
+      dist::trace::Span backward_span("backward", dist::trace::Category::backward);
+      loss.backward();
+    }
+    dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
+    if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
+    opt->step();
+    return loss;
+  };
+  // The step as one CUDA graph (layers/optim/captured_step.h) where its shapes are static and
+  // everything in it can be captured: one GPU, one process, no clipping, no trace. Batches
+  // of the full size are copied into its static tensors; a smaller last batch runs eagerly.
+  const bool graphed = o.graph && device.is_cuda() && !ctx.active && o.clip == 0 && o.trace.empty();
+  Tensor static_inputs, static_targets;
+  std::optional<optim::CapturedStep> captured;
+  if (graphed)
+    captured.emplace(device, std::vector<optim::Optimizer*>{opt.get()},
+                     [&] { return train_step(static_inputs, static_targets); });
+  if (main_rank && graphed && !o.quiet) std::printf("  the step is captured as one CUDA graph (--no-graph: eager)\n");
+
   samples::start_step_trace(o.trace, ctx, device);
   const auto run_start = std::chrono::steady_clock::now();
   bool plan_measured = false;
@@ -541,26 +577,27 @@ int run(int argc, char** argv) {
     data::Epoch batches = train_loader.epoch(epoch, batch);
     for (data::Batch& b : batches) {
       dist::trace::Span step_span("step", dist::trace::Category::step);
-      opt->zero_grad();
       Tensor loss;
-      {
-        dist::trace::Span forward_span("forward", dist::trace::Category::forward);
-        AutocastGuard cast(autocast);
-        Tensor logits = forward(b.inputs);
-        loss = cross_entropy(logits.to(DType::f32), b.targets, -100, o.label_smoothing);
+      if (captured && b.inputs.size(0) == o.batch_size) {
+        if (!static_inputs.defined()) {
+          static_inputs = empty_like(b.inputs);
+          static_targets = empty_like(b.targets);
+        }
+        {
+          NoGradGuard no_grad;
+          copy_(static_inputs, b.inputs);
+          copy_(static_targets, b.targets);
+        }
+        loss = captured->run();
+      } else {
+        loss = train_step(b.inputs, b.targets);
       }
-      {
-        dist::trace::Span backward_span("backward", dist::trace::Category::backward);
-        loss.backward();
-      }
-      dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
-      if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
-      opt->step();
-      optimizer_span.end();
       sched.step();
       ++step, ++batch, ++epoch_steps;
+      // A captured step's loss is the graph's, rewritten by the next replay: the sum starts
+      // from a copy.
       Tensor l = loss.detach();
-      loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
+      loss_sum = loss_sum.defined() ? add(loss_sum, l) : l.clone();
       // Reading the loss waits for the GPU; the progress line does so only when it redraws,
       // and the loss is checked there too (on the CPU, every step).
       const bool redraw = main_rank && !o.quiet && (batch % 20 == 0 || batch == steps_per_epoch);

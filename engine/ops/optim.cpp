@@ -105,6 +105,13 @@ struct Copies {
   }
 };
 
+// A captured step's values on the device (lr_at, scalars_at): `count` f64 on `device`.
+void check_device_scalars(const char* op, const char* name, const Tensor& t, int64_t count, Device device) {
+  LOOM_CHECK(t.numel() == count && t.dtype() == DType::f64 && t.device() == device && t.is_contiguous(), op, ": ",
+             name, " must be ", count, " contiguous f64 on ", device.str(), ", got ", dtype_name(t.dtype()), " ",
+             shape_str(t.shape()), " on ", t.device().str());
+}
+
 Lists lists_of(const TensorList& params, const TensorList& grads) {
   Lists l;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -158,9 +165,7 @@ void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorL
   // A capturable optimizer's step (lr on the device) keeps its weight copies in place.
   const Copies copies(params, capturing(device) || lr_at.defined());
   if (lr_at.defined()) {
-    LOOM_CHECK(lr_at.numel() == 1 && lr_at.dtype() == DType::f64 && lr_at.device() == device && lr_at.is_contiguous(),
-               op, ": lr_at must be one f64 on ", device.str(), ", got ", dtype_name(lr_at.dtype()), " ",
-               shape_str(lr_at.shape()), " on ", lr_at.device().str());
+    check_device_scalars(op, "lr_at", lr_at, 1, device);
     hyper.lr_at = lr_at.data<double>();
   }
   MultiTensorArgs args = l.args(dtype);
@@ -171,7 +176,7 @@ void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorL
 
 void adam_update_fused(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                        const TensorList& exp_avg_sqs, const std::vector<int64_t>& steps, double lr, double beta1,
-                       double beta2, double eps, double weight_decay, bool decoupled) {
+                       double beta2, double eps, double weight_decay, bool decoupled, const Tensor& scalars_at) {
   const char* op = "adam_update_fused";
   const size_t n = params.size();
   check_length(op, "grads", grads.size(), n);
@@ -202,10 +207,18 @@ void adam_update_fused(const TensorList& params, const TensorList& grads, const 
   hyper.weight_decay = weight_decay;
   hyper.decoupled = decoupled;
   hyper.step = steps.data();
-  LOOM_CHECK(!capturing(params[0].device()), op, " inside a captured step (engine/cuda_graph.h): its bias "
-             "corrections follow a step count kept on the host, which every replay would repeat; run Adam's steps "
-             "eagerly");
-  const Copies copies(params, false);
+  const Device device = params[0].device();
+  if (scalars_at.defined()) {
+    check_device_scalars(op, "scalars_at", scalars_at, 3, device);
+    for (size_t i = 1; i < n; ++i)
+      LOOM_CHECK(steps[i] == steps[0], op, ": steps[", i, "] is ", steps[i], " but steps[0] is ", steps[0],
+                 "; with scalars_at every tensor makes the same step");
+    hyper.scalars_at = scalars_at.data<double>();
+  }
+  LOOM_CHECK(hyper.scalars_at || !capturing(device), op, " inside a captured step (engine/cuda_graph.h) without "
+             "scalars_at: the bias corrections of the step count at capture would repeat at every replay; make the "
+             "optimizer capturable (Optimizer::make_capturable)");
+  const Copies copies(params, capturing(device) || scalars_at.defined());
   MultiTensorArgs args = l.args(params[0].dtype());
   copies.add_to(args);
   ops::kernels(params[0].device()).adam_step(args, hyper, ops::stream(params[0]));

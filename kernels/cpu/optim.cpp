@@ -95,12 +95,14 @@ void adam_step(const MultiTensorArgs& a, const AdamHyper& h, StreamHandle) {
   dispatch_floating(a.dtype, "adam_step", [&](auto t) {
     using T = decltype(t);
     using A = acc_t<T>;
-    const auto math = optim_math::Adam<A>::make(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled);
+    auto math = optim_math::Adam<A>::make(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled);
     std::vector<optim_math::AdamTensor<A>> scalars(size_t(a.count));
     for (int64_t i = 0; i < a.count; ++i) {
       LOOM_ASSERT(h.step[i] >= 1, "adam_step: tensor ", i, " has step ", h.step[i], "; steps count from 1");
-      scalars[size_t(i)] = optim_math::adam_tensor_scalars<A>(h.lr, h.beta1, h.beta2, h.step[i]);
+      scalars[size_t(i)] = h.scalars_at ? optim_math::AdamTensor<A>{A(h.scalars_at[0]), A(h.scalars_at[1])}
+                                        : optim_math::adam_tensor_scalars<A>(h.lr, h.beta1, h.beta2, h.step[i]);
     }
+    if (h.scalars_at) math.decay = A(h.scalars_at[2]);
     for_each_range(a, [&](int64_t i, int64_t begin, int64_t end) {
       T* p = list_at<T>(a.params, i);
       const T* g = static_cast<const T*>(a.grads[i]);

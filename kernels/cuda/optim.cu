@@ -66,12 +66,18 @@ template <class A> struct AdamOp {
   static constexpr int kLists = 4;  // param, grad, exp_avg, exp_avg_sq
   using Extra = optim_math::AdamTensor<A>;
   optim_math::Adam<A> math;
+  const double* scalars_at;  // AdamHyper::scalars_at, or null (the per-tensor Extra)
+  Extra shared;              // from scalars_at, for every tensor
 
-  __device__ __forceinline__ void load() {}
+  __device__ __forceinline__ void load() {
+    if (!scalars_at) return;
+    shared = {A(scalars_at[0]), A(scalars_at[1])};
+    math.decay = A(scalars_at[2]);
+  }
   __device__ __forceinline__ bool reads(int, const Extra&) const { return true; }
   __device__ __forceinline__ bool writes(int k) const { return k != 1; }
   __device__ __forceinline__ void operator()(A (&x)[kLists], const Extra& s) const {
-    x[0] = math.step(x[0], x[1], x[2], x[3], s);
+    x[0] = math.step(x[0], x[1], x[2], x[3], scalars_at ? shared : s);
   }
 };
 
@@ -279,7 +285,8 @@ void adam_step(const MultiTensorArgs& a, const AdamHyper& h, StreamHandle stream
   dispatch_floating(a.dtype, "adam_step", [&](auto t) {
     using T = decltype(t);
     using A = acc_t<T>;
-    const AdamOp<A> op{optim_math::Adam<A>::make(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled)};
+    const AdamOp<A> op{optim_math::Adam<A>::make(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled),
+                       h.scalars_at, {}};
     auto scalars = [&](int64_t i) { return optim_math::adam_tensor_scalars<A>(h.lr, h.beta1, h.beta2, h.step[i]); };
     launch_all<T>(a, op, scalars, as_cuda(stream));
   });

@@ -4,6 +4,8 @@
 // non-contiguous tensors are updated through contiguous copies written back afterwards.
 #include "layers/optim/adam.h"
 
+#include <cmath>
+
 #include "engine/autograd.h"
 #include "engine/ops.h"
 
@@ -42,7 +44,8 @@ void Adam::add_group_checked(TensorList params, double lr, double beta1, double 
 
 void Adam::step() {
   NoGradGuard no_grad;
-  for (const ParamGroup& g : param_groups()) {
+  for (size_t gi = 0; gi < param_groups().size(); ++gi) {
+    const ParamGroup& g = param_groups()[gi];
     TensorList params, grads, exp_avgs, exp_avg_sqs;
     std::vector<int64_t> steps;
     for (const Tensor& p : g.params) {
@@ -56,8 +59,10 @@ void Adam::step() {
       grads.push_back(p.grad());
       exp_avgs.push_back(s.buffers["exp_avg"]);
       exp_avg_sqs.push_back(s.buffers["exp_avg_sq"]);
-      steps.push_back(++s.step);
+      steps.push_back(count_update(gi, s, p.device()));
     }
+    if (params.empty()) continue;
+    write_hyper_if_eager(g, steps[0], params[0].device());
     adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, g, decay_);
   }
 }
@@ -84,9 +89,19 @@ void adam_update(const TensorList& params, const TensorList& grads, const Tensor
       part_steps.push_back(steps[i]);
     }
     adam_update_fused(ps, gs, ms, vs, part_steps, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                      decay == WeightDecay::decoupled);
+                      decay == WeightDecay::decoupled,
+                      h.hyper_at.defined() && h.hyper_at.device() == ps[0].device() ? h.hyper_at : Tensor());
     staging.copy_back();
   }
+}
+
+void Adam::write_hyper(const ParamGroup& g, int64_t step) const {
+  // The values adam_step computes on the host for an update at step `step` (optim_math.h).
+  const double t = double(step);
+  const double values[3] = {g.lr / (1 - std::pow(g.beta1, t)), std::sqrt(1 - std::pow(g.beta2, t)),
+                            1 - g.lr * g.weight_decay};
+  NoGradGuard no_grad;
+  for (int64_t k = 0; k < 3; ++k) fill_(g.hyper_at.slice(0, k, k + 1), values[k]);
 }
 
 }  // namespace loom::optim

@@ -41,6 +41,8 @@ class Adam : public Optimizer {
   explicit Adam(WeightDecay decay) : decay_(decay) {}
   void add_group_checked(TensorList params, double lr, double beta1, double beta2, double eps, double weight_decay);
   std::vector<std::string> buffer_names() const override { return {"exp_avg", "exp_avg_sq"}; }
+  int64_t device_hyper_size() const override { return 3; }
+  void write_hyper(const ParamGroup& group, int64_t step) const override;
 
  private:
   WeightDecay decay_ = WeightDecay::l2;

@@ -25,6 +25,7 @@ Tensor CapturedStep::run() {
   }
   if (!graph_) {
     graph_ = std::make_unique<CudaGraph>(device_);
+    for (Optimizer* opt : optimizers_) opt->begin_capture();
     try {
       graph_->capture([&] { loss_ = step_(); });
     } catch (...) {
@@ -34,7 +35,7 @@ Tensor CapturedStep::run() {
     LOOM_CHECK(!loss_.defined() || loss_.device() == device_, "CapturedStep: the step returned a loss on ",
                loss_.device().str(), "; expected it on ", device_.str(), ", where the graph runs");
   }
-  for (Optimizer* opt : optimizers_) opt->write_device_lr();
+  for (Optimizer* opt : optimizers_) opt->prepare_replay();
   graph_->replay();
   return loss_;
 }

@@ -15,9 +15,10 @@
 // and the optimizers make their state there, since a capture records a step's kernels, not
 // its first-time choices. The next call captures the step and replays it, and every call
 // after replays it: the same kernels on the same addresses, so the results are those of
-// eager steps, bit for bit (tests/engine/test_cuda_graph_cuda.cpp). The optimizers become
-// capturable (Optimizer::make_capturable): their learning rates live on the device and are
-// written before each replay, so a schedule that changes them between steps holds.
+// eager steps, bit for bit (tests/layers/test_captured_step_cuda.cpp). The optimizers become
+// capturable (Optimizer::make_capturable): what they change between steps (the learning
+// rate under a schedule, Adam's bias corrections) lives on the device and is written before
+// each replay, and each replay counts as a step in their state.
 // On the CPU every call runs the step eagerly.
 //
 // What the step may do is what a capture allows (engine/cuda_graph.h): no reads of GPU

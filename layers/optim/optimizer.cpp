@@ -27,7 +27,7 @@ void Optimizer::add_group(ParamGroup group) {
     LOOM_CHECK(seen.insert(p.impl()).second, type_name(), ": parameter ", i,
                " appears in more than one place in the parameter groups");
   }
-  if (capturable_) group.lr_at = full({1}, group.lr, DType::f64, group.params[0].device());
+  if (capturable_) group.hyper_at = zeros({device_hyper_size()}, DType::f64, group.params[0].device());
   groups_.push_back(std::move(group));
 }
 
@@ -41,22 +41,42 @@ void Optimizer::set_lr(double lr) {
 }
 
 void Optimizer::make_capturable(Device device) {
-  LOOM_CHECK(supports_capture(), type_name(), ": its step cannot be captured in a CUDA graph yet (its bias "
-             "corrections follow a step count kept on the host); run its steps eagerly, or train with SGD");
-  for (ParamGroup& g : groups_) {
+  for (ParamGroup& g : groups_)
     for (const Tensor& p : g.params)
       LOOM_CHECK(p.device() == device, type_name(), ": a capturable step runs on ", device.str(), " but a parameter "
                  "of shape ", shape_str(p.shape()), " is on ", p.device().str());
-    g.lr_at = zeros({1}, DType::f64, device);
-  }
+  for (ParamGroup& g : groups_) g.hyper_at = zeros({device_hyper_size()}, DType::f64, device);
   capturable_ = true;
-  write_device_lr();
 }
 
-void Optimizer::write_device_lr() {
+void Optimizer::write_hyper(const ParamGroup& group, int64_t) const {
   NoGradGuard no_grad;
-  for (ParamGroup& g : groups_)
-    if (g.lr_at.defined()) fill_(g.lr_at, g.lr);
+  fill_(group.hyper_at, group.lr);
+}
+
+void Optimizer::write_hyper_if_eager(const ParamGroup& group, int64_t step, Device device) const {
+  if (group.hyper_at.defined() && !capturing(device)) write_hyper(group, step);
+}
+
+int64_t Optimizer::count_update(size_t group, ParamState& state, Device device) {
+  if (!capturable_ || !capturing(device)) return ++state.step;
+  captured_.emplace_back(group, &state);
+  return state.step + 1;
+}
+
+void Optimizer::prepare_replay() {
+  // Each group's step count after the replay's update: one value, as the captured kernels
+  // read one set of corrections per group.
+  std::vector<int64_t> step(groups_.size(), -1);
+  for (auto& [g, state] : captured_) {
+    ++state->step;
+    LOOM_CHECK(step[g] < 0 || step[g] == state->step, type_name(), ": the parameters of group ", g,
+               " are at different step counts (", step[g], " and ", state->step, "); a captured step updates "
+               "them as one");
+    step[g] = state->step;
+  }
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (groups_[g].hyper_at.defined()) write_hyper(groups_[g], std::max<int64_t>(step[g], 1));
 }
 
 const ParamState* Optimizer::state(const Tensor& param) const {

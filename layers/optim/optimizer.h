@@ -32,9 +32,10 @@ struct ParamGroup {
   double momentum = 0, dampening = 0;
   Nesterov nesterov = Nesterov::no;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  // Set by make_capturable: lr as one f64 on the parameters' device, which the step's kernels
-  // read (write_device_lr copies lr into it); undefined otherwise.
-  Tensor lr_at;
+  // Set by make_capturable: what the step's kernels read on the parameters' device in place
+  // of the host's values (f64; SGD: lr; Adam: its step size, second bias correction and
+  // decoupled shrink); undefined otherwise.
+  Tensor hyper_at;
 };
 
 // A parameter's state: how many updates it has had and its named buffers (torch's names:
@@ -70,14 +71,17 @@ class Optimizer {
   void set_lr(double lr);
 
   // For a step captured in a CUDA graph (engine/cuda_graph.h, layers/optim/captured_step.h):
-  // from now on the step's kernels read each group's learning rate from a scalar on
-  // `device` (ParamGroup::lr_at) instead of taking it from the host at launch, so a replay
-  // follows a schedule; write_device_lr() copies every group's lr there, and must run before
-  // each replay (CapturedStep does). Throws for an optimizer whose step cannot be captured
-  // (Adam and AdamW: their bias corrections follow a step count kept on the host).
+  // from now on the step's kernels read each group's values that change between steps (the
+  // learning rate under a schedule, Adam's bias corrections) from the device
+  // (ParamGroup::hyper_at) instead of taking them from the host at launch. An eager step()
+  // writes them itself; a captured one leaves that to prepare_replay(), which must run before
+  // each replay (CapturedStep does): it counts the replay's update in each parameter's step,
+  // as step() would have, and writes the values for it. begin_capture() starts the list of
+  // parameters the captured step updates.
   void make_capturable(Device device);
   bool capturable() const { return capturable_; }
-  void write_device_lr();
+  void begin_capture() { captured_.clear(); }
+  void prepare_replay();
   // The state of `param`; nullptr before its first update.
   const ParamState* state(const Tensor& param) const;
   // The bytes of buffers the state holds once every trained parameter has had an update:
@@ -104,8 +108,15 @@ class Optimizer {
   ParamState& state_of(const Tensor& param);
   // The buffer names this optimizer keeps per parameter (checked on load).
   virtual std::vector<std::string> buffer_names() const = 0;
-  // Whether step() honours ParamGroup::lr_at and keeps to what a capture asks.
-  virtual bool supports_capture() const { return false; }
+  // Capturable optimizers (SGD, Adam, AdamW): how many values a group keeps on the device,
+  // and their writing for an update that is step `step` of the group's parameters.
+  virtual int64_t device_hyper_size() const { return 1; }
+  virtual void write_hyper(const ParamGroup& group, int64_t step) const;
+  // For step(): counts an update of `state` on group `group` and returns its step count:
+  // now, or (while the step is being captured on `device`) at each replay.
+  int64_t count_update(size_t group, ParamState& state, Device device);
+  // For step(): before an eager update of a capturable group, writes its device values.
+  void write_hyper_if_eager(const ParamGroup& group, int64_t step, Device device) const;
   // How many of them a parameter of `group` gets (all of them unless overridden).
   virtual size_t buffers_kept(const ParamGroup& group) const {
     (void)group;
@@ -116,6 +127,7 @@ class Optimizer {
   std::vector<ParamGroup> groups_;
   std::unordered_map<const TensorImpl*, ParamState> state_;
   bool capturable_ = false;
+  std::vector<std::pair<size_t, ParamState*>> captured_;  // (group, state) a captured step updates
 };
 
 // For the update functions (sgd_update, adam_update): the fused ops they call take tensors

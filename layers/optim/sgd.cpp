@@ -28,7 +28,8 @@ void SGD::add_param_group(TensorList params, SGDOptions o) {
 
 void SGD::step() {
   NoGradGuard no_grad;
-  for (const ParamGroup& g : param_groups()) {
+  for (size_t gi = 0; gi < param_groups().size(); ++gi) {
+    const ParamGroup& g = param_groups()[gi];
     TensorList params, grads, buffers;
     std::vector<ParamState*> states;
     for (const Tensor& p : g.params) {
@@ -40,9 +41,11 @@ void SGD::step() {
       buffers.push_back(it == s.buffers.end() ? Tensor() : it->second);
       states.push_back(&s);
     }
+    if (params.empty()) continue;
+    write_hyper_if_eager(g, 0, params[0].device());
     sgd_update(params, grads, buffers, g);
     for (size_t i = 0; i < states.size(); ++i) {
-      ++states[i]->step;
+      count_update(gi, *states[i], params[0].device());
       if (buffers[i].defined()) states[i]->buffers["momentum_buffer"] = buffers[i];
     }
   }
@@ -66,7 +69,7 @@ void sgd_update(const TensorList& params, const TensorList& grads, TensorList& m
       bufs.push_back(momentum_buffers[i].defined() ? momentum_buffers[i].contiguous() : Tensor());
     }
     sgd_update_fused(ps, gs, bufs, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov == Nesterov::yes,
-                     h.lr_at.defined() && h.lr_at.device() == ps[0].device() ? h.lr_at : Tensor());
+                     h.hyper_at.defined() && h.hyper_at.device() == ps[0].device() ? h.hyper_at : Tensor());
     staging.copy_back();
     for (size_t k = 0; k < part.size(); ++k) momentum_buffers[part[k]] = bufs[k];
   }

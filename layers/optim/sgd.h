@@ -28,7 +28,6 @@ class SGD : public Optimizer {
   std::string type_name() const override { return "SGD"; }
 
  protected:
-  bool supports_capture() const override { return true; }
   std::vector<std::string> buffer_names() const override { return {"momentum_buffer"}; }
   // A momentum buffer only where the group has momentum.
   size_t buffers_kept(const ParamGroup& group) const override { return group.momentum != 0 ? 1 : 0; }

@@ -1,12 +1,13 @@
 // Whole-step CUDA graphs (engine/cuda_graph.h, layers/optim/captured_step.h) on cuda:0: a
 // captured training step gives the eager step's losses and weights bit for bit over 20 steps
-// (SimpleCNN and ResNet-18, f32 and bf16 autocast), with a new batch copied in and the
-// learning rate changed before every step; the graph's memory is its own pool, handed back
+// (SimpleCNN and ResNet-18, f32 and bf16 autocast, SGD; SimpleCNN with AdamW), with a new
+// batch copied in and the learning rate changed before every step; the graph's memory is its own pool, handed back
 // when it goes; and what a capture cannot hold (a read on the host, a random op) is refused
 // with an error that names it.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -33,7 +34,7 @@ struct Trained {
 
 // 20 SGD steps (momentum, weight decay) over 4 batches in turn, lr falling each step; the
 // batches are copied into static tensors before each step, as a data loader's would be.
-Trained train(const std::string& model_name, std::optional<DType> autocast, bool capture) {
+Trained train(const std::string& model_name, std::optional<DType> autocast, bool capture, bool adamw) {
   manual_seed(7);
   std::shared_ptr<nn::Module> model;
   if (model_name == "simplecnn") model = std::make_shared<nn::SimpleCNN>(3, 32, 10);
@@ -49,7 +50,11 @@ Trained train(const std::string& model_name, std::optional<DType> autocast, bool
     labels.push_back(from_vector(l, {batch}, kGpu).to(DType::i64));
   }
   Tensor x = empty_like(images[0]), y = empty_like(labels[0]);
-  optim::SGD opt(model->parameters(), {.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4});
+  std::unique_ptr<optim::Optimizer> made;
+  if (adamw) made = std::make_unique<optim::AdamW>(model->parameters(), optim::AdamWOptions{.lr = 1e-3, .weight_decay = 0.01});
+  else made = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9,
+                                                                                  .weight_decay = 5e-4});
+  optim::Optimizer& opt = *made;
   auto step = [&] {
     opt.zero_grad();
     std::optional<AutocastGuard> cast;
@@ -69,7 +74,7 @@ Trained train(const std::string& model_name, std::optional<DType> autocast, bool
       copy_(x, images[size_t(s % 4)]);
       copy_(y, labels[size_t(s % 4)]);
     }
-    opt.set_lr(0.05 * (1.0 - s / 40.0));
+    opt.set_lr((adamw ? 1e-3 : 0.05) * (1.0 - s / 40.0));
     Tensor loss = captured ? captured->run() : step();
     out.losses.push_back(float(loss.to(Device::cpu()).item()));
   }
@@ -82,9 +87,9 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-void expect_equal_runs(const std::string& model, std::optional<DType> autocast) {
-  const Trained eager = train(model, autocast, false);
-  const Trained graph = train(model, autocast, true);
+void expect_equal_runs(const std::string& model, std::optional<DType> autocast, bool adamw = false) {
+  const Trained eager = train(model, autocast, false, adamw);
+  const Trained graph = train(model, autocast, true, adamw);
   ASSERT_TRUE(graph.captured) << model << ": the step was not captured";
   for (size_t s = 0; s < eager.losses.size(); ++s)
     EXPECT_TRUE(same_bits({eager.losses[s]}, {graph.losses[s]}))
@@ -102,6 +107,13 @@ TEST(CapturedStepCuda, SimpleCnnF32EqualsEagerBitForBit) {
 TEST(CapturedStepCuda, SimpleCnnBf16EqualsEagerBitForBit) {
   LOOM_REQUIRE_CUDA();
   expect_equal_runs("simplecnn", DType::bf16);
+}
+
+// AdamW: its bias corrections follow the step count through the replays.
+TEST(CapturedStepCuda, SimpleCnnAdamWEqualsEagerBitForBit) {
+  LOOM_REQUIRE_CUDA();
+  expect_equal_runs("simplecnn", std::nullopt, true);
+  expect_equal_runs("simplecnn", DType::bf16, true);
 }
 
 TEST(CapturedStepCuda, ResNet18F32EqualsEagerBitForBit) {
