@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <thread>
 #include <unordered_set>
 #include <vector>
 
@@ -61,7 +62,10 @@ class DeviceCache {
     size_t size = size_class(nbytes);
     std::lock_guard lock(mu_);
     reclaim_pending();
-    auto& bin = free_[key(size, stream, capture_pool_)];
+    // Only the capturing thread allocates from the pool: another thread's tensor (a data
+    // loader's next batch) must never get a block the graph writes at its replays.
+    const int pool = capture_pool_ != 0 && std::this_thread::get_id() == capture_thread_ ? capture_pool_ : 0;
+    auto& bin = free_[key(size, stream, pool)];
     void* ptr = nullptr;
     if (!bin.empty()) {
       ptr = bin.back();
@@ -70,7 +74,7 @@ class DeviceCache {
     } else {
       cudaError_t err = cudaMalloc(&ptr, size);
       // Freeing the cache synchronizes the device, which a capture cannot do.
-      if (err == cudaErrorMemoryAllocation && capture_pool_ == 0) {
+      if (err == cudaErrorMemoryAllocation && pool == 0) {
         cudaGetLastError();
         release_cached();
         err = cudaMalloc(&ptr, size);
@@ -87,7 +91,7 @@ class DeviceCache {
       stats_.reserved += size;
       stats_.num_allocs++;
     }
-    live_[ptr] = Block{size, stream, {}, capture_pool_};
+    live_[ptr] = Block{size, stream, {}, pool};
     stats_.allocated += size;
     stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
     return ptr;
@@ -134,6 +138,7 @@ class DeviceCache {
                "); one capture at a time a device");
     LOOM_ASSERT(pool != 0, "pool 0 is the ordinary cache");
     capture_pool_ = pool;
+    capture_thread_ = std::this_thread::get_id();
     live_pools_.insert(pool);
   }
   void end_capture() {
@@ -229,6 +234,7 @@ class DeviceCache {
   std::vector<Pending> pending_;
   MemoryStats stats_;
   int capture_pool_ = 0;          // the pool of the capture under way, 0 when none
+  std::thread::id capture_thread_;  // the thread capturing
   std::unordered_set<int> live_pools_;
 };
 

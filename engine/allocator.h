@@ -45,8 +45,9 @@ void empty_cache(Device device);
 int64_t available_bytes(Device device);
 
 // CUDA graph capture (engine/cuda_graph.h). Between begin_capture and end_capture every
-// allocation on `device` comes from pool `pool` (a number the graph owns, not 0), and every
-// block released meanwhile joins that pool, wherever it was allocated: the graph may read
+// allocation on `device` by the thread that called begin_capture comes from pool `pool` (a
+// number the graph owns, not 0; other threads allocate as before), and every block released
+// meanwhile joins that pool, wherever it was allocated: the graph may read
 // or write it at each replay, so nothing outside the graph may get it again. Pool blocks
 // released after the capture go back to the pool; allocations outside a capture never take
 // them. release_pool hands the pool's free blocks to the ordinary cache (the graph is gone,

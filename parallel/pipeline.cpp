@@ -64,6 +64,7 @@ Pipeline::Pipeline(std::shared_ptr<ProcessGroup> group, std::vector<Stage> stage
   // own: eager, unless options.transfers asks for the paired placement.
   const Transfers transfers =
       group_->backend() == "nccl" ? Transfers::paired : options_.transfers.value_or(Transfers::eager);
+  receive_ahead_ = group_->backend() != "nccl";  // see post_receives_ahead
   schedule_ = build_schedule(options_.schedule, group_->size(), options_.microbatches,
                              options_.schedule == ScheduleKind::interleaved ? options_.stages_per_rank : 1, transfers);
   LOOM_CHECK(options_.schedule == ScheduleKind::interleaved || options_.stages_per_rank == 1, "Pipeline: the ",
@@ -352,6 +353,7 @@ Tensor Pipeline::run_schedule(const Schedule& schedule, const std::vector<Tensor
   for (const Tensor& part : inputs) running_rows_.push_back(part.size(0));
   state_.clear();
   state_.resize(stages_.size() * size_t(m));
+  early_receives_.clear();
   for (auto& s : state_) s = std::make_unique<MicrobatchState>();
   Tensor loss_total;
   {
@@ -374,13 +376,64 @@ Tensor Pipeline::run_schedule(const Schedule& schedule, const std::vector<Tensor
       size_t end = i;
       while (end < row.size() && !is_compute(row[end].op) && row[end].batch == row[i].batch) ++end;
       run_batch(std::vector<Action>(row.begin() + long(i), row.begin() + long(end)));
+      if (receive_ahead_) post_receives_ahead(row, end);
       peak_bytes_ = std::max(peak_bytes_, bytes_in_use(options_.device));
       i = end;
     }
   }
   finish_sends(true);
+  LOOM_ASSERT(early_receives_.empty(), "a receive posted ahead was never reached");
   for (auto& s : state_) s.reset();
   return loss_total;
+}
+
+// Over Gloo a send moves its bytes only once the receiver has posted the matching receive
+// (its transport answers a posted receive with a note to the sender, whose thread then
+// writes): a receive posted when its batch comes costs a round trip between two busy
+// processes before any data flows. So after each batch of transfers, the receives of the
+// next batch that has any are posted at once, and their batch waits for them where the
+// schedule says. Gloo's transfers proceed independently, so this cannot hold anything back.
+// Not over NCCL: its transfers on one communicator run in order on one stream, where a
+// receive posted ahead would stall the sends behind it until its own data came.
+void Pipeline::post_receives_ahead(const std::vector<Action>& row, size_t from) {
+  size_t j = from;
+  while (j < row.size() && (is_compute(row[j].op) || is_send(row[j].op))) ++j;
+  if (j >= row.size()) return;
+  const int batch = row[j].batch;
+  std::vector<P2POp> ops;
+  std::vector<Action> posted;
+  for (size_t k = j; k < row.size() && !is_compute(row[k].op) && row[k].batch == batch; ++k) {
+    const Action& a = row[k];
+    if (is_send(a.op)) continue;
+    const bool already = std::any_of(early_receives_.begin(), early_receives_.end(), [&](const EarlyReceive& e) {
+      return e.action.op == a.op && e.action.stage == a.stage && e.action.microbatch == a.microbatch;
+    });
+    if (already) continue;
+    Tensor buffer = receive_buffer(a);
+    const int m = running_->microbatches;
+    ops.push_back(a.op == Op::recv_activation
+                      ? P2POp::recv(buffer, schedule_.rank_of(a.stage - 1), tag_of(a.stage - 1, a.microbatch, m, false))
+                      : P2POp::recv(buffer, schedule_.rank_of(a.stage + 1), tag_of(a.stage + 1, a.microbatch, m, true)));
+    posted.push_back(a);
+  }
+  if (ops.empty()) return;
+  std::vector<WorkPtr> works;
+  try {
+    works = group_->batch_isend_irecv(ops);
+  } catch (const loom::Error& e) {
+    LOOM_FAIL(where(posted.front()), ": posting the receive ", posted.front().str(), " ahead (from ",
+              peer_text(posted.front()), ") failed: ", e.what());
+  }
+  for (size_t k = 0; k < posted.size(); ++k) early_receives_.push_back({posted[k], ops[k].tensor, works[k]});
+}
+
+// The tensor a receive lands in: the stage's declared input (an activation) or output (a
+// gradient) shape at the micro-batch's rows.
+Tensor Pipeline::receive_buffer(const Action& a) {
+  const int64_t rows = running_rows_[size_t(a.microbatch)];
+  Stage& stage = local_stage(a.stage);
+  return Tensor::empty(a.op == Op::recv_activation ? stage.input_shape(rows) : stage.output_shape(rows),
+                       options_.activation_dtype, options_.device);
 }
 
 void Pipeline::run_compute(const Action& a, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
@@ -466,10 +519,25 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
   const int m = running_->microbatches;
   finish_sends(false);
   std::vector<P2POp> ops;
-  for (const Action& a : batch) {
+  // Per action of the batch: its index in `ops`, or (a receive posted ahead) its work.
+  std::vector<size_t> op_index(batch.size(), SIZE_MAX);
+  std::vector<WorkPtr> early(batch.size());
+  for (size_t k = 0; k < batch.size(); ++k) {
+    const Action& a = batch[k];
     Stage& stage = local_stage(a.stage);
     MicrobatchState& st = *state_[size_t(&stage - stages_.data()) * size_t(m) + size_t(a.microbatch)];
-    const int64_t rows = running_rows_[size_t(a.microbatch)];
+    if (!is_send(a.op)) {
+      auto found = std::find_if(early_receives_.begin(), early_receives_.end(), [&](const EarlyReceive& e) {
+        return e.action.op == a.op && e.action.stage == a.stage && e.action.microbatch == a.microbatch;
+      });
+      if (found != early_receives_.end()) {
+        (a.op == Op::recv_activation ? st.input : st.output_grad) = found->tensor;
+        early[k] = found->work;
+        early_receives_.erase(found);
+        continue;
+      }
+    }
+    op_index[k] = ops.size();
     switch (a.op) {
       case Op::send_activation:
         // A detached alias: what waits for the send must not keep the stage's graph alive.
@@ -479,7 +547,7 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
         if (running_->forward_only) st.output = Tensor();
         break;
       case Op::recv_activation:
-        st.input = Tensor::empty(stage.input_shape(rows), options_.activation_dtype, options_.device);
+        st.input = receive_buffer(a);
         ops.push_back(P2POp::recv(st.input, schedule_.rank_of(a.stage - 1), tag_of(a.stage - 1, a.microbatch, m, false)));
         break;
       case Op::send_gradient:
@@ -487,7 +555,7 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
                                   tag_of(a.stage, a.microbatch, m, true)));
         break;
       case Op::recv_gradient:
-        st.output_grad = Tensor::empty(stage.output_shape(rows), options_.activation_dtype, options_.device);
+        st.output_grad = receive_buffer(a);
         ops.push_back(P2POp::recv(st.output_grad, schedule_.rank_of(a.stage + 1), tag_of(a.stage + 1, a.microbatch, m, true)));
         break;
       default: LOOM_FAIL("Pipeline: ", a.str(), " is not a transfer");
@@ -498,7 +566,7 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
                    {.microbatch = batch.front().microbatch, .stage = batch.front().stage});
   std::vector<WorkPtr> works;
   try {
-    works = group_->batch_isend_irecv(ops);
+    if (!ops.empty()) works = group_->batch_isend_irecv(ops);
   } catch (const loom::Error& e) {
     std::string listed;
     for (const Action& a : batch) listed += " " + a.str();
@@ -508,8 +576,13 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
   // Paired transfers are all waited for here; eager sends are left running and finished by
   // finish_sends (at the next batch, or at the end of the step).
   const bool eager = schedule_.transfers == Transfers::eager;
-  for (size_t i = 0; i < works.size(); ++i) {
-    const Action& a = batch[i];
+  for (size_t k = 0; k < batch.size(); ++k) {
+    const Action& a = batch[k];
+    const size_t i = op_index[k];
+    if (i == SIZE_MAX) {
+      wait_for(early[k], a);
+      continue;
+    }
     if (eager && is_send(a.op)) {
       pending_sends_.push_back({works[i], ops[i].tensor, a});
       continue;

@@ -219,6 +219,8 @@ class Pipeline {
                       const std::vector<double>& loss_weights);
   void run_compute(const Action& a, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
   void run_batch(const std::vector<Action>& batch);
+  void post_receives_ahead(const std::vector<Action>& row, size_t from);
+  Tensor receive_buffer(const Action& a);
   void wait_for(const WorkPtr& work, const Action& a);
   void release_if_unshared(const Tensor& sent, const Action& a);
   // Waits for the eager sends that are done (all of them when `all`), freeing what they sent.
@@ -248,6 +250,14 @@ class Pipeline {
     Action action;
   };
   std::vector<PendingSend> pending_sends_;
+  // Receives posted before their batch (Gloo: see run_schedule), by the receiving action.
+  struct EarlyReceive {
+    Action action;
+    Tensor tensor;
+    WorkPtr work;
+  };
+  std::vector<EarlyReceive> early_receives_;
+  bool receive_ahead_ = false;
   // Per local stage (as stages_ lists them): the micro-batch of its last backward in the
   // schedule, the one that reduces a sharded stage's gradients.
   std::vector<int> last_backward_;
