@@ -148,14 +148,19 @@ class DeviceCache {
   void release_pool(int pool) {
     std::lock_guard lock(mu_);
     live_pools_.erase(pool);
+    // Taken out first: inserting into free_ while walking it could rehash it under the walk.
+    std::vector<std::pair<Key, std::vector<void*>>> moved;
     for (auto it = free_.begin(); it != free_.end();) {
       if (it->first.pool != pool) {
         ++it;
         continue;
       }
-      auto& to = free_[key(it->first.size, it->first.stream, 0)];
-      to.insert(to.end(), it->second.begin(), it->second.end());
+      moved.emplace_back(it->first, std::move(it->second));
       it = free_.erase(it);
+    }
+    for (auto& [k, ptrs] : moved) {
+      auto& to = free_[key(k.size, k.stream, 0)];
+      to.insert(to.end(), ptrs.begin(), ptrs.end());
     }
   }
   size_t pool_bytes(int pool) {
