@@ -17,10 +17,13 @@
 // their gradient per key tile (7 products a tile pair instead of 5) and sums in registers,
 // so its result is the same bits from run to run, and it needs no f32 dQ accumulator in its
 // workspace. Off: dQ is summed into that accumulator with atomics, in an order that varies
-// from run to run (the differences are f32 rounding). Other paths are unaffected: the CPU
-// kernels and the CUDA-core attention kernels are deterministic either way, while the CUDA
-// index_add, scatter_add and the embedding's weight gradient keep their atomics, and
-// products chosen by timing can differ between runs (gemm_autotuning below).
+// from run to run (the differences are f32 rounding). On, too, convolutions run only cuDNN
+// algorithms whose results repeat bit for bit (engines without cuDNN's nondeterministic note;
+// off, cuDNN's first choice may sum with atomics, as some of its f32 weight-gradient engines
+// do); their plans are kept per setting. Other paths are unaffected: the CPU kernels and the
+// CUDA-core attention kernels are deterministic either way, while the CUDA index_add,
+// scatter_add and the embedding's weight gradient keep their atomics, and products chosen by
+// timing can differ between runs (gemm_autotuning below).
 //
 // gemm_autotuning (default on). On: the first single f32/bf16/f16 product of each shape and
 // layout times up to eight of cuBLASLt's candidate algorithms on its own operands and keeps

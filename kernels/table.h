@@ -121,6 +121,9 @@ struct Conv2dArgs {
   // inside every call (false). The CPU ignores it. The workspace size is asked for with the
   // same setting as the pass.
   bool graph_api = true;
+  // CUDA: only algorithms whose results repeat bit for bit from run to run (cuDNN's engines
+  // without the nondeterministic note; Options::deterministic). The CPU is deterministic.
+  bool deterministic = false;
 };
 
 // A 2-d pooling window over NCHW contiguous buffers: x (N, C, H, W), y (N, C, OH, OW),

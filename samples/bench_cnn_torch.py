@@ -116,7 +116,7 @@ def measure(model_name, image, batch, precision, warmup, steps, variant):
         run()
         events[i + 1].record()
     torch.cuda.synchronize()
-    step_ms = median(events[i].elapsed_time(events[i + 1]) for i in range(steps))
+    step_ms = median([events[i].elapsed_time(events[i + 1]) for i in range(steps)])
     return {"engine": "pytorch", "torch": torch.__version__, "variant": variant, "model": model_name, "image": image,
             "batch": batch, "precision": precision, "images_per_s": batch / (step_ms * 1e-3), "ms_per_step": step_ms,
             "peak_mib": torch.cuda.max_memory_allocated() / 2**20}

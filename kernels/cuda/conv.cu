@@ -149,7 +149,7 @@ std::unique_ptr<Plan> make_plan(const Conv2dArgs& a) {
 
 // The plan for these shapes on `device`, built on first use. Plans are never freed.
 Plan& plan_for(const Conv2dArgs& a, int device) {
-  using Key = std::array<int64_t, 19>;
+  using Key = std::array<int64_t, 20>;
   struct Cache {
     std::mutex mu;
     std::map<Key, std::unique_ptr<Plan>> plans;
@@ -158,7 +158,7 @@ Plan& plan_for(const Conv2dArgs& a, int device) {
   const Key key{device,     int64_t(a.dtype), a.n,        a.c_in,     a.h,        a.w,
                 a.c_out,    a.kh,             a.kw,       a.out_h,    a.out_w,    a.stride_h,
                 a.stride_w, a.pad_h,          a.pad_w,    a.dilation_h, a.dilation_w, a.groups,
-                int64_t(a.dtype == DType::f32 && tf32_allowed())};
+                int64_t(a.dtype == DType::f32 && tf32_allowed()), int64_t(a.deterministic)};
   std::lock_guard lock(cache->mu);
   auto& slot = cache->plans[key];
   if (!slot) slot = make_plan(a);
@@ -177,6 +177,7 @@ std::vector<Candidate> rank(const Conv2dArgs& a, cudnnConvolutionDescriptor_t co
   for (int i = 0; i < count; ++i) {
     const Perf& p = perf[size_t(i)];
     if (p.status != CUDNN_STATUS_SUCCESS) continue;
+    if (a.deterministic && p.determinism != CUDNN_DETERMINISTIC) continue;
     if (a.dtype == DType::f32 && p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
     if (a.dtype == DType::f32 && !tf32_allowed() && p.mathType != CUDNN_FMA_MATH) continue;
     size_t bytes = 0;

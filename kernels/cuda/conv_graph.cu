@@ -74,7 +74,7 @@ Desc tensor(int64_t uid, cudnnDataType_t type, std::array<int64_t, 4> dims) {
 }
 
 // Whether an engine's numerical notes suit the dtype (conv_graph.h).
-bool notes_allowed(const Desc& cfg, DType dtype) {
+bool notes_allowed(const Desc& cfg, DType dtype, bool deterministic) {
   Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
   int64_t got = 0;
   if (!engine.ok || cudnnBackendGetAttribute(cfg.d, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &got,
@@ -90,6 +90,7 @@ bool notes_allowed(const Desc& cfg, DType dtype) {
     if (n == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS || n == CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION)
       return false;
     if (n == CUDNN_NUMERICAL_NOTE_TENSOR_CORE && dtype == DType::f32 && !tf32_allowed()) return false;
+    if (n == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC && deterministic) return false;
   }
   return true;
 }
@@ -206,7 +207,7 @@ PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t m
 
   for (int64_t i = 0; i < returned; ++i) {
     const Desc& cfg = configs[size_t(i)];
-    if (!notes_allowed(cfg, a.dtype)) continue;
+    if (!notes_allowed(cfg, a.dtype, a.deterministic)) continue;
     Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
     plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle)
         .set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg);

@@ -17,6 +17,7 @@
 #include "engine/autograd.h"
 #include "engine/cuda_graph.h"
 #include "engine/ops.h"
+#include "engine/options.h"
 #include "layers/layers.h"
 #include "layers/optim/captured_step.h"
 #include "tests/common/gpu.h"
@@ -87,8 +88,17 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// Under Options::deterministic (convolutions on cuDNN engines whose results repeat): two
+// eager runs agree bit for bit first, so the comparison with the captured run means something.
 void expect_equal_runs(const std::string& model, std::optional<DType> autocast, bool adamw = false) {
+  Options o = options();
+  o.deterministic = true;
+  OptionsGuard guard(o);
   const Trained eager = train(model, autocast, false, adamw);
+  const Trained again = train(model, autocast, false, adamw);
+  for (size_t s = 0; s < eager.losses.size(); ++s)
+    ASSERT_TRUE(same_bits({eager.losses[s]}, {again.losses[s]}))
+        << model << " step " << s << ": two eager runs differ (" << eager.losses[s] << ", " << again.losses[s] << ")";
   const Trained graph = train(model, autocast, true, adamw);
   ASSERT_TRUE(graph.captured) << model << ": the step was not captured";
   for (size_t s = 0; s < eager.losses.size(); ++s)
