@@ -405,10 +405,8 @@ void Pipeline::post_receives_ahead(const std::vector<Action>& row, size_t from) 
   for (size_t k = j; k < row.size() && !is_compute(row[k].op) && row[k].batch == batch; ++k) {
     const Action& a = row[k];
     if (is_send(a.op)) continue;
-    const bool already = std::any_of(early_receives_.begin(), early_receives_.end(), [&](const EarlyReceive& e) {
-      return e.action.op == a.op && e.action.stage == a.stage && e.action.microbatch == a.microbatch;
-    });
-    if (already) continue;
+    // After a batch of sends alone, the next batch with receives is the one posted already.
+    if (find_early_receive(a) != early_receives_.end()) continue;
     Tensor buffer = receive_buffer(a);
     const int m = running_->microbatches;
     ops.push_back(a.op == Op::recv_activation
@@ -425,6 +423,12 @@ void Pipeline::post_receives_ahead(const std::vector<Action>& row, size_t from) 
               peer_text(posted.front()), ") failed: ", e.what());
   }
   for (size_t k = 0; k < posted.size(); ++k) early_receives_.push_back({posted[k], ops[k].tensor, works[k]});
+}
+
+std::vector<Pipeline::EarlyReceive>::iterator Pipeline::find_early_receive(const Action& a) {
+  return std::find_if(early_receives_.begin(), early_receives_.end(), [&](const EarlyReceive& e) {
+    return e.action.op == a.op && e.action.stage == a.stage && e.action.microbatch == a.microbatch;
+  });
 }
 
 // The tensor a receive lands in: the stage's declared input (an activation) or output (a
@@ -527,10 +531,7 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
     Stage& stage = local_stage(a.stage);
     MicrobatchState& st = *state_[size_t(&stage - stages_.data()) * size_t(m) + size_t(a.microbatch)];
     if (!is_send(a.op)) {
-      auto found = std::find_if(early_receives_.begin(), early_receives_.end(), [&](const EarlyReceive& e) {
-        return e.action.op == a.op && e.action.stage == a.stage && e.action.microbatch == a.microbatch;
-      });
-      if (found != early_receives_.end()) {
+      if (auto found = find_early_receive(a); found != early_receives_.end()) {
         (a.op == Op::recv_activation ? st.input : st.output_grad) = found->tensor;
         early[k] = found->work;
         early_receives_.erase(found);

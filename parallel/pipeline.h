@@ -257,6 +257,7 @@ class Pipeline {
     WorkPtr work;
   };
   std::vector<EarlyReceive> early_receives_;
+  std::vector<EarlyReceive>::iterator find_early_receive(const Action& a);
   bool receive_ahead_ = false;
   // Per local stage (as stages_ lists them): the micro-batch of its last backward in the
   // schedule, the one that reduces a sharded stage's gradients.

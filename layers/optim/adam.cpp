@@ -48,6 +48,7 @@ void Adam::step() {
     const ParamGroup& g = param_groups()[gi];
     TensorList params, grads, exp_avgs, exp_avg_sqs;
     std::vector<int64_t> steps;
+    const bool captured = capturing_update(g);
     for (const Tensor& p : g.params) {
       if (!p.grad().defined()) continue;
       ParamState& s = state_of(p);
@@ -59,10 +60,10 @@ void Adam::step() {
       grads.push_back(p.grad());
       exp_avgs.push_back(s.buffers["exp_avg"]);
       exp_avg_sqs.push_back(s.buffers["exp_avg_sq"]);
-      steps.push_back(count_update(gi, s, p.device()));
+      steps.push_back(count_update(gi, s, captured));
     }
     if (params.empty()) continue;
-    write_hyper_if_eager(g, steps[0], params[0].device());
+    write_hyper_if_eager(g, steps[0], captured);
     adam_update(params, grads, exp_avgs, exp_avg_sqs, steps, g, decay_);
   }
 }
@@ -89,14 +90,15 @@ void adam_update(const TensorList& params, const TensorList& grads, const Tensor
       part_steps.push_back(steps[i]);
     }
     adam_update_fused(ps, gs, ms, vs, part_steps, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                      decay == WeightDecay::decoupled,
-                      h.hyper_at.defined() && h.hyper_at.device() == ps[0].device() ? h.hyper_at : Tensor());
+                      decay == WeightDecay::decoupled, h.hyper_at);
     staging.copy_back();
   }
 }
 
 void Adam::write_hyper(const ParamGroup& g, int64_t step) const {
-  // The values adam_step computes on the host for an update at step `step` (optim_math.h).
+  // The doubles adam_step's host side computes for an update at step `step`
+  // (kernels/core/optim_math.h: adam_tensor_scalars and Adam::make's decay), which the kernel
+  // rounds as the host would.
   const double t = double(step);
   const double values[3] = {g.lr / (1 - std::pow(g.beta1, t)), std::sqrt(1 - std::pow(g.beta2, t)),
                             1 - g.lr * g.weight_decay};

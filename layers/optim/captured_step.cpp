@@ -19,7 +19,8 @@ CapturedStep::CapturedStep(Device device, std::vector<Optimizer*> optimizers, st
 }
 
 Tensor CapturedStep::run() {
-  if (!device_.is_cuda() || warmup_left_ > 0) {
+  if (!device_.is_cuda()) return step_();
+  if (warmup_left_ > 0) {
     --warmup_left_;
     return step_();
   }

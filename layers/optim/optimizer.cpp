@@ -54,12 +54,16 @@ void Optimizer::write_hyper(const ParamGroup& group, int64_t) const {
   fill_(group.hyper_at, group.lr);
 }
 
-void Optimizer::write_hyper_if_eager(const ParamGroup& group, int64_t step, Device device) const {
-  if (group.hyper_at.defined() && !capturing(device)) write_hyper(group, step);
+bool Optimizer::capturing_update(const ParamGroup& group) const {
+  return capturable_ && capturing(group.params[0].device());
 }
 
-int64_t Optimizer::count_update(size_t group, ParamState& state, Device device) {
-  if (!capturable_ || !capturing(device)) return ++state.step;
+void Optimizer::write_hyper_if_eager(const ParamGroup& group, int64_t step, bool captured) const {
+  if (group.hyper_at.defined() && !captured) write_hyper(group, step);
+}
+
+int64_t Optimizer::count_update(size_t group, ParamState& state, bool captured) {
+  if (!captured) return ++state.step;
   captured_.emplace_back(group, &state);
   return state.step + 1;
 }

@@ -112,11 +112,15 @@ class Optimizer {
   // and their writing for an update that is step `step` of the group's parameters.
   virtual int64_t device_hyper_size() const { return 1; }
   virtual void write_hyper(const ParamGroup& group, int64_t step) const;
+  // For step(), once a group: whether this update of `group` is being captured (the
+  // optimizer capturable, its parameters' stream capturing).
+  bool capturing_update(const ParamGroup& group) const;
   // For step(): counts an update of `state` on group `group` and returns its step count:
-  // now, or (while the step is being captured on `device`) at each replay.
-  int64_t count_update(size_t group, ParamState& state, Device device);
-  // For step(): before an eager update of a capturable group, writes its device values.
-  void write_hyper_if_eager(const ParamGroup& group, int64_t step, Device device) const;
+  // now, or (`captured`) at each replay.
+  int64_t count_update(size_t group, ParamState& state, bool captured);
+  // For step(): before an eager update (not `captured`) of a capturable group, writes its
+  // device values.
+  void write_hyper_if_eager(const ParamGroup& group, int64_t step, bool captured) const;
   // How many of them a parameter of `group` gets (all of them unless overridden).
   virtual size_t buffers_kept(const ParamGroup& group) const {
     (void)group;

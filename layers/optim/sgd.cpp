@@ -42,10 +42,11 @@ void SGD::step() {
       states.push_back(&s);
     }
     if (params.empty()) continue;
-    write_hyper_if_eager(g, 0, params[0].device());
+    const bool captured = capturing_update(g);
+    write_hyper_if_eager(g, 0, captured);
     sgd_update(params, grads, buffers, g);
     for (size_t i = 0; i < states.size(); ++i) {
-      count_update(gi, *states[i], params[0].device());
+      count_update(gi, *states[i], captured);
       if (buffers[i].defined()) states[i]->buffers["momentum_buffer"] = buffers[i];
     }
   }
@@ -69,7 +70,7 @@ void sgd_update(const TensorList& params, const TensorList& grads, TensorList& m
       bufs.push_back(momentum_buffers[i].defined() ? momentum_buffers[i].contiguous() : Tensor());
     }
     sgd_update_fused(ps, gs, bufs, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov == Nesterov::yes,
-                     h.hyper_at.defined() && h.hyper_at.device() == ps[0].device() ? h.hyper_at : Tensor());
+                     h.hyper_at);
     staging.copy_back();
     for (size_t k = 0; k < part.size(); ++k) momentum_buffers[part[k]] = bufs[k];
   }
