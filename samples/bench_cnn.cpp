@@ -4,7 +4,9 @@
 // so the figure is the engine's: forward, loss, backward, optimizer step.
 //   bench_cnn [--model simplecnn|resnet18] [--image 1x28x28|3x32x32] [--batch N]
 //             [--precision f32|bf16] [--warmup N] [--steps N] [--ddp] [--json FILE]
-//             [--no-cudnn-graph] [--no-graph]
+//             [--no-cudnn-graph] [--no-graph] [--device cuda|cpu]
+// --device cpu steps the model on the CPU (eagerly, in f32, timed by the host's clock): its
+// step time and the most memory a step holds, where there is no GPU.
 // By default the step is captured as one CUDA graph after the first eager steps and
 // replayed (layers/optim/captured_step.h), as train_cnn does: SimpleCNN's step is bound by
 // kernel launches otherwise. --no-graph times eager steps. The peak memory of a captured
@@ -43,14 +45,16 @@
 using namespace loom;
 
 int main(int argc, char** argv) {
-  std::string model_name = "resnet18", image = "3x32x32", precision = "bf16", json;
+  std::string model_name = "resnet18", image = "3x32x32", precision, json;
   int64_t batch = 256, warmup = 10, steps = 50;
+  std::string device = "cuda";
   bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api, graph = true;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
   flags.add("image", &image, "image shape", {"1x28x28", "3x32x32"});
   flags.add("batch", &batch, "images per step", 1);
-  flags.add("precision", &precision, "f32 (TF32 products) or bf16 autocast", {"f32", "bf16"});
+  flags.add("precision", &precision, "f32 (TF32 products) or bf16 autocast (default: bf16 on a GPU, f32 on the CPU)",
+            {"f32", "bf16"});
   flags.add("warmup", &warmup, "untimed steps first", 0);
   flags.add("steps", &steps, "timed steps", 1);
   flags.add_switch("ddp", &ddp, "train through DistributedDataParallel (NCCL, one rank)");
@@ -58,9 +62,14 @@ int main(int argc, char** argv) {
   flags.add("json", &json, "append the result here as a JSON line", {}, "FILE");
   flags.add_switch("cudnn-graph", &cudnn_graph, "convolutions on cuDNN's graph API plans (else its convolution API)");
   flags.add_switch("graph", &graph, "capture the step as one CUDA graph after 2 eager steps and replay it (not with --ddp)");
+  flags.add("device", &device, "where the step runs", {"cuda", "cpu"});
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
     flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
-  if (ddp) graph = false;
+  const bool on_cpu = device == "cpu";
+  if (precision.empty()) precision = on_cpu ? "f32" : "bf16";
+  if (on_cpu && ddp) flags.fail("--ddp: DDP here runs over NCCL, on a GPU; not with --device cpu");
+  if (on_cpu && precision != "f32") flags.fail("--precision " + precision + ": the CPU steps in f32 only");
+  if (ddp || on_cpu) graph = false;
   constexpr int kEagerFirst = 2;  // the steps before the capture (CapturedStep's warmup)
   if (graph && warmup <= kEagerFirst)
     flags.fail("--warmup " + std::to_string(warmup) + ": with the step captured (the default), at least " +
@@ -70,8 +79,8 @@ int main(int argc, char** argv) {
   run_options.cudnn_graph_api = cudnn_graph;
   set_options(run_options);
   try {
-    if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
-    const Device dev = Device::cuda(0);
+    if (!on_cpu && cuda_device_count() == 0) flags.fail("needs a GPU and none is visible (--device cpu runs on the CPU)");
+    const Device dev = on_cpu ? Device::cpu() : Device::cuda(0);
     const int64_t c = image[0] - '0', side = image == "1x28x28" ? 28 : 32;
     manual_seed(0);
     std::shared_ptr<nn::Module> model;

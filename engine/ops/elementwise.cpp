@@ -93,6 +93,18 @@ Tensor binary(BinaryOp op, const Tensor& a0, const Tensor& b0) {
 
 bool differentiable(UnaryOp op) { return op != UnaryOp::sign; }
 
+// Which of x and y = op(x) a unary op's gradient reads (unary_grad in the kernels): the
+// backward keeps only those alive. ReLU's reads y alone, so a ReLU after a BatchNorm (or a
+// residual add) lets the pre-activation go as soon as the next op has read it.
+bool grad_reads_input(UnaryOp op) {
+  return op == UnaryOp::abs || op == UnaryOp::log || op == UnaryOp::gelu || op == UnaryOp::pow_scalar ||
+         op == UnaryOp::rdiv_scalar;
+}
+bool grad_reads_output(UnaryOp op) {
+  return op == UnaryOp::exp || op == UnaryOp::sqrt || op == UnaryOp::rsqrt || op == UnaryOp::tanh ||
+         op == UnaryOp::sigmoid || op == UnaryOp::relu;
+}
+
 Tensor unary(UnaryOp op, const Tensor& x, double param = 0) {
   ops::check_defined(x, unary_name(op), "x");
   bool integer_ok = op == UnaryOp::neg || op == UnaryOp::abs || op == UnaryOp::sign || op == UnaryOp::relu ||
@@ -101,13 +113,17 @@ Tensor unary(UnaryOp op, const Tensor& x, double param = 0) {
   Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (out.numel() > 0) kernels(x.device()).unary(op, strided(out), strided(x), param, ops::stream(x));
   if (!differentiable(op) || !any_requires_grad({x})) return out;
-  Tensor sx = x.detach(), so = out.detach();
+  // What the gradient does not read is not kept; the kernel gets another operand of the same
+  // shape in its place and never reads it.
+  Tensor sx = grad_reads_input(op) ? x.detach() : Tensor();
+  Tensor so = grad_reads_output(op) ? out.detach() : Tensor();
   record(unary_name(op), {x}, {out}, [op, sx, so, param](const TensorList& g) {
-    Tensor go = g[0].contiguous(), in = sx.contiguous();
-    Tensor gi = Tensor::empty(in.shape(), in.dtype(), in.device());
+    Tensor go = g[0].contiguous();
+    Tensor in = sx.defined() ? sx.contiguous() : go, y = so.defined() ? so.contiguous() : go;
+    Tensor gi = Tensor::empty(go.shape(), go.dtype(), go.device());
     if (gi.numel() > 0)
-      kernels(in.device()).unary_backward(op, strided(gi), strided(go), strided(in), strided(so), param,
-                                          ops::stream(in));
+      kernels(go.device()).unary_backward(op, strided(gi), strided(go), strided(in), strided(y), param,
+                                          ops::stream(go));
     return TensorList{gi};
   });
   return out;

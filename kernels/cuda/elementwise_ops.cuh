@@ -219,7 +219,7 @@ __device__ __forceinline__ A unary_grad(A go, A x, A y, A p) {
   else if constexpr (op == UnaryOp::rsqrt) return -half * go * y * y * y;
   else if constexpr (op == UnaryOp::tanh) return go * (one - y * y);
   else if constexpr (op == UnaryOp::sigmoid) return go * y * (one - y);
-  else if constexpr (op == UnaryOp::relu) return x > zero ? go : zero;
+  else if constexpr (op == UnaryOp::relu) return y > zero ? go : zero;  // y > 0 exactly when x > 0
   else if constexpr (op == UnaryOp::gelu) {
     const A k = A(kGeluK), c = A(kGeluC);
     const A t = tanh(k * (x + c * x * x * x));

@@ -1,6 +1,7 @@
 #include "samples/common/step_timing.h"
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 
 namespace loom::samples {
@@ -12,6 +13,16 @@ double median(std::vector<double> v) {
 }
 
 std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps, Device device) {
+  if (device.is_cpu()) {
+    using Clock = std::chrono::steady_clock;
+    std::vector<double> ms;
+    for (int64_t i = 0; i < steps; ++i) {
+      const Clock::time_point start = Clock::now();
+      step();
+      ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    }
+    return ms;
+  }
   StreamHandle s = compute_stream(device);
   std::vector<std::unique_ptr<Event>> events;
   events.push_back(std::make_unique<Event>());

@@ -1,6 +1,7 @@
-// Timing training steps on the GPU for the benchmarks: each step bracketed by CUDA events
-// recorded back to back (the host never waits between steps), medians, and the alternating
-// rounds that compare two ways of stepping one model within one run.
+// Timing training steps for the benchmarks: on a GPU each step bracketed by CUDA events
+// recorded back to back (the host never waits between steps), on the CPU by the host's
+// clock; medians, and the alternating rounds that compare two ways of stepping one model
+// within one run.
 #pragma once
 
 #include <cstdint>
@@ -15,8 +16,9 @@ namespace loom::samples {
 // The median of v (the mean of the middle two for an even count); v must not be empty.
 double median(std::vector<double> v);
 
-// Runs `steps` steps back to back on `device`'s compute stream, an event between each two,
-// and returns each step's milliseconds.
+// Runs `steps` steps back to back on `device`'s compute stream, an event between each two
+// (on the CPU, where every op has finished when it returns, a clock reading), and returns
+// each step's milliseconds.
 std::vector<double> timed_steps(const std::function<void()>& step, int64_t steps, Device device);
 
 // Times `a` and `b` in `rounds` alternating rounds (a b, b a, a b, ...) of `per_round` steps
