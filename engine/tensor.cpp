@@ -38,11 +38,23 @@ int wrap_dim(int dim, int ndim, const char* op) {
   return dim < 0 ? dim + std::max(ndim, 1) : dim;
 }
 
+Shape format_strides(const Shape& shape, MemoryFormat format) {
+  if (format == MemoryFormat::contiguous) return contiguous_strides(shape);
+  LOOM_CHECK(shape.size() == 4, "channels_last is a layout of 4-d tensors (N, C, H, W), got shape ",
+             shape_str(shape));
+  const Shape nhwc = contiguous_strides({shape[0], shape[2], shape[3], shape[1]});
+  return {nhwc[0], nhwc[3], nhwc[1], nhwc[2]};
+}
+
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  return empty(shape, dtype, device, MemoryFormat::contiguous);
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, MemoryFormat format) {
   for (int64_t d : shape) LOOM_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
   LOOM_CHECK(shape.size() <= 8, "tensors have at most 8 dimensions, got shape ", shape_str(shape));
   auto storage = std::make_shared<Storage>(device, size_t(shape_numel(shape)) * dtype_size(dtype));
-  return from_storage(std::move(storage), shape, contiguous_strides(shape), 0, dtype);
+  return from_storage(std::move(storage), shape, format_strides(shape, format), 0, dtype);
 }
 
 Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, Shape shape, Shape strides, int64_t offset,
@@ -74,6 +86,21 @@ bool Tensor::is_contiguous() const {
     expected *= shape()[i];
   }
   return true;
+}
+
+bool Tensor::is_contiguous(MemoryFormat format) const {
+  if (format == MemoryFormat::contiguous) return is_contiguous();
+  if (dim() != 4) return false;
+  if (numel() == 0) return true;
+  const Shape want = format_strides(shape(), format);
+  for (int i = 0; i < 4; ++i)
+    if (shape()[i] != 1 && strides()[i] != want[i]) return false;
+  return true;
+}
+
+MemoryFormat Tensor::memory_format() const {
+  return !is_contiguous() && is_contiguous(MemoryFormat::channels_last) ? MemoryFormat::channels_last
+                                                                         : MemoryFormat::contiguous;
 }
 
 void* Tensor::data_ptr() const {

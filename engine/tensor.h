@@ -27,6 +27,23 @@ using Shape = std::vector<int64_t>;
 class Tensor;
 struct Node;
 
+// How a dense tensor lays its elements out in memory. A tensor's shape is always logical
+// (N, C, H, W for images); the layout is in its strides.
+//   contiguous     row-major: the last dimension varies fastest (NCHW for images).
+//   channels_last  for 4-d tensors, N, H, W, C in memory: strides (H*W*C, 1, W*C, C). The
+//                  layout cuDNN's tensor-core convolutions read and write without a
+//                  transpose. An image batch is converted once, at the input
+//                  (x.contiguous(MemoryFormat::channels_last)); the CNN ops then keep it:
+//                  elementwise ops (which run such operands as one row), casts,
+//                  convolutions, BatchNorm and pooling give a channels-last output for a
+//                  channels-last input.
+// Where both describe the same memory (C = 1, or H = W = 1) the tensor counts as contiguous.
+// The convolution, BatchNorm and pooling kernels themselves still read and write row-major
+// buffers on both devices: for a channels-last input those ops run on a row-major copy and
+// lay their output out channels-last again (ops::through_row_major), so the layout is kept
+// but not yet faster.
+enum class MemoryFormat : uint8_t { contiguous, channels_last };
+
 struct TensorImpl {
   std::shared_ptr<Storage> storage;
   Shape shape, strides;  // strides in elements
@@ -53,6 +70,8 @@ class Tensor {
 
   // An uninitialised contiguous tensor.
   static Tensor empty(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+  // An uninitialised tensor in `format` (channels_last needs a 4-d shape).
+  static Tensor empty(const Shape& shape, DType dtype, Device device, MemoryFormat format);
   // A tensor over existing storage.
   static Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape, Shape strides, int64_t offset,
                              DType dtype);
@@ -74,6 +93,11 @@ class Tensor {
   size_t element_size() const { return dtype_size(dtype()); }
   size_t nbytes() const { return size_t(numel()) * element_size(); }
   bool is_contiguous() const;
+  bool is_contiguous(MemoryFormat format) const;
+  // The format this tensor is dense in, for an op to give its output the same:
+  // channels_last when it is a channels-last 4-d tensor (and not also row-major), else
+  // contiguous (also for views that are neither).
+  MemoryFormat memory_format() const;
   const std::shared_ptr<Storage>& storage() const { return impl()->storage; }
   // Records a write into the storage made around Loom's in-place ops (through data_ptr()
   // by a kernel of one's own, say), so that copies derived from the old values, such as
@@ -128,6 +152,8 @@ class Tensor {
   Tensor unsqueeze(int dim) const;
   Tensor flatten(int start_dim = 0, int end_dim = -1) const;
   Tensor contiguous() const;
+  // This tensor if it is dense in `format`, else a copy laid out so (differentiable).
+  Tensor contiguous(MemoryFormat format) const;
   Tensor clone() const;
   Tensor to(Device device) const;
   Tensor to(DType dtype) const;
@@ -147,6 +173,8 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t);
 std::string shape_str(const Shape& shape);
 int64_t shape_numel(const Shape& shape);
 Shape contiguous_strides(const Shape& shape);
+// The strides of a dense tensor of `shape` in `format` (channels_last: a 4-d shape).
+Shape format_strides(const Shape& shape, MemoryFormat format);
 // Normalises a possibly negative dimension index against ndim, with a clear error.
 int wrap_dim(int dim, int ndim, const char* op);
 

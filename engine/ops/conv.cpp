@@ -79,6 +79,10 @@ Pool2dArgs pool_args(const char* op, const Tensor& x, std::array<int, 2> kernel,
 
 Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 2> kernel, std::array<int, 2> stride,
                  std::array<int, 2> padding) {
+  if (ops::channels_last(x0))
+    return ops::through_row_major(x0, [&](const Tensor& x) {
+      return pool_impl(op, is_max, x, kernel, stride, padding);
+    });
   ops::check_defined(x0, op, "x");
   ops::check_floating(x0, op);
   Tensor x = x0.contiguous();
@@ -111,6 +115,10 @@ Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 
 Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array<int, 2> stride,
               std::array<int, 2> padding, std::array<int, 2> dilation, int groups) {
   const char* op = "conv2d";
+  if (ops::channels_last(x0))
+    return ops::through_row_major(x0, [&](const Tensor& x) {
+      return conv2d(x, w0, bias, stride, padding, dilation, groups);
+    });
   ops::check_defined(x0, op, "x");
   ops::check_defined(w0, op, "weight");
   ops::check_floating(x0, op);
@@ -129,7 +137,9 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
     const bool channels_last = x0.size(3) == c_in;
     LOOM_FAIL("conv2d expects input (N, C, H, W) with C = ", c_in, " for weight ", shape_str(w0.shape()),
               groups > 1 ? " and groups = " + std::to_string(groups) : std::string(), ", got ", shape_str(x0.shape()),
-              channels_last ? ": is the input channels-last? use x.permute({0, 3, 1, 2})" : "");
+              channels_last ? ": is the input (N, H, W, C)? x.permute({0, 3, 1, 2}) is its (N, C, H, W) view, "
+                              "which the CNN ops keep channels-last in memory"
+                            : "");
   }
   DType t = ops::promote(x0.dtype(), w0.dtype());
   if (bias.defined()) {

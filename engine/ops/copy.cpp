@@ -49,6 +49,15 @@ void raw_copy(const Tensor& dst, const Tensor& src) {
 #endif
 }
 
+// A copy of t laid out in `format`, its gradient passed through.
+Tensor clone_as(const Tensor& t, MemoryFormat format) {
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device(), format);
+  copy_(out, t);
+  if (any_requires_grad({t}))
+    record("Clone", {t}, {out}, [](const TensorList& g) { return TensorList{g[0]}; });
+  return out;
+}
+
 }  // namespace
 
 void copy_(const Tensor& dst, const Tensor& src) {
@@ -83,7 +92,7 @@ void copy_(const Tensor& dst, const Tensor& src) {
 
 Tensor Tensor::to(Device device) const {
   if (device == this->device()) return *this;
-  Tensor out = Tensor::empty(shape(), dtype(), device);
+  Tensor out = Tensor::empty(shape(), dtype(), device, memory_format());
   copy_(out, *this);
   if (any_requires_grad({*this})) {
     Device from = this->device();
@@ -94,7 +103,7 @@ Tensor Tensor::to(Device device) const {
 
 Tensor Tensor::to(DType dtype) const {
   if (dtype == this->dtype()) return *this;
-  Tensor out = Tensor::empty(shape(), dtype, device());
+  Tensor out = Tensor::empty(shape(), dtype, device(), memory_format());
   copy_(out, *this);
   if (any_requires_grad({*this}) && is_floating(dtype)) {
     DType from = this->dtype();
@@ -104,13 +113,14 @@ Tensor Tensor::to(DType dtype) const {
 }
 
 Tensor Tensor::clone() const {
-  Tensor out = Tensor::empty(shape(), dtype(), device());
-  copy_(out, *this);
-  if (any_requires_grad({*this}))
-    record("Clone", {*this}, {out}, [](const TensorList& g) { return TensorList{g[0]}; });
-  return out;
+  return clone_as(*this, MemoryFormat::contiguous);
 }
 
 Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 
+Tensor Tensor::contiguous(MemoryFormat format) const {
+  return is_contiguous(format) ? *this : clone_as(*this, format);
+}
+
 }  // namespace loom
+

@@ -34,6 +34,29 @@ inline Strided strided(const Tensor& t) {
   return s;
 }
 
+// t's elements as one row, in memory order: a 1-d view over what a tensor dense in any
+// MemoryFormat holds, for elementwise kernels whose operands share one layout (they then
+// take their contiguous, vectorised path whatever the layout).
+inline Strided flat(const Tensor& t) {
+  LOOM_ASSERT(t.is_contiguous(t.memory_format()), "flat: ", shape_str(t.shape()), " is not dense");
+  Strided s;
+  s.data = t.data_ptr();
+  s.dtype = t.dtype();
+  s.ndim = 1;
+  s.shape[0] = t.numel();
+  s.strides[0] = 1;
+  return s;
+}
+
+// For an op whose kernels read and write row-major (NCHW) buffers, given a channels-last x:
+// runs op on a row-major copy of x and lays the result out channels-last again, so that the
+// layout carries on to the next op (both copies are differentiable).
+inline bool channels_last(const Tensor& x) { return x.defined() && x.memory_format() == MemoryFormat::channels_last; }
+template <class Op>
+Tensor through_row_major(const Tensor& x, Op&& op) {
+  return op(x.contiguous()).contiguous(MemoryFormat::channels_last);
+}
+
 // A Strided view of `t` broadcast to `shape` (stride 0 on broadcast dimensions).
 Strided broadcast_strided(const Tensor& t, const Shape& shape);
 

@@ -25,10 +25,25 @@ const char* unary_name(UnaryOp op) {
   return names[int(op)];
 }
 
+// The layout of a binary op's output: that of an input of the output's whole shape (a
+// channels-last activation plus a bias of shape (1, C, 1, 1) stays channels-last).
+MemoryFormat output_format(const Tensor& a, const Tensor& b, const Shape& shape) {
+  if (a.shape() == shape && a.memory_format() != MemoryFormat::contiguous) return a.memory_format();
+  if (b.shape() == shape) return b.memory_format();
+  return MemoryFormat::contiguous;
+}
+
 // Runs the binary kernel on promoted, broadcast inputs; no autograd.
 Tensor binary_kernel(BinaryOp op, const Tensor& a, const Tensor& b) {
   Shape shape = broadcast_shapes(a.shape(), b.shape());
-  Tensor out = Tensor::empty(shape, is_comparison(op) ? DType::u8 : a.dtype(), a.device());
+  const MemoryFormat format = output_format(a, b, shape);
+  Tensor out = Tensor::empty(shape, is_comparison(op) ? DType::u8 : a.dtype(), a.device(), format);
+  // Operands of one shape in one non-default layout run as one row.
+  if (format != MemoryFormat::contiguous && a.shape() == b.shape() && a.is_contiguous(format) &&
+      b.is_contiguous(format)) {
+    if (out.numel() > 0) kernels(a.device()).binary(op, ops::flat(out), ops::flat(a), ops::flat(b), ops::stream(a));
+    return out;
+  }
   if (out.numel() > 0)
     kernels(a.device()).binary(op, strided(out), ops::broadcast_strided(a, shape), ops::broadcast_strided(b, shape),
                                ops::stream(a));
@@ -110,19 +125,25 @@ Tensor unary(UnaryOp op, const Tensor& x, double param = 0) {
   bool integer_ok = op == UnaryOp::neg || op == UnaryOp::abs || op == UnaryOp::sign || op == UnaryOp::relu ||
                     op == UnaryOp::add_scalar || op == UnaryOp::mul_scalar || op == UnaryOp::rsub_scalar;
   if (!integer_ok) ops::check_floating(x, unary_name(op));
-  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
-  if (out.numel() > 0) kernels(x.device()).unary(op, strided(out), strided(x), param, ops::stream(x));
+  const MemoryFormat format = x.memory_format();
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device(), format);
+  // A channels-last x is as dense as a contiguous one: both run as one row.
+  const bool flat = format != MemoryFormat::contiguous;
+  if (out.numel() > 0)
+    kernels(x.device()).unary(op, flat ? ops::flat(out) : strided(out), flat ? ops::flat(x) : strided(x), param,
+                              ops::stream(x));
   if (!differentiable(op) || !any_requires_grad({x})) return out;
   // What the gradient does not read is not kept; the kernel gets another operand of the same
   // shape in its place and never reads it.
   Tensor sx = grad_reads_input(op) ? x.detach() : Tensor();
   Tensor so = grad_reads_output(op) ? out.detach() : Tensor();
-  record(unary_name(op), {x}, {out}, [op, sx, so, param](const TensorList& g) {
-    Tensor go = g[0].contiguous();
-    Tensor in = sx.defined() ? sx.contiguous() : go, y = so.defined() ? so.contiguous() : go;
-    Tensor gi = Tensor::empty(go.shape(), go.dtype(), go.device());
+  record(unary_name(op), {x}, {out}, [op, sx, so, param, format](const TensorList& g) {
+    // Every operand in x's layout, each then read as one row.
+    Tensor go = g[0].contiguous(format);
+    Tensor in = sx.defined() ? sx.contiguous(format) : go, y = so.defined() ? so.contiguous(format) : go;
+    Tensor gi = Tensor::empty(go.shape(), go.dtype(), go.device(), format);
     if (gi.numel() > 0)
-      kernels(go.device()).unary_backward(op, strided(gi), strided(go), strided(in), strided(y), param,
+      kernels(go.device()).unary_backward(op, ops::flat(gi), ops::flat(go), ops::flat(in), ops::flat(y), param,
                                           ops::stream(go));
     return TensorList{gi};
   });

@@ -136,6 +136,10 @@ Tensor eval_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runni
 
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum, double eps) {
+  if (ops::channels_last(input))
+    return ops::through_row_major(input, [&](const Tensor& x) {
+      return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps);
+    });
   ops::check_defined(input, "batch_norm", "input");
   ops::check_floating(input, "batch_norm");
   LOOM_CHECK(input.dim() >= 2, "batch_norm expects input (N, C, *) with at least 2 dims, got ",

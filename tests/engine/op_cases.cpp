@@ -38,6 +38,9 @@ Tensor channel_values(const Tensor& x, const std::vector<double>& values) {
   const DType acc = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
   return from_vector(values, {int64_t(values.size())}, x.device()).to(acc);
 }
+
+// x laid out channels-last (N, H, W, C in memory), through a differentiable copy.
+Tensor nhwc(const Tensor& x) { return x.contiguous(MemoryFormat::channels_last); }
 }  // namespace
 
 const std::vector<OpCase>& op_cases() {
@@ -192,10 +195,27 @@ const std::vector<OpCase>& op_cases() {
       {"avg_pool3x3_stride2_pad1", {{{1, 2, 7, 6}}},
        [](L x) { return avg_pool2d(x[0], {3, 3}, {2, 2}, {1, 1}); }},
       {"adaptive_avg_pool_1x1", {{{2, 3, 4, 4}}}, [](L x) { return adaptive_avg_pool2d(x[0], {1, 1}); }},
+      // ---- the CNN ops on channels-last inputs (MemoryFormat), each output channels-last
+      {"conv3x3_bias_channels_last", {{{2, 3, 5, 5}}, {{4, 3, 3, 3}}, {{4}}},
+       [](L x) { return conv2d(nhwc(x[0]), x[1], x[2], {1, 1}, {1, 1}); }},
+      {"conv3x3_stride2_channels_last", {{{2, 2, 7, 6}}, {{3, 2, 3, 3}}},
+       [](L x) { return conv2d(nhwc(x[0]), x[1], Tensor(), {2, 2}, {1, 0}); }},
+      {"max_pool2x2_channels_last", {{{2, 3, 4, 6}, Init::separated}},
+       [](L x) { return max_pool2d(nhwc(x[0]), {2, 2}); }},
+      {"avg_pool3x3_channels_last", {{{1, 2, 7, 6}}},
+       [](L x) { return avg_pool2d(nhwc(x[0]), {3, 3}, {2, 2}, {1, 1}); }},
+      {"adaptive_avg_pool_1x1_channels_last", {{{2, 3, 4, 4}}},
+       [](L x) { return adaptive_avg_pool2d(nhwc(x[0]), {1, 1}); }},
+      {"relu_channels_last", {{{2, 3, 3, 4}, Init::separated}}, [](L x) { return relu(nhwc(x[0])); }},
+      {"residual_add_channels_last", {{{2, 3, 3, 4}}, {{2, 3, 3, 4}}}, [](L x) { return nhwc(x[0]) + nhwc(x[1]); }},
+      {"bias_add_channels_last", {{{2, 3, 3, 4}}, {{1, 3, 1, 1}}}, [](L x) { return nhwc(x[0]) + x[1]; }},
+      {"mixed_layouts_mul", {{{2, 3, 3, 4}}, {{2, 3, 3, 4}}}, [](L x) { return nhwc(x[0]) * x[1]; }},
       {"adaptive_avg_pool_2x3", {{{1, 2, 4, 6}}}, [](L x) { return adaptive_avg_pool2d(x[0], {2, 3}); }},
       // ---- normalisation ------------------------------------------------------------
       {"batch_norm_train_4d_affine", {{{3, 2, 2, 3}}, {{2}}, {{2}}},
        [](L x) { return batch_norm(x[0], Tensor(), Tensor(), x[1], x[2], true); }},
+      {"batch_norm_train_channels_last", {{{3, 2, 2, 3}}, {{2}}, {{2}}},
+       [](L x) { return batch_norm(nhwc(x[0]), Tensor(), Tensor(), x[1], x[2], true); }},
       {"batch_norm_train_2d", {{{5, 3}}},
        [](L x) { return batch_norm(x[0], Tensor(), Tensor(), Tensor(), Tensor(), true); }},
       {"batch_norm_train_3d_running_stats", {{{4, 3, 5}}, {{3}}},

@@ -1,0 +1,121 @@
+// MemoryFormat: a channels-last tensor's strides and predicates, and the CNN ops keeping the
+// layout of their input: each gives a channels-last output for a channels-last input, with
+// the values and input gradients of the same op on the row-major input, bit for bit.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/autograd.h"
+#include "engine/ops.h"
+
+namespace loom {
+namespace {
+
+constexpr MemoryFormat kLast = MemoryFormat::channels_last;
+
+TEST(MemoryFormat, ChannelsLastStridesPutTheChannelsInnermost) {
+  Tensor t = Tensor::empty({2, 3, 4, 5}, DType::f32, Device::cpu(), kLast);
+  EXPECT_EQ(t.strides(), (Shape{60, 1, 15, 3}));
+  EXPECT_TRUE(t.is_contiguous(kLast));
+  EXPECT_FALSE(t.is_contiguous());
+  EXPECT_EQ(t.memory_format(), kLast);
+  EXPECT_EQ(format_strides({2, 3, 4, 5}, MemoryFormat::contiguous), (Shape{60, 20, 5, 1}));
+}
+
+TEST(MemoryFormat, ALayoutBothFormatsDescribeCountsAsContiguous) {
+  for (Shape shape : {Shape{2, 1, 4, 5}, Shape{2, 3, 1, 1}}) {
+    Tensor t = Tensor::empty(shape, DType::f32, Device::cpu(), kLast);
+    EXPECT_TRUE(t.is_contiguous()) << shape_str(shape);
+    EXPECT_EQ(t.memory_format(), MemoryFormat::contiguous) << shape_str(shape);
+  }
+  // A transposed matrix is neither.
+  Tensor m = zeros({3, 4}).t();
+  EXPECT_FALSE(m.is_contiguous(kLast));
+  EXPECT_EQ(m.memory_format(), MemoryFormat::contiguous);
+}
+
+TEST(MemoryFormat, ChannelsLastNeedsFourDimensions) {
+  try {
+    Tensor::empty({3, 4, 5}, DType::f32, Device::cpu(), kLast);
+    FAIL() << "expected a loom::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("4-d tensors (N, C, H, W), got shape (3, 4, 5)"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(MemoryFormat, ContiguousInAFormatKeepsTheValuesAndCopiesOnlyWhenNeeded) {
+  manual_seed(1);
+  Tensor x = randn({2, 3, 4, 5});
+  Tensor last = x.contiguous(kLast);
+  EXPECT_EQ(last.memory_format(), kLast);
+  EXPECT_EQ(last.to_vector<float>(), x.to_vector<float>());
+  EXPECT_TRUE(last.contiguous(kLast).same(last));
+  EXPECT_EQ(last.contiguous().to_vector<float>(), x.to_vector<float>());
+  EXPECT_TRUE(last.contiguous().is_contiguous());
+  // The permuted view of an (N, H, W, C) array is channels-last already.
+  EXPECT_EQ(randn({2, 4, 5, 3}).permute({0, 3, 1, 2}).memory_format(), kLast);
+}
+
+TEST(MemoryFormat, CastsAndClonesOfChannelsLast) {
+  Tensor x = randn({2, 3, 4, 5}).contiguous(kLast);
+  EXPECT_EQ(x.to(DType::bf16).memory_format(), kLast);
+  EXPECT_EQ(x.to(Device::cpu()).memory_format(), kLast);
+  EXPECT_TRUE(x.clone().is_contiguous());  // clone() is row-major, as contiguous() needs
+}
+
+// Runs op on x in both layouts (x requiring a gradient), backward from the sum of the output
+// times fixed weights, and checks the channels-last run's output layout, values and input
+// gradient against the row-major run's.
+void expect_layout_kept(const std::string& name, const std::function<Tensor(const Tensor&)>& op,
+                        const Shape& shape, bool output_channels_last = true) {
+  SCOPED_TRACE(name);
+  manual_seed(7);
+  Tensor x = randn(shape);
+  std::vector<float> outputs[2], grads[2];
+  for (int layout = 0; layout < 2; ++layout) {
+    Tensor leaf = layout ? x.contiguous(kLast).detach() : x.detach();
+    leaf.set_requires_grad();
+    Tensor y = op(leaf);
+    if (layout == 1 && output_channels_last) {
+      EXPECT_EQ(y.memory_format(), kLast);
+    }
+    manual_seed(11);
+    Tensor weights = randn(y.shape());
+    sum(mul(y, weights)).backward();
+    outputs[layout] = y.to_vector<float>();
+    grads[layout] = leaf.grad().to_vector<float>();
+  }
+  EXPECT_EQ(outputs[1], outputs[0]);
+  EXPECT_EQ(grads[1], grads[0]);
+}
+
+TEST(MemoryFormat, EveryCnnOpKeepsAChannelsLastInputChannelsLast) {
+  manual_seed(3);
+  Tensor w = randn({4, 3, 3, 3}), b = randn({4}), gamma = randn({3}), beta = randn({3});
+  Tensor bias = randn({1, 3, 1, 1}), other = randn({2, 3, 6, 5});
+  const Shape s{2, 3, 6, 5};
+  expect_layout_kept("conv2d", [&](const Tensor& x) { return conv2d(x, w, b, {1, 1}, {1, 1}); }, s);
+  expect_layout_kept("conv2d stride 2", [&](const Tensor& x) { return conv2d(x, w, Tensor(), {2, 2}, {1, 1}); }, s);
+  expect_layout_kept("batch_norm", [&](const Tensor& x) {
+    return batch_norm(x, Tensor(), Tensor(), gamma, beta, true);
+  }, s);
+  expect_layout_kept("relu", [](const Tensor& x) { return relu(x); }, s);
+  expect_layout_kept("gelu", [](const Tensor& x) { return gelu(x); }, s);
+  expect_layout_kept("residual add", [](const Tensor& x) { return add(x, mul(x, 0.5)); }, s);
+  expect_layout_kept("bias add", [&](const Tensor& x) { return add(x, bias); }, s);
+  expect_layout_kept("bias add, bias first", [&](const Tensor& x) { return add(bias, x); }, s);
+  expect_layout_kept("max_pool2d", [](const Tensor& x) { return max_pool2d(x, {2, 2}); }, s);
+  expect_layout_kept("avg_pool2d", [](const Tensor& x) { return avg_pool2d(x, {3, 3}, {2, 2}, {1, 1}); }, s);
+  expect_layout_kept("adaptive_avg_pool2d", [](const Tensor& x) { return adaptive_avg_pool2d(x, {1, 1}); }, s,
+                     false);
+  expect_layout_kept("flatten", [](const Tensor& x) { return x.flatten(1); }, s, false);
+  expect_layout_kept("to bf16 and back", [](const Tensor& x) { return x.to(DType::bf16).to(DType::f32); }, s);
+  // A row-major operand beside a channels-last one: the values are the same either way.
+  expect_layout_kept("mixed layouts", [&](const Tensor& x) { return mul(x, other); }, s);
+}
+
+}  // namespace
+}  // namespace loom
