@@ -279,6 +279,9 @@ std::vector<std::shared_ptr<Node>> schedule(const std::vector<Edge>& roots) {
 // all), and returns one gradient per input.
 TensorList call_backward(const Node& node, const TensorList& grads_in, const GradientBuffers& buffers,
                          WantedInputs* wanted) {
+  LOOM_CHECK(node.backward || node.backward_into, "backward through ", node.name,
+             " a second time: its saved tensors were freed when the first backward ran through it; pass "
+             "RetainGraph::yes to the first backward() (or run_backward) to go through the graph again");
   TensorList grads_out;
   if (node.backward_into) {
     const TensorList into = buffers.offered(node, wanted);
@@ -293,8 +296,15 @@ TensorList call_backward(const Node& node, const TensorList& grads_in, const Gra
   return grads_out;
 }
 
-// Runs a node as run_backward does: accumulates a leaf's gradient, or sends every input its own.
-void run_node(const Node& node, GradientBuffers& buffers) {
+// Drops what the node's op saved for its gradient: the closure that holds it (autograd.h).
+void free_saved(Node& node) {
+  node.backward = nullptr;
+  node.backward_into = nullptr;
+}
+
+// Runs a node as run_backward does: accumulates a leaf's gradient, or sends every input its own
+// and then, unless `retain`, frees what the node saved.
+void run_node(Node& node, GradientBuffers& buffers, RetainGraph retain) {
   TensorList grads_in = buffers.take(node);
   if (node.leaf) {
     accumulate(node, grads_in[0]);
@@ -306,6 +316,7 @@ void run_node(const Node& node, GradientBuffers& buffers) {
     const Edge& e = node.next_edges[i];
     if (e.node && grads_out[i].defined()) buffers.add(e, grads_out[i]);
   }
+  if (retain == RetainGraph::no) free_saved(node);
   run_op_boundary();
 }
 
@@ -326,7 +337,7 @@ std::vector<std::function<void()>>* callback_list(Nesting nesting, std::vector<s
 }
 }  // namespace
 
-void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting) {
+void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting, RetainGraph retain) {
   LOOM_ASSERT(roots.size() == grads.size(), "one gradient per root");
   NoGradGuard no_grad;
   WantedScope every_input(nullptr);  // a pass nested in a split pass's node is whole
@@ -336,7 +347,7 @@ void run_backward(const TensorList& roots, const TensorList& grads, Nesting nest
   const std::vector<Edge> edges = root_edges(roots);
   GradientBuffers buffers;
   for (size_t i = 0; i < edges.size(); ++i) buffers.add(edges[i], grads[i]);
-  for (const std::shared_ptr<Node>& node : schedule(edges)) run_node(*node, buffers);
+  for (const std::shared_ptr<Node>& node : schedule(edges)) run_node(*node, buffers, retain);
   run_callbacks(callbacks);
 }
 
@@ -454,7 +465,7 @@ void DeferredGradients::run(Nesting nesting) {
     if (step.part) {
       run_part(step, rest->buffers);
     } else {
-      run_node(*step.node, rest->buffers);
+      run_node(*step.node, rest->buffers, RetainGraph::no);
     }
     step = Step{};  // what it held is no longer needed
   }
@@ -502,6 +513,7 @@ DeferredGradients run_backward_split(const TensorList& roots, const TensorList& 
       if (e.node && ask.wanted[i] && grads_out[i].defined()) buffers.add(e, grads_out[i]);
     }
     if (mixed || ask.nested) rest->steps.push_back(part_left(*node, ask, grads_out, grads_in));
+    free_saved(*node);  // part_left copied the closure where W calls it again
   }
   run_callbacks(callbacks);
   return DeferredGradients(std::move(rest));

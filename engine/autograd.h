@@ -14,6 +14,14 @@
 // Saved tensors are captured detached (data only) so a node never keeps its own output
 // alive through a cycle. Gradients of gradients are not supported: backward runs under
 // no-grad.
+//
+// What an op saved lives in its node's closure. A pass frees the closure as soon as the node
+// has run and sent its gradients on, so activations go during backward, last layer first, not
+// when the graph's last owner (the loss) goes, after the optimizer step. The node itself stays
+// (its name and edges) while the graph is owned: a second pass through it is an error naming
+// it, unless the first ran with RetainGraph::yes (PyTorch's retain_graph), which keeps every
+// closure. AccumulateGrad nodes save nothing and serve every pass. A split pass frees a node
+// once the half that calls it last has run it.
 #pragma once
 
 #include <atomic>
@@ -53,7 +61,8 @@ struct Node {
   uint64_t sequence_nr = 0;
   std::vector<Edge> next_edges;  // one per input of the op
   std::vector<OutputMeta> outputs;
-  // Returns one gradient per input (an undefined Tensor where an input gets none).
+  // Returns one gradient per input (an undefined Tensor where an input gets none). Empty once
+  // a pass without RetainGraph::yes has run the node.
   BackwardFn backward;
   // Set instead of backward by record_accumulating.
   AccumulatingBackwardFn backward_into;
@@ -123,7 +132,9 @@ enum class Nesting {
 
 // Runs backward from `roots` seeded with `grads` (one per root, same shapes). May be called
 // from a node's backward or a hook (see Nesting): a pass keeps its state on its own stack.
-void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting = Nesting::separate);
+// With RetainGraph::yes the nodes keep what they saved, for another pass through them.
+void run_backward(const TensorList& roots, const TensorList& grads, Nesting nesting = Nesting::separate,
+                  RetainGraph retain = RetainGraph::no);
 
 // Runs `callback` once the backward pass running on this thread has finished, after its
 // last node, as PyTorch's Variable._execution_engine.queue_callback. Hooks use it to act
@@ -153,11 +164,13 @@ void queue_callback(std::function<void()> callback);
 //     gradient the same way whichever others it is asked for.
 // Until W runs, the DeferredGradients holds the output gradients of the nodes that declined
 // (dy of each linear op) and what their backward saved, the gradients kept for W (apart, to be
-// summed in order), and the nodes W runs; not the rest of B's graph. A node whose backward runs
-// a pass of its own over leaves standing for its inputs (engine/recompute.h) runs it through
-// run_nested_backward: called by B, that pass is split in its turn, B asking of it only the
-// gradients of the inputs B asks of the node, and its W half runs in W where the node stood
-// (a recomputed block's weight products included); W keeps what the inner W half keeps.
+// summed in order), and the nodes W runs; not the rest of B's graph. B frees what each node it
+// ran saved (a declining node's closure moves to W), W what each node it runs saved, once run.
+// A node whose backward runs a pass of its own over leaves standing for its inputs
+// (engine/recompute.h) runs it through run_nested_backward: called by B, that pass is split in
+// its turn, B asking of it only the gradients of the inputs B asks of the node, and its W half
+// runs in W where the node stood (a recomputed block's weight products included); W keeps what
+// the inner W half keeps.
 
 // The weight half of a split backward pass: what run_backward_split left for later.
 class DeferredGradients {

@@ -141,7 +141,7 @@ Tensor& Tensor::set_requires_grad(bool value) {
   return *this;
 }
 
-void Tensor::backward(const Tensor& grad) const {
+void Tensor::backward(const Tensor& grad, RetainGraph retain) const {
   Tensor g = grad;
   if (!g.defined()) {
     LOOM_CHECK(numel() == 1, "backward() without a gradient needs a one-element tensor (a loss), got shape ",
@@ -150,7 +150,7 @@ void Tensor::backward(const Tensor& grad) const {
   }
   LOOM_CHECK(g.shape() == shape(), "backward(grad): grad has shape ", shape_str(g.shape()),
              " but the tensor has shape ", shape_str(shape()));
-  run_backward({*this}, {g});
+  run_backward({*this}, {g}, Nesting::separate, retain);
 }
 
 Tensor Tensor::detach() const {

@@ -44,6 +44,11 @@ struct Node;
 // but not yet faster.
 enum class MemoryFormat : uint8_t { contiguous, channels_last };
 
+// Whether a backward pass keeps what each node saved for its gradient once the node has run
+// (engine/autograd.h), so that another pass may run through the same graph: PyTorch's
+// retain_graph. By default it is freed.
+enum class RetainGraph { no, yes };
+
 struct TensorImpl {
   std::shared_ptr<Storage> storage;
   Shape shape, strides;  // strides in elements
@@ -129,7 +134,8 @@ class Tensor {
   void zero_grad() { impl()->grad.reset(); }
   // Back-propagates from this tensor: a one-element tensor needs no gradient argument;
   // otherwise `grad` is the upstream gradient, of this tensor's shape (pipeline stages).
-  void backward(const Tensor& grad = Tensor()) const;
+  // A second backward through the same graph needs RetainGraph::yes in the first.
+  void backward(const Tensor& grad = Tensor(), RetainGraph retain = RetainGraph::no) const;
   // A tensor sharing this one's data, cut from the graph.
   Tensor detach() const;
   // Runs `hook(param)` as soon as this leaf's gradient is final in a backward pass, after

@@ -115,7 +115,7 @@ TEST(AttentionOps, StridedViewsGiveWhatContiguousCopiesGive) {
     Tensor copy = x.detach().clone().set_requires_grad();
     TensorList c = {head(copy, 0).contiguous(), head(copy, 1).contiguous(), head(copy, 2).contiguous()};
     Tensor contiguous = scaled_dot_product_attention(c[0], c[1], c[2], causal);
-    contiguous.backward(g.contiguous());
+    contiguous.backward(g.contiguous(), RetainGraph::yes);  // c's copies are run through again below
     expect_all_close(strided, contiguous, 0);
     expect_all_close(grad_strided, copy.grad(), 0);
     copy.zero_grad();

@@ -1,13 +1,15 @@
 // The autograd contract the layers above depend on: accumulation into leaves, explicit
-// upstream gradients (pipeline stages), no-grad and detach, diamond graphs, the
-// post-accumulate hooks DDP launches its all-reduces from (once per leaf, when final,
-// last layer first) and the end-of-pass callbacks it finishes in, parameters whose
-// storage is swapped in place (as a sharded-parameter scheme would swap it), the refusal of in-place updates that would corrupt a
+// upstream gradients (pipeline stages), no-grad and detach, diamond graphs, saved tensors
+// freed once their node has run (kept with RetainGraph::yes), the post-accumulate hooks DDP
+// launches its all-reduces from (once per leaf, when final, last layer first) and the
+// end-of-pass callbacks it finishes in, parameters whose storage is swapped in place (as a
+// sharded-parameter scheme would swap it), the refusal of in-place updates that would corrupt a
 // graph, and dtype handling across the graph.
 #include <gtest/gtest.h>
 
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -93,7 +95,7 @@ TEST(AutogradBackward, LeafGradientNeverAliasesTheUpstreamGradient) {
     Tensor x = param({1, 2, 3, 4});
     Tensor y = c.f(x);
     Tensor g = ones(y.shape());
-    y.backward(g);
+    y.backward(g, RetainGraph::yes);
     y.backward(g);  // accumulates into x.grad in place
     EXPECT_EQ(values(g), std::vector<double>(4, 1)) << "accumulation wrote into the caller's gradient";
     EXPECT_EQ(values(x.grad()), std::vector<double>(4, 2));
@@ -125,6 +127,48 @@ TEST(AutogradBackward, DiamondGraphSumsBothPaths) {
   Tensor z = param({1, 2, 3});
   sum(add(mul(z, z), z)).backward();  // z used three times: 2z + 1
   EXPECT_EQ(values(z.grad()), (std::vector<double>{3, 5, 7}));
+}
+
+TEST(AutogradSavedTensors, FreedAsSoonAsTheirNodeHasRunThoughTheLossLives) {
+  // h is held by nothing but what mul(h, h) saved; the probe runs after that node.
+  Tensor x = param({1, 2, 3});
+  Tensor probed = x.detach().clone();
+  std::weak_ptr<Storage> saved;
+  bool freed_when_probe_ran = false;
+  record("Probe", {x}, {probed}, [&](const TensorList& g) {
+    freed_when_probe_ran = saved.expired();
+    return TensorList{g[0]};
+  });
+  Tensor loss;
+  {
+    Tensor h = mul(probed, 2.0);
+    saved = h.storage();
+    loss = sum(mul(h, h));
+  }
+  EXPECT_FALSE(saved.expired()) << "mul's node holds h for its gradient";
+  loss.backward();
+  EXPECT_TRUE(freed_when_probe_ran) << "h outlived its node's backward";
+  EXPECT_TRUE(saved.expired());
+  EXPECT_EQ(values(x.grad()), (std::vector<double>{8, 16, 24}));  // d/dx sum((2x)^2)
+}
+
+TEST(AutogradSavedTensors, ASecondBackwardThroughARunNodeIsRefusedNamingIt) {
+  Tensor x = param({1, 2, 3});
+  Tensor h = mul(x, x);
+  sum(h).backward();
+  expect_error([&] { sum(mul(h, 3.0)).backward(); },
+               {"backward through mul a second time", "freed", "RetainGraph::yes"});
+  EXPECT_EQ(values(x.grad()), (std::vector<double>{2, 4, 6})) << "the refused pass added nothing";
+}
+
+TEST(AutogradSavedTensors, RetainGraphKeepsThemForASecondBackward) {
+  Tensor x = param({1, 2, 3});
+  Tensor loss = sum(mul(x, x));
+  loss.backward({}, RetainGraph::yes);
+  loss.backward();
+  EXPECT_EQ(values(x.grad()), (std::vector<double>{4, 8, 12}));
+  // The second pass did not retain the graph.
+  expect_error([&] { loss.backward(); }, {"backward through sum a second time"});
 }
 
 TEST(AutogradModes, NoGradGuardStopsRecordingAndRestores) {

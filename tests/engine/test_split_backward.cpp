@@ -407,6 +407,25 @@ TEST(SplitBackward, AGradientComputedThoughNotWantedIsKeptForTheWeightHalf) {
   expect_bitwise_equal(w.grad(), want[1], "w");
 }
 
+// matmul's input h, which its weight's gradient needs, lives until W has run the product and
+// no longer, though the loss does; tanh, which also saved h, is done with it in B.
+TEST(SplitBackward, WhatANodeSavedIsFreedOnceTheLastHalfThatCallsItHasRun) {
+  Tensor x = param({3, 4}), w = param({4, 5});
+  std::weak_ptr<Storage> saved;
+  Tensor loss;
+  {
+    Tensor h = tanh(x);
+    saved = h.storage();
+    loss = sum(matmul(h, w));
+  }
+  DeferredGradients rest = run_backward_split({loss}, {ones_like(loss)}, {x});
+  EXPECT_TRUE(x.grad().defined());
+  EXPECT_FALSE(saved.expired()) << "W needs h for w's gradient";
+  rest.run();
+  EXPECT_TRUE(w.grad().defined());
+  EXPECT_TRUE(saved.expired());
+}
+
 // gelu_mlp's input half computes dz (the product through w2 with GELU's derivative) for x and
 // keeps it for the weight half, which computes w1's gradient from it instead of computing it
 // again: w2 changed between the halves leaves w1's and b1's gradients those of one pass (a
