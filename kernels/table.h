@@ -137,16 +137,24 @@ struct Pool2dArgs {
   int64_t kh = 1, kw = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
 };
 
+// Where the channel axis of a batch-norm buffer lies in memory (x, y, dy and dx alike):
+//   channels_first  (N, C, S): row-major NCHW, a channel being N rows of S contiguous values.
+//   channels_last   (N, S, C): NHWC, N * S rows of C contiguous values, one per channel
+//                   (MemoryFormat::channels_last).
+enum class BatchNormLayout : uint8_t { channels_first, channels_last };
+
 // Batch normalisation over the channel axis of a contiguous (N, C, S) buffer (NCHW with
-// S = H * W; S = 1 for (N, C) inputs). x, y, dx, dy have `dtype`; every per-channel vector
-// (gamma, beta, running_mean, running_var, save_mean, save_invstd, dgamma, dbeta) is in the
-// accumulation type (f64 for f64, f32 otherwise), so bf16 activations keep f32 statistics
-// and f32 affine parameters, as cuDNN and PyTorch do.
+// S = H * W; S = 1 for (N, C) inputs), or of an (N, S, C) one when layout is channels_last;
+// the statistics and results are the same either way. x, y, dx, dy have `dtype`; every
+// per-channel vector (gamma, beta, running_mean, running_var, save_mean, save_invstd,
+// dgamma, dbeta) is in the accumulation type (f64 for f64, f32 otherwise), so bf16
+// activations keep f32 statistics and f32 affine parameters, as cuDNN and PyTorch do.
 struct BatchNormArgs {
   DType dtype = DType::f32;
   int64_t n = 0, c = 0, s = 1;
   double eps = 1e-5;
   double momentum = 0.1;  // running = (1 - momentum) * running + momentum * batch statistic
+  BatchNormLayout layout = BatchNormLayout::channels_first;
 };
 
 // Layer normalisation over the last axis of a contiguous (rows, dim) buffer, PyTorch's

@@ -1,4 +1,7 @@
 // CUDA batch normalisation over a contiguous (N, C, S) buffer: Loom's own kernels, not cuDNN.
+// The table's entry points are here; they hand channels-last (N, S, C) calls to
+// batch_norm_channels_last.cu. What both layouts share (the Welford states and gradient
+// sums, the per-channel results, the combine kernels) is in batch_norm.cuh.
 //
 // Work layout. Every kernel runs on one grid shape: `groups` blocks per channel, block b
 // taking channel b / groups and slice b % groups of that channel's values. A channel is N
@@ -30,20 +33,18 @@
 // value per thread: correct, at a fraction of the bandwidth.
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
-#include <type_traits>
 
-#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/batch_norm.cuh"
 #include "kernels/cuda/kernels.h"
-#include "kernels/cuda/reduce_common.cuh"
 
 namespace loom::cuda {
 namespace {
 
+using namespace batch_norm;
+
 constexpr int kThreads = 512;
 constexpr int64_t kTargetBlocks = 1024;
-constexpr int64_t kMinVectorsPerThread = 4;      // before a channel is split over blocks
-constexpr int kCombineChannels = kThreads / 32;  // a warp per channel in the combine kernels
+constexpr int64_t kMinVectorsPerThread = 4;  // before a channel is split over blocks
 
 // Where a block finds its slice; the same for every launch of one call.
 struct Geom {
@@ -54,12 +55,6 @@ struct Geom {
   int64_t chunk;        // vectors per block (a channel's last block may get fewer)
   int groups;           // blocks per channel
 };
-
-// Scalars of the call, in double on the host; the kernels round them to the accumulation type.
-struct Hyper {
-  double eps, momentum, m;  // m = N * S, values per channel
-};
-
 
 __device__ __forceinline__ int64_t block_channel(const Geom& g) { return blockIdx.x / unsigned(g.groups); }
 __device__ __forceinline__ int block_group(const Geom& g) { return int(blockIdx.x % unsigned(g.groups)); }
@@ -90,19 +85,6 @@ __device__ __forceinline__ void for_each_vector(const Geom& g, int64_t channel, 
 
 // ---- statistics ------------------------------------------------------------------------
 
-template <class A> struct Welford {
-  A n, mean, m2;  // count, mean, sum of squared deviations from the mean
-};
-
-struct WelfordMerge {
-  template <class A> __device__ __forceinline__ Welford<A> operator()(Welford<A> a, Welford<A> b) const {
-    const A n = a.n + b.n;
-    if (n == A(0)) return a;
-    const A w = b.n / n, d = b.mean - a.mean;
-    return {n, a.mean + d * w, a.m2 + b.m2 + d * d * a.n * w};
-  }
-};
-
 // The Welford state of one vector, two-pass over its V values.
 template <class A, class T, int V> __device__ __forceinline__ Welford<A> vector_stats(const Pack<T, V>& p) {
   A sum = A(0);
@@ -116,23 +98,6 @@ template <class A, class T, int V> __device__ __forceinline__ Welford<A> vector_
     m2 += d * d;
   }
   return {A(V), mean, m2};
-}
-
-// The forward's per-channel outputs; running statistics may be null.
-template <class A> struct Stats {
-  A* save_mean;
-  A* save_invstd;
-  A* running_mean;
-  A* running_var;
-};
-
-template <class A> __device__ __forceinline__ void finish_stats(const Welford<A>& st, int64_t c, const Stats<A>& out,
-                                                                const Hyper& h) {
-  const A m = A(h.m), var = st.m2 / m, momentum = A(h.momentum);
-  out.save_mean[c] = st.mean;
-  out.save_invstd[c] = A(1) / sqrt(var + A(h.eps));
-  if (out.running_mean) out.running_mean[c] = (A(1) - momentum) * out.running_mean[c] + momentum * st.mean;
-  if (out.running_var) out.running_var[c] = (A(1) - momentum) * out.running_var[c] + momentum * (st.m2 / (m - A(1)));
 }
 
 // A block's Welford state over its slice; groups == 1: the channel's statistics.
@@ -149,23 +114,6 @@ __global__ void __launch_bounds__(kThreads)
   if (g.groups == 1) finish_stats(st, c, out, h);
   else partials[blockIdx.x] = st;
 }
-
-// A warp per channel merges the channel's `groups` partial states, always in the same order.
-template <class A>
-__global__ void __launch_bounds__(kThreads) stats_combine_kernel(const Welford<A>* partials, int64_t channels,
-                                                                 int groups, Stats<A> out, Hyper h) {
-  const int lane = threadIdx.x % 32;
-  const int64_t c = int64_t(blockIdx.x) * kCombineChannels + threadIdx.x / 32;
-  if (c >= channels) return;  // the whole warp leaves together
-  Welford<A> st{A(0), A(0), A(0)};
-  for (int k = lane; k < groups; k += 32) st = WelfordMerge{}(st, partials[c * groups + k]);
-  st = group_reduce<32>(st, WelfordMerge{});
-  if (lane == 0) finish_stats(st, c, out, h);
-}
-
-// Where a channel's mean and spread come from: the batch (save_mean, save_invstd) or the
-// running statistics (running_mean, running_var).
-enum class Source { batch, running };
 
 // y = (x - mean) * invstd * gamma + beta.
 template <class T, int V, Source kSource>
@@ -186,31 +134,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- backward --------------------------------------------------------------------------
-
-template <class A> struct GradSums {
-  A dy, dy_xmu;  // sum dy, sum dy * (x - mean)
-};
-
-struct GradSumsAdd {
-  template <class A> __device__ __forceinline__ GradSums<A> operator()(GradSums<A> a, GradSums<A> b) const {
-    return {a.dy + b.dy, a.dy_xmu + b.dy_xmu};
-  }
-};
-
-// The backward's per-channel inputs and outputs.
-template <class A> struct GradChannel {
-  const A* gamma;  // null: 1
-  const A* save_mean;
-  const A* save_invstd;
-  A* dgamma;
-  A* dbeta;
-};
-
-template <class A>
-__device__ __forceinline__ void finish_grads(const GradSums<A>& s, int64_t c, const GradChannel<A>& ch) {
-  ch.dbeta[c] = s.dy;
-  ch.dgamma[c] = s.dy_xmu * ch.save_invstd[c];
-}
 
 // A block's sums over its slice; groups == 1: the channel's dbeta and dgamma.
 template <class T, int V>
@@ -239,18 +162,6 @@ __global__ void __launch_bounds__(kThreads)
   else partials[blockIdx.x] = acc;
 }
 
-template <class A>
-__global__ void __launch_bounds__(kThreads) grad_combine_kernel(const GradSums<A>* partials, int64_t channels,
-                                                                int groups, GradChannel<A> ch) {
-  const int lane = threadIdx.x % 32;
-  const int64_t c = int64_t(blockIdx.x) * kCombineChannels + threadIdx.x / 32;
-  if (c >= channels) return;  // the whole warp leaves together
-  GradSums<A> acc{A(0), A(0)};
-  for (int k = lane; k < groups; k += 32) acc = GradSumsAdd{}(acc, partials[c * groups + k]);
-  acc = group_reduce<32>(acc, GradSumsAdd{});
-  if (lane == 0) finish_grads(acc, c, ch);
-}
-
 // dx = gamma invstd / M (M dy - dbeta - xhat dgamma), arranged as k_dy dy - k_x (x - mean) - k_0.
 template <class T, int V>
 __global__ void __launch_bounds__(kThreads)
@@ -272,10 +183,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- launch planning -------------------------------------------------------------------
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // How many partials of partial_bytes each the output buffer `scratch` holds per channel:
 // the most blocks a channel may be split over.
@@ -299,29 +206,19 @@ Geom plan(const BatchNormArgs& a, int v, int64_t max_groups) {
   return g;
 }
 
-// Calls f(std::integral_constant<int, V>) with V the vector width the call can use.
-template <class T, class F> void with_width(bool vectors, F&& f) {
-  if (vectors) f(std::integral_constant<int, int(16 / sizeof(T))>{});
-  else f(std::integral_constant<int, 1>{});
-}
-
-template <class T> bool can_vectorise(const BatchNormArgs& a, std::initializer_list<const void*> buffers) {
-  if (a.s % int64_t(16 / sizeof(T)) != 0) return false;
-  for (const void* p : buffers)
-    if (!aligned(p, 16)) return false;
-  return true;
-}
-
 }  // namespace
 
 void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, void* save_invstd,
                               void* running_mean, void* running_var, const void* x, const void* gamma,
                               const void* beta, StreamHandle stream) {
   if (a.c == 0 || a.n * a.s == 0) return;
+  if (a.layout == BatchNormLayout::channels_last)
+    return forward_train_channels_last(a, y, save_mean, save_invstd, running_mean, running_var, x, gamma, beta,
+                                       stream);
   dispatch_floating(a.dtype, "batch_norm", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    with_width<T>(can_vectorise<T>(a, {x, y}), [&](auto width) {
+    with_width<T>(can_vectorise<T>(a.s, {x, y}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Geom g = plan(a, V, scratch_groups(a, y, sizeof(Welford<A>), alignof(Welford<A>)));
       const Hyper h{a.eps, a.momentum, double(a.n * a.s)};
@@ -334,7 +231,7 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
       LOOM_CUDA_LAUNCH();
       if (g.groups > 1) {
         stats_combine_kernel<A>
-            <<<unsigned(ceil_div(a.c, kCombineChannels)), kThreads, 0, s>>>(partials, a.c, g.groups, out, h);
+            <<<unsigned(ceil_div(a.c, kCombineChannels)), kCombineThreads, 0, s>>>(partials, a.c, g.groups, out, h);
         LOOM_CUDA_LAUNCH();
       }
       normalize_kernel<T, V, Source::batch><<<blocks, kThreads, 0, s>>>(
@@ -348,10 +245,12 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
 void batch_norm_forward_eval(const BatchNormArgs& a, void* y, const void* x, const void* gamma, const void* beta,
                              const void* running_mean, const void* running_var, StreamHandle stream) {
   if (a.c == 0 || a.n * a.s == 0) return;
+  if (a.layout == BatchNormLayout::channels_last)
+    return forward_eval_channels_last(a, y, x, gamma, beta, running_mean, running_var, stream);
   dispatch_floating(a.dtype, "batch_norm", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    with_width<T>(can_vectorise<T>(a, {x, y}), [&](auto width) {
+    with_width<T>(can_vectorise<T>(a.s, {x, y}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Geom g = plan(a, V, kTargetBlocks);  // no partials: any split
       normalize_kernel<T, V, Source::running><<<unsigned(a.c * g.groups), kThreads, 0, as_cuda(stream)>>>(
@@ -367,6 +266,8 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
                          const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
                          StreamHandle stream) {
   if (a.c == 0) return;
+  if (a.layout == BatchNormLayout::channels_last && a.n * a.s != 0)  // an empty batch: the zeroing below
+    return backward_channels_last(a, dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, stream);
   dispatch_floating(a.dtype, "batch_norm backward", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -376,7 +277,7 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
       LOOM_CUDA(cudaMemsetAsync(dbeta, 0, size_t(a.c) * sizeof(A), s));
       return;
     }
-    with_width<T>(can_vectorise<T>(a, {dx, dy, x}), [&](auto width) {
+    with_width<T>(can_vectorise<T>(a.s, {dx, dy, x}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Geom g = plan(a, V, scratch_groups(a, dx, sizeof(GradSums<A>), alignof(GradSums<A>)));
       const GradChannel<A> ch{static_cast<const A*>(gamma), static_cast<const A*>(save_mean),
@@ -388,7 +289,7 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
       LOOM_CUDA_LAUNCH();
       if (g.groups > 1) {
         grad_combine_kernel<A>
-            <<<unsigned(ceil_div(a.c, kCombineChannels)), kThreads, 0, s>>>(partials, a.c, g.groups, ch);
+            <<<unsigned(ceil_div(a.c, kCombineChannels)), kCombineThreads, 0, s>>>(partials, a.c, g.groups, ch);
         LOOM_CUDA_LAUNCH();
       }
       grad_input_kernel<T, V><<<blocks, kThreads, 0, s>>>(static_cast<T*>(dx), static_cast<const T*>(dy),

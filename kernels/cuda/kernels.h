@@ -65,7 +65,7 @@ void avg_pool2d_forward(const Pool2dArgs& args, void* y, const void* x, StreamHa
 void avg_pool2d_backward(const Pool2dArgs& args, void* dx, const void* dy, StreamHandle stream);
 
 
-// batch_norm.cu
+// batch_norm.cu (channels-last calls go on to batch_norm_channels_last.cu)
 void batch_norm_forward_train(const BatchNormArgs& args, void* y, void* save_mean, void* save_invstd,
                               void* running_mean, void* running_var, const void* x, const void* gamma,
                               const void* beta, StreamHandle stream);

@@ -230,6 +230,11 @@ const std::vector<OpCase>& op_cases() {
          return batch_norm(x[0], channel_values(x[0], {0.5, -1, 0.25}), channel_values(x[0], {1.5, 0.5, 2}), x[1],
                            x[2], false);
        }},
+      {"batch_norm_eval_channels_last", {{{2, 3, 2, 2}}, {{3}}, {{3}}},
+       [](L x) {
+         return batch_norm(nhwc(x[0]), channel_values(x[0], {0.5, -1, 0.25}), channel_values(x[0], {1.5, 0.5, 2}),
+                           x[1], x[2], false);
+       }},
       {"batch_norm_eval_2d", {{{4, 3}}},
        [](L x) {
          return batch_norm(x[0], channel_values(x[0], {0.1, 0.2, -0.3}), channel_values(x[0], {0.8, 1.2, 3}),

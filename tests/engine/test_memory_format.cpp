@@ -102,6 +102,10 @@ TEST(MemoryFormat, EveryCnnOpKeepsAChannelsLastInputChannelsLast) {
   expect_layout_kept("batch_norm", [&](const Tensor& x) {
     return batch_norm(x, Tensor(), Tensor(), gamma, beta, true);
   }, s);
+  const Tensor running_mean = randn({3}), running_var = add(abs(randn({3})), 0.5);
+  expect_layout_kept("batch_norm eval", [&](const Tensor& x) {
+    return batch_norm(x, running_mean, running_var, gamma, beta, false);
+  }, s);
   expect_layout_kept("relu", [](const Tensor& x) { return relu(x); }, s);
   expect_layout_kept("gelu", [](const Tensor& x) { return gelu(x); }, s);
   expect_layout_kept("residual add", [](const Tensor& x) { return add(x, mul(x, 0.5)); }, s);

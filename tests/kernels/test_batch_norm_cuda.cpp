@@ -3,16 +3,19 @@
 // number of 16-byte vectors, one value per row (BatchNorm1d), one block per channel
 // (ResNet-18's last stage), channels split over many blocks with partials combined
 // (ResNet-18's first stage, few channels with long rows, one channel), and buffers that are
-// not 16-byte aligned. Also: repeated runs give identical bits, and a large common offset
-// leaves the variance intact.
+// not 16-byte aligned. The channels-last (N, S, C) kernels are checked the same way against
+// the CPU's channels-last kernels, over ResNet-18's four stages at batch 256 and over channel
+// counts that do and do not fill whole vectors and tiles. Also: repeated runs give identical
+// bits, and a large common offset leaves the variance intact.
 //
 // Tolerances: per-channel statistics are f32 sums on the GPU and pairwise f64 on the CPU,
 // so they agree to a few f32 roundings of the sum of magnitudes; outputs may differ by an
 // ulp of their dtype on top.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <cstddef>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -46,6 +49,8 @@ struct Case {
   int64_t n, c, s;
 };
 
+constexpr BatchNormLayout kFirst = BatchNormLayout::channels_first, kLast = BatchNormLayout::channels_last;
+
 const std::vector<Case>& cases() {
   static const std::vector<Case> table = {
       {"tiny_odd", 1, 3, 7},
@@ -62,13 +67,39 @@ const std::vector<Case>& cases() {
   return table;
 }
 
+// For (N, S, C): C sets the vector width (16 bytes' worth of channels or single values) and
+// how full the last tile of channels is.
+const std::vector<Case>& channels_last_cases() {
+  static const std::vector<Case> table = {
+      {"tiny_odd", 1, 3, 7},
+      {"one_channel_one_value_rows", 5, 1, 1},
+      {"odd_channels", 2, 7, 33},
+      {"bn1d_rows", 300, 40, 1},
+      {"one_channel_many_blocks", 3, 1, 5000},
+      {"part_vectors", 8, 36, 49},  // f32: 9 vectors; bf16, f16: single values
+      {"few_vectors", 16, 24, 100},
+      {"last_tile_short", 4, 1000, 3},
+      {"resnet_stage1", 256, 64, 1024},
+      {"resnet_stage2", 256, 128, 256},
+      {"resnet_stage3", 256, 256, 64},
+      {"resnet_stage4", 256, 512, 16},
+  };
+  return table;
+}
+
+// The channel of element i of a buffer laid out as `layout`.
+size_t channel_of(const Case& k, BatchNormLayout layout, size_t i) {
+  return size_t(layout == kLast ? int64_t(i) % k.c : int64_t(i) / k.s % k.c);
+}
+
 // Values of T with a different centre per channel.
 template <class T>
-std::vector<T> channel_values(const Case& k, double spread, double centre_step, double offset, std::mt19937& rng) {
+std::vector<T> channel_values(const Case& k, double spread, double centre_step, double offset, std::mt19937& rng,
+                              BatchNormLayout layout = kFirst) {
   std::uniform_real_distribution<double> u(-1.0, 1.0);
   std::vector<T> v(size_t(k.n * k.c * k.s));
   for (size_t i = 0; i < v.size(); ++i) {
-    const int64_t c = int64_t(i) / k.s % k.c;
+    const size_t c = channel_of(k, layout, i);
     v[i] = T(float(spread * u(rng) + centre_step * double(c % 11) + offset));
   }
   return v;
@@ -108,18 +139,19 @@ enum class WithAffine { no, yes };
 // Runs forward (training and eval) and backward on both devices and compares everything.
 // `misalign` shifts every buffer one element off its allocation, so nothing is 16-byte aligned.
 template <class T>
-void check_case(const Case& k, WithAffine affine, int misalign = 0) {
+void check_case(const Case& k, BatchNormLayout layout, WithAffine affine, int misalign = 0) {
   using A = acc_of<T>;
-  SCOPED_TRACE(std::string(k.name) + (affine == WithAffine::yes ? " affine" : " plain") +
-               (misalign ? " misaligned" : ""));
+  SCOPED_TRACE(std::string(k.name) + (layout == kLast ? " channels-last" : "") +
+               (affine == WithAffine::yes ? " affine" : " plain") + (misalign ? " misaligned" : ""));
   std::mt19937 rng(19);
-  const auto x = channel_values<T>(k, 2.0, 0.3, -1.0, rng), dy = channel_values<T>(k, 1.0, 0.05, -0.2, rng);
+  const auto x = channel_values<T>(k, 2.0, 0.3, -1.0, rng, layout),
+             dy = channel_values<T>(k, 1.0, 0.05, -0.2, rng, layout);
   const auto gamma = per_channel<A>(k.c, 0.5, 1.5, rng), beta = per_channel<A>(k.c, -1, 1, rng);
   const auto rm0 = per_channel<A>(k.c, -1, 1, rng), rv0 = per_channel<A>(k.c, 0.5, 2, rng);
   const bool with = affine == WithAffine::yes;
   BatchNormArgs a;
   a.dtype = dtype_of<T>();
-  a.n = k.n, a.c = k.c, a.s = k.s, a.eps = 1e-5, a.momentum = 0.1;
+  a.n = k.n, a.c = k.c, a.s = k.s, a.eps = 1e-5, a.momentum = 0.1, a.layout = layout;
   const size_t numel = x.size(), c = size_t(k.c);
 
   // CPU reference.
@@ -167,12 +199,12 @@ void check_case(const Case& k, WithAffine affine, int misalign = 0) {
   std::vector<double> abs_dy(c, 0.0), abs_dy_xhat(c, 0.0), dx_scale(numel);
   auto xhat = [&](size_t i, size_t ch) { return (to_double(x[i]) - double(mean[ch])) * double(invstd[ch]); };
   for (size_t i = 0; i < numel; ++i) {
-    const size_t ch = size_t(int64_t(i) / k.s % k.c);
+    const size_t ch = channel_of(k, layout, i);
     abs_dy[ch] += std::abs(to_double(dy[i]));
     abs_dy_xhat[ch] += std::abs(to_double(dy[i]) * xhat(i, ch));
   }
   for (size_t i = 0; i < numel; ++i) {
-    const size_t ch = size_t(int64_t(i) / k.s % k.c);
+    const size_t ch = channel_of(k, layout, i);
     const double g = with ? std::abs(double(gamma[ch])) : 1.0;
     dx_scale[i] = g * double(invstd[ch]) *
                       (std::abs(to_double(dy[i])) + std::abs(xhat(i, ch)) * abs_dy_xhat[ch] / m + abs_dy[ch] / m) +
@@ -184,7 +216,10 @@ void check_case(const Case& k, WithAffine affine, int misalign = 0) {
 }
 
 template <class T> void check_all(WithAffine affine) {
-  for (const Case& k : cases()) check_case<T>(k, affine);
+  for (const Case& k : cases()) check_case<T>(k, kFirst, affine);
+}
+template <class T> void check_all_channels_last(WithAffine affine) {
+  for (const Case& k : channels_last_cases()) check_case<T>(k, kLast, affine);
 }
 
 TEST(BatchNormCuda, MatchesCpuF32) {
@@ -206,70 +241,115 @@ TEST(BatchNormCuda, MatchesCpuF64) {
   check_all<double>(WithAffine::yes);
 }
 
+TEST(BatchNormCuda, ChannelsLastMatchesCpuF32) {
+  LOOM_REQUIRE_CUDA();
+  check_all_channels_last<float>(WithAffine::yes);
+  check_all_channels_last<float>(WithAffine::no);
+}
+TEST(BatchNormCuda, ChannelsLastMatchesCpuBf16) {
+  LOOM_REQUIRE_CUDA();
+  check_all_channels_last<bf16>(WithAffine::yes);
+  check_all_channels_last<bf16>(WithAffine::no);
+}
+TEST(BatchNormCuda, ChannelsLastMatchesCpuF16) {
+  LOOM_REQUIRE_CUDA();
+  check_all_channels_last<f16>(WithAffine::yes);
+}
+TEST(BatchNormCuda, ChannelsLastMatchesCpuF64) {
+  LOOM_REQUIRE_CUDA();
+  check_all_channels_last<double>(WithAffine::yes);
+}
+
 TEST(BatchNormCuda, UnalignedBuffersTakeTheScalarPath) {
   LOOM_REQUIRE_CUDA();
   for (const Case& k : cases()) {
-    check_case<float>(k, WithAffine::yes, 1);
-    check_case<bf16>(k, WithAffine::yes, 1);  // 2 bytes off: too misaligned for f32 partials too
+    check_case<float>(k, kFirst, WithAffine::yes, 1);
+    check_case<bf16>(k, kFirst, WithAffine::yes, 1);  // 2 bytes off: too misaligned for f32 partials too
+  }
+  // Channels-last partials start at the output's first address aligned for them.
+  for (const Case& k : channels_last_cases()) {
+    check_case<float>(k, kLast, WithAffine::yes, 1);
+    check_case<bf16>(k, kLast, WithAffine::yes, 1);
   }
 }
 
-TEST(BatchNormCuda, RepeatedRunsGiveIdenticalBits) {
-  LOOM_REQUIRE_CUDA();
-  const Case k{"resnet_stage1_split", 128, 64, 1024};
+// Two runs of one call write the same bits: outputs, statistics and gradients.
+template <class T> void check_repeatable(const Case& k, BatchNormLayout layout) {
+  using A = acc_of<T>;
+  SCOPED_TRACE(std::string(k.name) + (layout == kLast ? " channels-last" : ""));
   std::mt19937 rng(23);
-  const auto x = channel_values<float>(k, 2.0, 0.3, 0.0, rng), dy = channel_values<float>(k, 1.0, 0.0, 0.0, rng);
+  const auto x = channel_values<T>(k, 2.0, 0.3, 0.0, rng, layout),
+             dy = channel_values<T>(k, 1.0, 0.0, 0.0, rng, layout);
   BatchNormArgs a;
-  a.n = k.n, a.c = k.c, a.s = k.s;
+  a.dtype = dtype_of<T>();
+  a.n = k.n, a.c = k.c, a.s = k.s, a.layout = layout;
   const size_t c = size_t(k.c);
-  DeviceBuffer<float> gx(x), gdy(dy), gy(x.size()), gdx(x.size()), gmean(c), ginvstd(c), gdg(c), gdb(c);
-  std::vector<std::vector<float>> runs;
-  for (int rep = 0; rep < 2; ++rep) {
+  DeviceBuffer<T> gx(x), gdy(dy), gy(x.size()), gdx(x.size());
+  DeviceBuffer<A> gmean(c), ginvstd(c), gdg(c), gdb(c);
+  std::vector<unsigned char> runs[2];
+  auto append = [](std::vector<unsigned char>& bytes, const auto& v) {
+    const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+    bytes.insert(bytes.end(), p, p + v.size() * sizeof(v[0]));
+  };
+  for (auto& bytes : runs) {
     cuda::batch_norm_forward_train(a, gy.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), nullptr,
                                    nullptr, nullptr);
     cuda::batch_norm_backward(a, gdx.get(), gdg.get(), gdb.get(), gdy.get(), gx.get(), nullptr, gmean.get(),
                               ginvstd.get(), nullptr);
-    std::vector<float> all = gy.to_host();
-    for (const auto& part : {gmean.to_host(), ginvstd.to_host(), gdx.to_host(), gdg.to_host(), gdb.to_host()})
-      all.insert(all.end(), part.begin(), part.end());
-    runs.push_back(std::move(all));
+    append(bytes, gy.to_host());
+    append(bytes, gdx.to_host());
+    for (const auto& part : {gmean.to_host(), ginvstd.to_host(), gdg.to_host(), gdb.to_host()}) append(bytes, part);
   }
   ASSERT_EQ(runs[0].size(), runs[1].size());
-  EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)), 0);
+  EXPECT_EQ(std::mismatch(runs[0].begin(), runs[0].end(), runs[1].begin()).first - runs[0].begin(),
+            std::ptrdiff_t(runs[0].size()))
+      << "first differing byte";
+}
+
+TEST(BatchNormCuda, RepeatedRunsGiveIdenticalBits) {
+  LOOM_REQUIRE_CUDA();
+  check_repeatable<float>({"resnet_stage1_split", 128, 64, 1024}, kFirst);
+  for (const Case& k : {Case{"resnet_stage1", 256, 64, 1024}, Case{"resnet_stage4", 256, 512, 16}}) {
+    check_repeatable<float>(k, kLast);
+    check_repeatable<bf16>(k, kLast);
+  }
 }
 
 // x = 1000 + U(-1, 1): a sum-of-squares variance would lose every digit in f32.
 TEST(BatchNormCuda, LargeMeanKeepsTheVariance) {
   LOOM_REQUIRE_CUDA();
-  for (const Case& k : {Case{"split", 64, 2, 1024}, Case{"block_per_channel", 16, 600, 36}}) {
-    SCOPED_TRACE(k.name);
-    std::mt19937 rng(29);
-    const auto x = channel_values<float>(k, 1.0, 0.0, 1000.0, rng);
-    BatchNormArgs a;
-    a.n = k.n, a.c = k.c, a.s = k.s;
-    const size_t c = size_t(k.c);
-    std::vector<float> y(x.size()), mean(c), invstd(c);
-    cpu::batch_norm_forward_train(a, y.data(), mean.data(), invstd.data(), nullptr, nullptr, x.data(), nullptr,
-                                  nullptr, nullptr);
-    DeviceBuffer<float> gx(x), gy(x.size()), gmean(c), ginvstd(c);
-    cuda::batch_norm_forward_train(a, gy.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), nullptr,
-                                   nullptr, nullptr);
-    std::vector<double> rel(c);
-    for (size_t i = 0; i < c; ++i) rel[i] = std::abs(double(invstd[i]));
-    expect_close(ginvstd.to_host(), invstd, rel, 1e-4, "save_invstd");
-    expect_close(gy.to_host(), y, one_plus_abs(y), 1e-3, "y");
-  }
+  for (BatchNormLayout layout : {kFirst, kLast})
+    for (const Case& k : {Case{"split", 64, 2, 1024}, Case{"block_per_channel", 16, 600, 36}}) {
+      SCOPED_TRACE(std::string(k.name) + (layout == kLast ? " channels-last" : ""));
+      std::mt19937 rng(29);
+      const auto x = channel_values<float>(k, 1.0, 0.0, 1000.0, rng, layout);
+      BatchNormArgs a;
+      a.n = k.n, a.c = k.c, a.s = k.s, a.layout = layout;
+      const size_t c = size_t(k.c);
+      std::vector<float> y(x.size()), mean(c), invstd(c);
+      cpu::batch_norm_forward_train(a, y.data(), mean.data(), invstd.data(), nullptr, nullptr, x.data(), nullptr,
+                                    nullptr, nullptr);
+      DeviceBuffer<float> gx(x), gy(x.size()), gmean(c), ginvstd(c);
+      cuda::batch_norm_forward_train(a, gy.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), nullptr,
+                                     nullptr, nullptr);
+      std::vector<double> rel(c);
+      for (size_t i = 0; i < c; ++i) rel[i] = std::abs(double(invstd[i]));
+      expect_close(ginvstd.to_host(), invstd, rel, 1e-4, "save_invstd");
+      expect_close(gy.to_host(), y, one_plus_abs(y), 1e-3, "y");
+    }
 }
 
 TEST(BatchNormCuda, EmptyBatchBackwardGivesZeroSums) {
   LOOM_REQUIRE_CUDA();
-  BatchNormArgs a;
-  a.n = 0, a.c = 3, a.s = 4;
-  DeviceBuffer<float> dg(std::vector<float>(3, 7.f)), db(std::vector<float>(3, 7.f)), mean(3), invstd(3);
-  cuda::batch_norm_backward(a, nullptr, dg.get(), db.get(), nullptr, nullptr, nullptr, mean.get(), invstd.get(),
-                            nullptr);
-  EXPECT_EQ(dg.to_host(), std::vector<float>(3, 0.f));
-  EXPECT_EQ(db.to_host(), std::vector<float>(3, 0.f));
+  for (BatchNormLayout layout : {kFirst, kLast}) {
+    BatchNormArgs a;
+    a.n = 0, a.c = 3, a.s = 4, a.layout = layout;
+    DeviceBuffer<float> dg(std::vector<float>(3, 7.f)), db(std::vector<float>(3, 7.f)), mean(3), invstd(3);
+    cuda::batch_norm_backward(a, nullptr, dg.get(), db.get(), nullptr, nullptr, nullptr, mean.get(), invstd.get(),
+                              nullptr);
+    EXPECT_EQ(dg.to_host(), std::vector<float>(3, 0.f));
+    EXPECT_EQ(db.to_host(), std::vector<float>(3, 0.f));
+  }
 }
 
 }  // namespace

@@ -1,0 +1,150 @@
+// What the two CUDA batch-norm files share: the per-channel statistics and gradient sums as
+// the kernels carry and merge them, the per-channel results made from them, and the kernels
+// that merge the partial results of the blocks a channel was split over, a warp per channel
+// in a fixed order, from partials stored channel-major ((C, groups): channel c's at
+// c * groups + group). batch_norm.cu holds the (N, C, S) kernels and the table's entry
+// points, which hand channels-last calls to batch_norm_channels_last.cu. Contracts are on
+// the KernelTable entries in kernels/table.h.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/reduce_common.cuh"
+#include "kernels/table.h"
+
+namespace loom::cuda::batch_norm {
+
+constexpr int kCombineThreads = 512;
+constexpr int kCombineChannels = kCombineThreads / 32;  // a warp per channel in the combine kernels
+
+// Scalars of the call, in double on the host; the kernels round them to the accumulation type.
+struct Hyper {
+  double eps, momentum, m;  // m = N * S, values per channel
+};
+
+// ---- statistics ------------------------------------------------------------------------
+
+template <class A> struct Welford {
+  A n, mean, m2;  // count, mean, sum of squared deviations from the mean
+};
+
+struct WelfordMerge {
+  template <class A> __device__ __forceinline__ Welford<A> operator()(Welford<A> a, Welford<A> b) const {
+    const A n = a.n + b.n;
+    if (n == A(0)) return a;
+    const A w = b.n / n, d = b.mean - a.mean;
+    return {n, a.mean + d * w, a.m2 + b.m2 + d * d * a.n * w};
+  }
+};
+
+// The forward's per-channel outputs; running statistics may be null.
+template <class A> struct Stats {
+  A* save_mean;
+  A* save_invstd;
+  A* running_mean;
+  A* running_var;
+};
+
+template <class A> __device__ __forceinline__ void finish_stats(const Welford<A>& st, int64_t c, const Stats<A>& out,
+                                                                const Hyper& h) {
+  const A m = A(h.m), var = st.m2 / m, momentum = A(h.momentum);
+  out.save_mean[c] = st.mean;
+  out.save_invstd[c] = A(1) / sqrt(var + A(h.eps));
+  if (out.running_mean) out.running_mean[c] = (A(1) - momentum) * out.running_mean[c] + momentum * st.mean;
+  if (out.running_var) out.running_var[c] = (A(1) - momentum) * out.running_var[c] + momentum * (st.m2 / (m - A(1)));
+}
+
+// A warp per channel merges the channel's `groups` partial states, always in the same order.
+template <class A>
+__global__ void __launch_bounds__(kCombineThreads) stats_combine_kernel(const Welford<A>* partials, int64_t channels,
+                                                                        int groups, Stats<A> out, Hyper h) {
+  const int lane = threadIdx.x % 32;
+  const int64_t c = int64_t(blockIdx.x) * kCombineChannels + threadIdx.x / 32;
+  if (c >= channels) return;  // the whole warp leaves together
+  Welford<A> st{A(0), A(0), A(0)};
+  for (int k = lane; k < groups; k += 32) st = WelfordMerge{}(st, partials[c * groups + k]);
+  st = group_reduce<32>(st, WelfordMerge{});
+  if (lane == 0) finish_stats(st, c, out, h);
+}
+
+// Where a channel's mean and spread come from: the batch (save_mean, save_invstd) or the
+// running statistics (running_mean, running_var).
+enum class Source { batch, running };
+
+// ---- backward --------------------------------------------------------------------------
+
+template <class A> struct GradSums {
+  A dy, dy_xmu;  // sum dy, sum dy * (x - mean)
+};
+
+struct GradSumsAdd {
+  template <class A> __device__ __forceinline__ GradSums<A> operator()(GradSums<A> a, GradSums<A> b) const {
+    return {a.dy + b.dy, a.dy_xmu + b.dy_xmu};
+  }
+};
+
+// The backward's per-channel inputs and outputs.
+template <class A> struct GradChannel {
+  const A* gamma;  // null: 1
+  const A* save_mean;
+  const A* save_invstd;
+  A* dgamma;
+  A* dbeta;
+};
+
+template <class A>
+__device__ __forceinline__ void finish_grads(const GradSums<A>& s, int64_t c, const GradChannel<A>& ch) {
+  ch.dbeta[c] = s.dy;
+  ch.dgamma[c] = s.dy_xmu * ch.save_invstd[c];
+}
+
+template <class A>
+__global__ void __launch_bounds__(kCombineThreads) grad_combine_kernel(const GradSums<A>* partials, int64_t channels,
+                                                                       int groups, GradChannel<A> ch) {
+  const int lane = threadIdx.x % 32;
+  const int64_t c = int64_t(blockIdx.x) * kCombineChannels + threadIdx.x / 32;
+  if (c >= channels) return;  // the whole warp leaves together
+  GradSums<A> acc{A(0), A(0)};
+  for (int k = lane; k < groups; k += 32) acc = GradSumsAdd{}(acc, partials[c * groups + k]);
+  acc = group_reduce<32>(acc, GradSumsAdd{});
+  if (lane == 0) finish_grads(acc, c, ch);
+}
+
+// ---- launch planning -------------------------------------------------------------------
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Calls f(std::integral_constant<int, V>) with V the vector width the call can use.
+template <class T, class F> void with_width(bool vectors, F&& f) {
+  if (vectors) f(std::integral_constant<int, int(16 / sizeof(T))>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
+// Whether the buffers can move whole 16-byte vectors: rows of `run` contiguous values that
+// hold a whole number of them, and every buffer 16-byte aligned.
+template <class T> bool can_vectorise(int64_t run, std::initializer_list<const void*> buffers) {
+  if (run % int64_t(16 / sizeof(T)) != 0) return false;
+  for (const void* p : buffers)
+    if (!aligned(p, 16)) return false;
+  return true;
+}
+
+// ---- the channels-last entry points (batch_norm_channels_last.cu) ----------------------
+// The table's contracts for args.layout == channels_last, called by batch_norm.cu's entries
+// once they have dealt with empty shapes (C == 0, N * S == 0).
+void forward_train_channels_last(const BatchNormArgs& args, void* y, void* save_mean, void* save_invstd,
+                                 void* running_mean, void* running_var, const void* x, const void* gamma,
+                                 const void* beta, StreamHandle stream);
+void forward_eval_channels_last(const BatchNormArgs& args, void* y, const void* x, const void* gamma,
+                                const void* beta, const void* running_mean, const void* running_var,
+                                StreamHandle stream);
+void backward_channels_last(const BatchNormArgs& args, void* dx, void* dgamma, void* dbeta, const void* dy,
+                            const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
+                            StreamHandle stream);
+
+}  // namespace loom::cuda::batch_norm
