@@ -38,10 +38,11 @@ struct Node;
 //                  convolutions, BatchNorm and pooling give a channels-last output for a
 //                  channels-last input.
 // Where both describe the same memory (C = 1, or H = W = 1) the tensor counts as contiguous.
-// BatchNorm's kernels read and write the channels-last layout as it lies. The convolution
-// and pooling kernels still read and write row-major buffers on both devices: for a
-// channels-last input those ops run on a row-major copy and lay their output out
-// channels-last again (ops::through_row_major), so the layout is kept but not yet faster.
+// BatchNorm's kernels read and write the channels-last layout as it lies, on both devices;
+// so do the convolutions (cuDNN, the weight laid out channels-last too) and pooling on a
+// GPU. On the CPU the convolution and pooling kernels read and write row-major buffers: for
+// a channels-last input those ops run on a row-major copy and lay their output out
+// channels-last again (ops::through_row_major).
 enum class MemoryFormat : uint8_t { contiguous, channels_last };
 
 // Whether a backward pass keeps what each node saved for its gradient once the node has run

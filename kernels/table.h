@@ -100,7 +100,9 @@ struct GemmArgs {
 
 // A 2-d convolution (cross-correlation, as in PyTorch) over NCHW contiguous buffers:
 //   x (N, C_in, H, W), w (C_out, C_in / groups, KH, KW), y (N, C_out, OH, OW), with
-//   OH = (H + 2 pad_h - dilation_h (KH - 1) - 1) / stride_h + 1 (likewise OW).
+//   OH = (H + 2 pad_h - dilation_h (KH - 1) - 1) / stride_h + 1 (likewise OW);
+// or, with channels_last, the same tensors with the channels innermost in memory: x as
+// (N, H, W, C_in), w as (C_out, KH, KW, C_in / groups), y as (N, OH, OW, C_out) (CUDA only).
 // Groups split C_in and C_out into `groups` equal slices, slice g of y seeing only slice g
 // of x. Bias is not the kernel's business: the engine adds it with a broadcast add.
 // `workspace` is device scratch of at least conv2d_workspace_size(args, pass) bytes for the
@@ -124,17 +126,23 @@ struct Conv2dArgs {
   // CUDA: only algorithms whose results repeat bit for bit from run to run (cuDNN's engines
   // without the nondeterministic note; Options::deterministic). The CPU is deterministic.
   bool deterministic = false;
+  // Every buffer channels-last (see above): cuDNN's tensor-core kernels read and write it
+  // without transposing. The CPU kernels take NCHW only.
+  bool channels_last = false;
 };
 
 // A 2-d pooling window over NCHW contiguous buffers: x (N, C, H, W), y (N, C, OH, OW),
 // window (KH, KW) at stride (stride_h, stride_w), with pad on each side, and
 // OH = (H + 2 pad_h - KH) / stride_h + 1 (floor, as PyTorch's ceil_mode=False), likewise OW.
 // The engine guarantees pad <= kernel / 2, so every window holds at least one input element.
+// With channels_last (CUDA only) x, y, the indices and the gradients are (N, H, W, C) in
+// memory. Max pooling's indices are ih * W + iw within the plane, in either layout.
 struct Pool2dArgs {
   DType dtype = DType::f32;
   int64_t n = 0, c = 0, h = 0, w = 0;  // input (N, C, H, W)
   int64_t out_h = 0, out_w = 0;        // output (N, C, OH, OW)
   int64_t kh = 1, kw = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
+  bool channels_last = false;
 };
 
 // Where the channel axis of a batch-norm buffer lies in memory (x, y, dy and dx alike):

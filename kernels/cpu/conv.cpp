@@ -229,23 +229,31 @@ int64_t x_numel(const Conv2dArgs& a) { return a.n * a.c_in * a.h * a.w; }
 int64_t y_numel(const Conv2dArgs& a) { return a.n * a.c_out * a.out_h * a.out_w; }
 int64_t w_numel(const Conv2dArgs& a) { return a.c_out * (a.c_in / a.groups) * a.kh * a.kw; }
 
+// The engine hands the CPU NCHW buffers only (a channels-last input is converted around it).
+void check_layout(const Conv2dArgs& a) {
+  LOOM_ASSERT(!a.channels_last, "the CPU's conv2d kernels take NCHW buffers, not channels-last ones");
+}
+
 }  // namespace
 
 size_t conv2d_workspace_size(const Conv2dArgs&, ConvPass) { return 0; }
 
 void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, StreamHandle) {
+  check_layout(a);
   if (y_numel(a) == 0) return;
   run_acc(a, "conv2d", y, y_numel(a), x, x_numel(a), w, w_numel(a),
           [&](auto* out, const auto* xa, const auto* wa) { forward_acc(a, out, xa, wa); });
 }
 
 void conv2d_backward_data(const Conv2dArgs& a, void* dx, const void* dy, const void* w, StreamHandle) {
+  check_layout(a);
   if (x_numel(a) == 0) return;
   run_acc(a, "conv2d backward", dx, x_numel(a), dy, y_numel(a), w, w_numel(a),
           [&](auto* out, const auto* dya, const auto* wa) { backward_data_acc(a, out, dya, wa); });
 }
 
 void conv2d_backward_filter(const Conv2dArgs& a, void* dw, const void* x, const void* dy, StreamHandle) {
+  check_layout(a);
   if (w_numel(a) == 0) return;
   run_acc(a, "conv2d backward", dw, w_numel(a), x, x_numel(a), dy, y_numel(a),
           [&](auto* out, const auto* xa, const auto* dya) { backward_filter_acc(a, out, xa, dya); });

@@ -120,15 +120,15 @@ int to_int(int64_t v) { return int(v); }
 
 std::unique_ptr<Plan> make_plan(const Conv2dArgs& a) {
   const CudnnTypes t = cudnn_types(a.dtype);
+  const cudnnTensorFormat_t format = a.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
   auto p = std::make_unique<Plan>();
   LOOM_CUDNN(cudnnCreateTensorDescriptor(&p->x));
-  LOOM_CUDNN(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, t.data, to_int(a.n), to_int(a.c_in), to_int(a.h),
-                                        to_int(a.w)));
+  LOOM_CUDNN(cudnnSetTensor4dDescriptor(p->x, format, t.data, to_int(a.n), to_int(a.c_in), to_int(a.h), to_int(a.w)));
   LOOM_CUDNN(cudnnCreateTensorDescriptor(&p->y));
-  LOOM_CUDNN(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, t.data, to_int(a.n), to_int(a.c_out),
-                                        to_int(a.out_h), to_int(a.out_w)));
+  LOOM_CUDNN(cudnnSetTensor4dDescriptor(p->y, format, t.data, to_int(a.n), to_int(a.c_out), to_int(a.out_h),
+                                        to_int(a.out_w)));
   LOOM_CUDNN(cudnnCreateFilterDescriptor(&p->w));
-  LOOM_CUDNN(cudnnSetFilter4dDescriptor(p->w, t.data, CUDNN_TENSOR_NCHW, to_int(a.c_out), to_int(a.c_in / a.groups),
+  LOOM_CUDNN(cudnnSetFilter4dDescriptor(p->w, t.data, format, to_int(a.c_out), to_int(a.c_in / a.groups),
                                         to_int(a.kh), to_int(a.kw)));
   for (auto& c : p->conv) {
     LOOM_CUDNN(cudnnCreateConvolutionDescriptor(&c));
@@ -149,7 +149,7 @@ std::unique_ptr<Plan> make_plan(const Conv2dArgs& a) {
 
 // The plan for these shapes on `device`, built on first use. Plans are never freed.
 Plan& plan_for(const Conv2dArgs& a, int device) {
-  using Key = std::array<int64_t, 20>;
+  using Key = std::array<int64_t, 21>;
   struct Cache {
     std::mutex mu;
     std::map<Key, std::unique_ptr<Plan>> plans;
@@ -158,7 +158,8 @@ Plan& plan_for(const Conv2dArgs& a, int device) {
   const Key key{device,     int64_t(a.dtype), a.n,        a.c_in,     a.h,        a.w,
                 a.c_out,    a.kh,             a.kw,       a.out_h,    a.out_w,    a.stride_h,
                 a.stride_w, a.pad_h,          a.pad_w,    a.dilation_h, a.dilation_w, a.groups,
-                int64_t(a.dtype == DType::f32 && tf32_allowed()), int64_t(a.deterministic)};
+                int64_t(a.dtype == DType::f32 && tf32_allowed()), int64_t(a.deterministic),
+                int64_t(a.channels_last)};
   std::lock_guard lock(cache->mu);
   auto& slot = cache->plans[key];
   if (!slot) slot = make_plan(a);

@@ -61,8 +61,11 @@ struct Desc {
   }
 };
 
-Desc tensor(int64_t uid, cudnnDataType_t type, std::array<int64_t, 4> dims) {
-  const std::array<int64_t, 4> strides{dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1};  // NCHW
+// A 4-d tensor of logical dims (N, C, H, W), laid out NCHW or, channels-last, NHWC.
+Desc tensor(int64_t uid, cudnnDataType_t type, std::array<int64_t, 4> dims, bool channels_last) {
+  const std::array<int64_t, 4> strides =
+      channels_last ? std::array<int64_t, 4>{dims[1] * dims[2] * dims[3], 1, dims[3] * dims[1], dims[1]}
+                    : std::array<int64_t, 4>{dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1};
   Desc t(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
   t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type)
       .set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data())
@@ -141,9 +144,9 @@ void PlanDeleter::operator()(Plan* p) const { delete p; }
 
 PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace) {
   const CudnnTypes types = cudnn_types(a.dtype);
-  Desc x = tensor(kX, types.data, {a.n, a.c_in, a.h, a.w});
-  Desc w = tensor(kW, types.data, {a.c_out, a.c_in / a.groups, a.kh, a.kw});
-  Desc y = tensor(kY, types.data, {a.n, a.c_out, a.out_h, a.out_w});
+  Desc x = tensor(kX, types.data, {a.n, a.c_in, a.h, a.w}, a.channels_last);
+  Desc w = tensor(kW, types.data, {a.c_out, a.c_in / a.groups, a.kh, a.kw}, a.channels_last);
+  Desc y = tensor(kY, types.data, {a.n, a.c_out, a.out_h, a.out_w}, a.channels_last);
 
   const cudnnDataType_t compute = types.compute;
   const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;

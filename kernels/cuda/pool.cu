@@ -1,5 +1,7 @@
-// CUDA 2-d max and average pooling over NCHW planes: one thread per output element in the
-// forward passes, one thread per input element in the backward passes.
+// CUDA 2-d max and average pooling over NCHW or channels-last (NHWC) buffers: one thread per
+// output element in the forward passes, one thread per input element in the backward passes,
+// consecutive threads taking consecutive elements in memory (in NHWC the channels of one
+// pixel, so a warp's reads of each window position are coalesced).
 //
 // The backward passes gather: an input element sums the gradients of the outputs whose
 // windows cover it (kernels/core/pool_window.h, shared with the CPU kernels), in a fixed
@@ -20,12 +22,35 @@ constexpr int kThreads = 256;
 
 // Pool2dArgs by value, trimmed to what the device needs.
 struct Geom {
-  int64_t h, w, out_h, out_w, kh, kw, stride_h, stride_w, pad_h, pad_w;
+  int64_t c, h, w, out_h, out_w, kh, kw, stride_h, stride_w, pad_h, pad_w;
+  bool channels_last;
 };
 
 Geom geom(const Pool2dArgs& a) {
-  return {a.h, a.w, a.out_h, a.out_w, a.kh, a.kw, a.stride_h, a.stride_w, a.pad_h, a.pad_w};
+  return {a.c, a.h, a.w, a.out_h, a.out_w, a.kh, a.kw, a.stride_h, a.stride_w, a.pad_h, a.pad_w, a.channels_last};
 }
+
+// Element e (in memory order) of a buffer of (N, C) planes of rows x cols, in the Geom's
+// layout: its image n, channel c, row and column.
+struct Place {
+  int64_t n, c, row, col;
+};
+
+__device__ __forceinline__ Place place(int64_t e, int64_t rows, int64_t cols, const Geom& g) {
+  if (g.channels_last) {
+    const int64_t pixel = e / g.c;
+    return {pixel / (cols * rows), e % g.c, pixel / cols % rows, pixel % cols};
+  }
+  const int64_t plane = e / (cols * rows);
+  return {plane / g.c, plane % g.c, e / cols % rows, e % cols};
+}
+
+// Where the plane of p starts in a buffer of rows x cols planes; its element (r, q) is then
+// (r * cols + q) * stride(g) further on.
+__device__ __forceinline__ int64_t plane_start(const Place& p, int64_t rows, int64_t cols, const Geom& g) {
+  return g.channels_last ? p.n * rows * cols * g.c + p.c : (p.n * g.c + p.c) * rows * cols;
+}
+__device__ __forceinline__ int64_t stride(const Geom& g) { return g.channels_last ? g.c : 1; }
 
 #define LOOM_GRID_STRIDE(e, n) \
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < (n); e += int64_t(gridDim.x) * blockDim.x)
@@ -33,16 +58,17 @@ Geom geom(const Pool2dArgs& a) {
 template <class T>
 __global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, Geom g, int64_t n) {
   using A = acc_t<T>;
+  const int64_t step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const int64_t ow = e % g.out_w, oh = e / g.out_w % g.out_h, plane = e / (g.out_w * g.out_h);
-    const T* in = x + plane * g.h * g.w;
-    const pool::Span rows = pool::input_span(oh, g.stride_h, g.pad_h, g.kh, g.h);
-    const pool::Span cols = pool::input_span(ow, g.stride_w, g.pad_w, g.kw, g.w);
+    const Place p = place(e, g.out_h, g.out_w, g);
+    const T* in = x + plane_start(p, g.h, g.w, g);
+    const pool::Span rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
+    const pool::Span cols = pool::input_span(p.col, g.stride_w, g.pad_w, g.kw, g.w);
     A best = -std::numeric_limits<A>::infinity();
     int64_t best_at = rows.begin * g.w + cols.begin;
     for (int64_t ih = rows.begin; ih < rows.end; ++ih)
       for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
-        const A v = to_acc(in[ih * g.w + iw]);
+        const A v = to_acc(in[(ih * g.w + iw) * step]);
         if (v > best || v != v) {
           best = v;
           best_at = ih * g.w + iw;
@@ -56,17 +82,20 @@ __global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, Geom g, i
 template <class T>
 __global__ void max_backward_kernel(T* dx, const T* dy, const int64_t* indices, Geom g, int64_t n) {
   using A = acc_t<T>;
+  const int64_t step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const int64_t iw = e % g.w, ih = e / g.w % g.h, plane = e / (g.w * g.h);
-    const int64_t ohw = g.out_h * g.out_w, self = ih * g.w + iw;
-    const T* go = dy + plane * ohw;
-    const int64_t* idx = indices + plane * ohw;
-    const pool::Span rows = pool::output_span(ih, g.stride_h, g.pad_h, g.kh, g.out_h);
-    const pool::Span cols = pool::output_span(iw, g.stride_w, g.pad_w, g.kw, g.out_w);
+    const Place p = place(e, g.h, g.w, g);
+    const int64_t self = p.row * g.w + p.col, start = plane_start(p, g.out_h, g.out_w, g);
+    const T* go = dy + start;
+    const int64_t* idx = indices + start;
+    const pool::Span rows = pool::output_span(p.row, g.stride_h, g.pad_h, g.kh, g.out_h);
+    const pool::Span cols = pool::output_span(p.col, g.stride_w, g.pad_w, g.kw, g.out_w);
     A sum = A(0);
     for (int64_t oh = rows.begin; oh < rows.end; ++oh)
-      for (int64_t ow = cols.begin; ow < cols.end; ++ow)
-        if (idx[oh * g.out_w + ow] == self) sum += to_acc(go[oh * g.out_w + ow]);
+      for (int64_t ow = cols.begin; ow < cols.end; ++ow) {
+        const int64_t at = (oh * g.out_w + ow) * step;
+        if (idx[at] == self) sum += to_acc(go[at]);
+      }
     dx[e] = from_acc<T>(sum);
   }
 }
@@ -75,14 +104,15 @@ template <class T>
 __global__ void avg_forward_kernel(T* y, const T* x, Geom g, int64_t n) {
   using A = acc_t<T>;
   const A scale = A(1) / A(g.kh * g.kw);
+  const int64_t step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const int64_t ow = e % g.out_w, oh = e / g.out_w % g.out_h, plane = e / (g.out_w * g.out_h);
-    const T* in = x + plane * g.h * g.w;
-    const pool::Span rows = pool::input_span(oh, g.stride_h, g.pad_h, g.kh, g.h);
-    const pool::Span cols = pool::input_span(ow, g.stride_w, g.pad_w, g.kw, g.w);
+    const Place p = place(e, g.out_h, g.out_w, g);
+    const T* in = x + plane_start(p, g.h, g.w, g);
+    const pool::Span rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
+    const pool::Span cols = pool::input_span(p.col, g.stride_w, g.pad_w, g.kw, g.w);
     A sum = A(0);
     for (int64_t ih = rows.begin; ih < rows.end; ++ih)
-      for (int64_t iw = cols.begin; iw < cols.end; ++iw) sum += to_acc(in[ih * g.w + iw]);
+      for (int64_t iw = cols.begin; iw < cols.end; ++iw) sum += to_acc(in[(ih * g.w + iw) * step]);
     y[e] = from_acc<T>(sum * scale);
   }
 }
@@ -91,14 +121,15 @@ template <class T>
 __global__ void avg_backward_kernel(T* dx, const T* dy, Geom g, int64_t n) {
   using A = acc_t<T>;
   const A scale = A(1) / A(g.kh * g.kw);
+  const int64_t step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const int64_t iw = e % g.w, ih = e / g.w % g.h, plane = e / (g.w * g.h);
-    const T* go = dy + plane * g.out_h * g.out_w;
-    const pool::Span rows = pool::output_span(ih, g.stride_h, g.pad_h, g.kh, g.out_h);
-    const pool::Span cols = pool::output_span(iw, g.stride_w, g.pad_w, g.kw, g.out_w);
+    const Place p = place(e, g.h, g.w, g);
+    const T* go = dy + plane_start(p, g.out_h, g.out_w, g);
+    const pool::Span rows = pool::output_span(p.row, g.stride_h, g.pad_h, g.kh, g.out_h);
+    const pool::Span cols = pool::output_span(p.col, g.stride_w, g.pad_w, g.kw, g.out_w);
     A sum = A(0);
     for (int64_t oh = rows.begin; oh < rows.end; ++oh)
-      for (int64_t ow = cols.begin; ow < cols.end; ++ow) sum += to_acc(go[oh * g.out_w + ow]);
+      for (int64_t ow = cols.begin; ow < cols.end; ++ow) sum += to_acc(go[(oh * g.out_w + ow) * step]);
     dx[e] = from_acc<T>(sum * scale);
   }
 }

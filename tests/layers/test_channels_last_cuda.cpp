@@ -1,0 +1,96 @@
+// Channels-last on the GPU, where convolutions and pooling read and write the layout
+// natively (cuDNN's NHWC convolutions, Loom's NHWC pooling kernels): a ResNet-18 and a
+// SimpleCNN step on a channels-last batch keep every stage's output channels-last and give
+// the row-major step's loss and gradients, to the rounding of cuDNN's other algorithms.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "engine/autocast.h"
+#include "engine/autograd.h"
+#include "engine/ops.h"
+#include "layers/models/resnet.h"
+#include "layers/models/simple_cnn.h"
+#include "tests/common/gpu.h"
+
+namespace loom::nn {
+namespace {
+
+struct Step {
+  double loss = 0;
+  std::vector<std::vector<double>> grads;
+};
+
+Step step(Module& model, const Tensor& x, const Tensor& labels, std::optional<DType> cast) {
+  Tensor loss;
+  {
+    AutocastGuard guard(cast);
+    loss = cross_entropy(model.forward(x).to(DType::f32), labels);
+  }
+  loss.backward();
+  Step s{loss.item(), {}};
+  for (const Tensor& p : model.parameters()) s.grads.push_back(p.grad().to_vector<double>());
+  return s;
+}
+
+// Each gradient within tol of the largest magnitude of its row-major counterpart.
+void expect_alike(const Step& got, const Step& want, double tol) {
+  EXPECT_NEAR(got.loss, want.loss, tol * std::abs(want.loss));
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  for (size_t i = 0; i < want.grads.size(); ++i) {
+    double scale = 1e-6;
+    for (double v : want.grads[i]) scale = std::max(scale, std::abs(v));
+    for (size_t j = 0; j < want.grads[i].size(); ++j)
+      ASSERT_NEAR(got.grads[i][j], want.grads[i][j], tol * scale) << "parameter " << i << " element " << j;
+  }
+}
+
+void check(const std::function<std::shared_ptr<Module>()>& make, const Shape& image, std::optional<DType> cast,
+           double tol) {
+  const Device dev = Device::cuda(0);
+  manual_seed(5);
+  Tensor images = randn(image).to(dev);
+  Tensor labels = from_vector(std::vector<int64_t>{3, 7, 1, 0}, {4}).to(dev);
+  Step steps[2];
+  for (int layout = 0; layout < 2; ++layout) {
+    manual_seed(9);
+    std::shared_ptr<Module> model = make();
+    model->to(dev);
+    const MemoryFormat format = layout ? MemoryFormat::channels_last : MemoryFormat::contiguous;
+    steps[layout] = step(*model, images.contiguous(format), labels, cast);
+  }
+  expect_alike(steps[1], steps[0], tol);
+}
+
+TEST(ChannelsLastCuda, ResNet18StaysChannelsLastAndStepsLikeRowMajor) {
+  LOOM_REQUIRE_CUDA();
+  test::Tf32Off full_f32;
+  check([] { return resnet18(10, 3); }, {4, 3, 16, 16}, std::nullopt, 1e-3);
+  check([] { return resnet18(10, 3); }, {4, 3, 16, 16}, DType::bf16, 5e-2);
+  // Every stage's output keeps the layout.
+  const Device dev = Device::cuda(0);
+  auto model = resnet18(10, 3);
+  model->to(dev);
+  NoGradGuard no_grad;
+  Tensor h = randn({4, 3, 16, 16}).to(dev).contiguous(MemoryFormat::channels_last);
+  h = relu(model->bn1->forward(model->conv1->forward(h)));
+  EXPECT_EQ(h.memory_format(), MemoryFormat::channels_last);
+  for (const auto& stage : model->stages) {
+    h = stage->forward(h);
+    EXPECT_EQ(h.memory_format(), MemoryFormat::channels_last) << shape_str(h.shape());
+  }
+}
+
+TEST(ChannelsLastCuda, SimpleCnnWithMaxPoolingStepsLikeRowMajor) {
+  LOOM_REQUIRE_CUDA();
+  test::Tf32Off full_f32;
+  check([] { return std::make_shared<SimpleCNN>(3, 32, 10); }, {4, 3, 32, 32}, std::nullopt, 1e-3);
+}
+
+}  // namespace
+}  // namespace loom::nn
