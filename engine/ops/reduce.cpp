@@ -1,7 +1,14 @@
 // Reductions. Every reduction runs the one `reduce` kernel over a canonical
 // (outer, R, inner) buffer: when the reduced dims form one contiguous run of a
-// contiguous tensor the input is used as it is; otherwise the reduced dims are permuted
-// to the end and packed first. var is composite (mean of squared deviations).
+// contiguous tensor the input is used as it is. A channels-last tensor is reduced in its
+// memory order (N, H, W, C), where it is contiguous: a mean over H and W, or a sum over N,
+// H and W (a convolution bias's gradient), is then one run with no copy. Several runs of a
+// contiguous f32 or f64 tensor (N, H and W of an NCHW tensor) are reduced one run at a
+// time, the last first; what is left (16-bit dtypes, whose partial results would be
+// rounded; argmax and argmin; strided views) has its reduced dims permuted to the end and
+// packed first. var is composite (mean of squared deviations).
+#include <algorithm>
+
 #include "engine/ops/dispatch.h"
 
 namespace loom {
@@ -20,11 +27,43 @@ Shape reduced_shape(const Shape& shape, const std::vector<int>& dims, bool keepd
   return out;
 }
 
+// dims (sorted) split into runs of consecutive dims.
+std::vector<std::vector<int>> runs_of(const std::vector<int>& dims) {
+  std::vector<std::vector<int>> runs;
+  for (int d : dims) {
+    if (runs.empty() || runs.back().back() + 1 != d) runs.emplace_back();
+    runs.back().push_back(d);
+  }
+  return runs;
+}
+
 // Runs `op` over dims; returns the result in keepdim shape, and sets R (elements per output).
 Tensor reduce_kernel(ReduceOp op, const Tensor& x, const std::vector<int>& dims, int64_t* R_out) {
+  const bool arg = op == ReduceOp::argmax || op == ReduceOp::argmin;
+  if (!dims.empty() && !arg && x.memory_format() == MemoryFormat::channels_last) {
+    // In memory order the data is row-major: reduce there and put the dims back.
+    const std::vector<int> order{0, 2, 3, 1}, back{0, 3, 1, 2};
+    std::vector<int> memory_dims;
+    for (int d : dims) memory_dims.push_back(back[d]);
+    std::sort(memory_dims.begin(), memory_dims.end());
+    return reduce_kernel(op, x.permute(order), memory_dims, R_out).permute(back);
+  }
+  const std::vector<std::vector<int>> runs = runs_of(dims);
+  const bool exact_parts = x.dtype() == DType::f32 || x.dtype() == DType::f64 || op == ReduceOp::max ||
+                           op == ReduceOp::min;
+  if (runs.size() > 1 && !arg && exact_parts && x.is_contiguous()) {
+    // The last run, then the others over its (contiguous) result: a sum of sums, a mean of
+    // means over equal counts, a max of maxima.
+    std::vector<int> rest;
+    for (size_t r = 0; r + 1 < runs.size(); ++r) rest.insert(rest.end(), runs[r].begin(), runs[r].end());
+    int64_t last_R = 1, rest_R = 1;
+    Tensor part = reduce_kernel(op, x, runs.back(), &last_R);
+    Tensor out = reduce_kernel(op, part, rest, &rest_R);
+    *R_out = last_R * rest_R;
+    return out;
+  }
   Tensor in = x;
-  bool run = !dims.empty();
-  for (size_t i = 1; i < dims.size(); ++i) run = run && dims[i] == dims[i - 1] + 1;
+  bool run = runs.size() == 1;
   int64_t outer = 1, R = 1, inner = 1;
   if (run && x.is_contiguous()) {
     for (int i = 0; i < x.dim(); ++i) {
@@ -43,7 +82,6 @@ Tensor reduce_kernel(ReduceOp op, const Tensor& x, const std::vector<int>& dims,
       else R *= x.shape()[i];
     }
   }
-  bool arg = op == ReduceOp::argmax || op == ReduceOp::argmin;
   Tensor out = Tensor::empty(reduced_shape(x.shape(), dims, true), arg ? DType::i64 : x.dtype(), x.device());
   LOOM_CHECK(R > 0 || op == ReduceOp::sum || op == ReduceOp::mean,
              "max/min/argmax over an empty dimension of a tensor of shape ", shape_str(x.shape()));

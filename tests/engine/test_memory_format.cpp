@@ -3,10 +3,12 @@
 // the values and input gradients of the same op on the row-major input, bit for bit.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "engine/allocator.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
 
@@ -119,6 +121,40 @@ TEST(MemoryFormat, EveryCnnOpKeepsAChannelsLastInputChannelsLast) {
   expect_layout_kept("to bf16 and back", [](const Tensor& x) { return x.to(DType::bf16).to(DType::f32); }, s);
   // A row-major operand beside a channels-last one: the values are the same either way.
   expect_layout_kept("mixed layouts", [&](const Tensor& x) { return mul(x, other); }, s);
+}
+
+// A channels-last tensor reduces in its memory order: a convolution bias's gradient (a sum
+// over N, H and W) and a spatial mean need no copy of the tensor, and give the row-major
+// tensor's values.
+TEST(MemoryFormat, ReductionsOfChannelsLastNeedNoCopy) {
+  manual_seed(2);
+  Tensor x = randn({4, 8, 6, 6}, DType::f64);
+  Tensor last = x.contiguous(kLast);
+  for (const std::vector<int>& dims : {std::vector<int>{0, 2, 3}, std::vector<int>{2, 3}, std::vector<int>{1}}) {
+    SCOPED_TRACE(dims.size());
+    memory::reset_peak(Device::cpu());
+    const size_t before = memory::stats(Device::cpu()).allocated;
+    Tensor got = sum(last, dims);
+    EXPECT_LT(memory::stats(Device::cpu()).peak_allocated - before, size_t(last.nbytes()) / 4);
+    const std::vector<double> want = sum(x, dims).to_vector<double>(), have = got.to_vector<double>();
+    ASSERT_EQ(have.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(have[i], want[i], 1e-12) << i;
+  }
+}
+
+// Reduced dims in two runs of a row-major f32 tensor go one run at a time: no copy, and the
+// float64 sum's values.
+TEST(MemoryFormat, TwoRunsOfARowMajorTensorReduceWithoutACopy) {
+  manual_seed(4);
+  Tensor x = randn({8, 16, 12, 12});
+  memory::reset_peak(Device::cpu());
+  const size_t before = memory::stats(Device::cpu()).allocated;
+  Tensor got = sum(x, {0, 2, 3});
+  EXPECT_LT(memory::stats(Device::cpu()).peak_allocated - before, size_t(x.nbytes()) / 4);
+  const std::vector<double> want = sum(x.to(DType::f64), {0, 2, 3}).to_vector<double>();
+  const std::vector<float> have = got.to_vector<float>();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(have[i], want[i], 1e-4 * (1 + std::abs(want[i]))) << i;
+  EXPECT_NEAR(mean(x, {0, 2, 3}).to_vector<float>()[3], want[3] / (8 * 12 * 12), 1e-6);
 }
 
 }  // namespace
