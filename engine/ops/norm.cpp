@@ -26,7 +26,7 @@ DType accumulation_type(DType t) { return t == DType::f64 ? DType::f64 : DType::
 
 // The layout of the kernels' buffers (x, y, dy, dx) as a MemoryFormat.
 MemoryFormat format_of(const BatchNormArgs& a) {
-  return a.layout == BatchNormLayout::channels_last ? MemoryFormat::channels_last : MemoryFormat::contiguous;
+  return a.layout == ChannelLayout::channels_last ? MemoryFormat::channels_last : MemoryFormat::contiguous;
 }
 
 void check_channels(const char* name, const Tensor& t, const Tensor& x) {
@@ -167,7 +167,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
   for (int d = 2; d < input.dim(); ++d) a.s *= input.size(d);
   a.eps = eps;
   a.momentum = momentum;
-  if (ops::channels_last(input)) a.layout = BatchNormLayout::channels_last;
+  if (ops::channels_last(input)) a.layout = ChannelLayout::channels_last;
   LOOM_CHECK(!training || a.n * a.s != 1, "batch_norm: Expected more than 1 value per channel when training, got input ",
              shape_str(input.shape()), ": use a batch of more than one sample, or eval mode");
 

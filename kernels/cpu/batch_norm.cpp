@@ -40,7 +40,7 @@ struct Walk {
 };
 
 Walk walk_of(const BatchNormArgs& a) {
-  if (a.layout == BatchNormLayout::channels_last) return {a.s * a.c, 1, a.c};
+  if (a.layout == ChannelLayout::channels_last) return {a.s * a.c, 1, a.c};
   return {a.c * a.s, a.s, 1};
 }
 
@@ -94,7 +94,7 @@ void for_each_in_tile(const BatchNormArgs& a, const Walk& w, int64_t c0, const F
 // Channels per tile: one row-major; channels-last, 16 or 4 where that still leaves every
 // thread a tile, else one. The width changes no sum's order, only the walk.
 int tile_width(const BatchNormArgs& a) {
-  if (a.layout == BatchNormLayout::channels_first) return 1;
+  if (a.layout == ChannelLayout::channels_first) return 1;
   const int64_t per_thread = a.c / num_threads();
   return per_thread >= 16 ? 16 : per_thread >= 4 ? 4 : 1;
 }

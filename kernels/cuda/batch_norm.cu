@@ -212,7 +212,7 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
                               void* running_mean, void* running_var, const void* x, const void* gamma,
                               const void* beta, StreamHandle stream) {
   if (a.c == 0 || a.n * a.s == 0) return;
-  if (a.layout == BatchNormLayout::channels_last)
+  if (a.layout == ChannelLayout::channels_last)
     return forward_train_channels_last(a, y, save_mean, save_invstd, running_mean, running_var, x, gamma, beta,
                                        stream);
   dispatch_floating(a.dtype, "batch_norm", [&](auto tag) {
@@ -245,7 +245,7 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
 void batch_norm_forward_eval(const BatchNormArgs& a, void* y, const void* x, const void* gamma, const void* beta,
                              const void* running_mean, const void* running_var, StreamHandle stream) {
   if (a.c == 0 || a.n * a.s == 0) return;
-  if (a.layout == BatchNormLayout::channels_last)
+  if (a.layout == ChannelLayout::channels_last)
     return forward_eval_channels_last(a, y, x, gamma, beta, running_mean, running_var, stream);
   dispatch_floating(a.dtype, "batch_norm", [&](auto tag) {
     using T = decltype(tag);
@@ -266,7 +266,7 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
                          const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
                          StreamHandle stream) {
   if (a.c == 0) return;
-  if (a.layout == BatchNormLayout::channels_last && a.n * a.s != 0)  // an empty batch: the zeroing below
+  if (a.layout == ChannelLayout::channels_last && a.n * a.s != 0)  // an empty batch: the zeroing below
     return backward_channels_last(a, dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, stream);
   dispatch_floating(a.dtype, "batch_norm backward", [&](auto tag) {
     using T = decltype(tag);

@@ -120,7 +120,7 @@ int to_int(int64_t v) { return int(v); }
 
 std::unique_ptr<Plan> make_plan(const Conv2dArgs& a) {
   const CudnnTypes t = cudnn_types(a.dtype);
-  const cudnnTensorFormat_t format = a.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+  const cudnnTensorFormat_t format = a.layout == ChannelLayout::channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
   auto p = std::make_unique<Plan>();
   LOOM_CUDNN(cudnnCreateTensorDescriptor(&p->x));
   LOOM_CUDNN(cudnnSetTensor4dDescriptor(p->x, format, t.data, to_int(a.n), to_int(a.c_in), to_int(a.h), to_int(a.w)));
@@ -159,7 +159,7 @@ Plan& plan_for(const Conv2dArgs& a, int device) {
                 a.c_out,    a.kh,             a.kw,       a.out_h,    a.out_w,    a.stride_h,
                 a.stride_w, a.pad_h,          a.pad_w,    a.dilation_h, a.dilation_w, a.groups,
                 int64_t(a.dtype == DType::f32 && tf32_allowed()), int64_t(a.deterministic),
-                int64_t(a.channels_last)};
+                int64_t(a.layout)};
   std::lock_guard lock(cache->mu);
   auto& slot = cache->plans[key];
   if (!slot) slot = make_plan(a);

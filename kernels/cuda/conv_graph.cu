@@ -144,9 +144,9 @@ void PlanDeleter::operator()(Plan* p) const { delete p; }
 
 PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace) {
   const CudnnTypes types = cudnn_types(a.dtype);
-  Desc x = tensor(kX, types.data, {a.n, a.c_in, a.h, a.w}, a.channels_last);
-  Desc w = tensor(kW, types.data, {a.c_out, a.c_in / a.groups, a.kh, a.kw}, a.channels_last);
-  Desc y = tensor(kY, types.data, {a.n, a.c_out, a.out_h, a.out_w}, a.channels_last);
+  Desc x = tensor(kX, types.data, {a.n, a.c_in, a.h, a.w}, a.layout == ChannelLayout::channels_last);
+  Desc w = tensor(kW, types.data, {a.c_out, a.c_in / a.groups, a.kh, a.kw}, a.layout == ChannelLayout::channels_last);
+  Desc y = tensor(kY, types.data, {a.n, a.c_out, a.out_h, a.out_w}, a.layout == ChannelLayout::channels_last);
 
   const cudnnDataType_t compute = types.compute;
   const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;

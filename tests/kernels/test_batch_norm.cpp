@@ -282,7 +282,7 @@ void check_channels_last(const Shape3& sh, WithAffine affine) {
     std::vector<T> y, y_eval, dx;
     std::vector<A> mean, invstd, rm, rv, dgamma, dbeta;
   };
-  auto run = [&](BatchNormLayout layout, const std::vector<T>& xs, const std::vector<T>& dys) {
+  auto run = [&](ChannelLayout layout, const std::vector<T>& xs, const std::vector<T>& dys) {
     BatchNormArgs a;
     a.dtype = dtype_of<T>();
     a.n = sh.n, a.c = sh.c, a.s = sh.s, a.eps = 1e-3, a.momentum = 0.25, a.layout = layout;
@@ -295,8 +295,8 @@ void check_channels_last(const Shape3& sh, WithAffine affine) {
                              r.mean.data(), r.invstd.data(), nullptr);
     return r;
   };
-  const Run rows = run(BatchNormLayout::channels_first, x, dy);
-  const Run last = run(BatchNormLayout::channels_last, to_channels_last(sh, x), to_channels_last(sh, dy));
+  const Run rows = run(ChannelLayout::channels_first, x, dy);
+  const Run last = run(ChannelLayout::channels_last, to_channels_last(sh, x), to_channels_last(sh, dy));
   expect_same_bits(last.y, to_channels_last(sh, rows.y), "y");
   expect_same_bits(last.mean, rows.mean, "save_mean");
   expect_same_bits(last.invstd, rows.invstd, "save_invstd");
@@ -354,7 +354,7 @@ TEST(BatchNormKernel, LargeMeanKeepsTheVariance) {
 }
 
 TEST(BatchNormKernel, EmptyBatchBackwardGivesZeroSums) {
-  for (BatchNormLayout layout : {BatchNormLayout::channels_first, BatchNormLayout::channels_last}) {
+  for (ChannelLayout layout : {ChannelLayout::channels_first, ChannelLayout::channels_last}) {
     BatchNormArgs a;
     a.n = 0, a.c = 3, a.s = 4, a.layout = layout;
     std::vector<float> dgamma(3, 7.f), dbeta(3, 7.f), mean(3, 0.f), invstd(3, 1.f);

@@ -49,7 +49,7 @@ struct Case {
   int64_t n, c, s;
 };
 
-constexpr BatchNormLayout kFirst = BatchNormLayout::channels_first, kLast = BatchNormLayout::channels_last;
+constexpr ChannelLayout kFirst = ChannelLayout::channels_first, kLast = ChannelLayout::channels_last;
 
 const std::vector<Case>& cases() {
   static const std::vector<Case> table = {
@@ -88,14 +88,14 @@ const std::vector<Case>& channels_last_cases() {
 }
 
 // The channel of element i of a buffer laid out as `layout`.
-size_t channel_of(const Case& k, BatchNormLayout layout, size_t i) {
+size_t channel_of(const Case& k, ChannelLayout layout, size_t i) {
   return size_t(layout == kLast ? int64_t(i) % k.c : int64_t(i) / k.s % k.c);
 }
 
 // Values of T with a different centre per channel.
 template <class T>
 std::vector<T> channel_values(const Case& k, double spread, double centre_step, double offset, std::mt19937& rng,
-                              BatchNormLayout layout = kFirst) {
+                              ChannelLayout layout = kFirst) {
   std::uniform_real_distribution<double> u(-1.0, 1.0);
   std::vector<T> v(size_t(k.n * k.c * k.s));
   for (size_t i = 0; i < v.size(); ++i) {
@@ -139,7 +139,7 @@ enum class WithAffine { no, yes };
 // Runs forward (training and eval) and backward on both devices and compares everything.
 // `misalign` shifts every buffer one element off its allocation, so nothing is 16-byte aligned.
 template <class T>
-void check_case(const Case& k, BatchNormLayout layout, WithAffine affine, int misalign = 0) {
+void check_case(const Case& k, ChannelLayout layout, WithAffine affine, int misalign = 0) {
   using A = acc_of<T>;
   SCOPED_TRACE(std::string(k.name) + (layout == kLast ? " channels-last" : "") +
                (affine == WithAffine::yes ? " affine" : " plain") + (misalign ? " misaligned" : ""));
@@ -274,7 +274,7 @@ TEST(BatchNormCuda, UnalignedBuffersTakeTheScalarPath) {
 }
 
 // Two runs of one call write the same bits: outputs, statistics and gradients.
-template <class T> void check_repeatable(const Case& k, BatchNormLayout layout) {
+template <class T> void check_repeatable(const Case& k, ChannelLayout layout) {
   using A = acc_of<T>;
   SCOPED_TRACE(std::string(k.name) + (layout == kLast ? " channels-last" : ""));
   std::mt19937 rng(23);
@@ -318,7 +318,7 @@ TEST(BatchNormCuda, RepeatedRunsGiveIdenticalBits) {
 // x = 1000 + U(-1, 1): a sum-of-squares variance would lose every digit in f32.
 TEST(BatchNormCuda, LargeMeanKeepsTheVariance) {
   LOOM_REQUIRE_CUDA();
-  for (BatchNormLayout layout : {kFirst, kLast})
+  for (ChannelLayout layout : {kFirst, kLast})
     for (const Case& k : {Case{"split", 64, 2, 1024}, Case{"block_per_channel", 16, 600, 36}}) {
       SCOPED_TRACE(std::string(k.name) + (layout == kLast ? " channels-last" : ""));
       std::mt19937 rng(29);
@@ -341,7 +341,7 @@ TEST(BatchNormCuda, LargeMeanKeepsTheVariance) {
 
 TEST(BatchNormCuda, EmptyBatchBackwardGivesZeroSums) {
   LOOM_REQUIRE_CUDA();
-  for (BatchNormLayout layout : {kFirst, kLast}) {
+  for (ChannelLayout layout : {kFirst, kLast}) {
     BatchNormArgs a;
     a.n = 0, a.c = 3, a.s = 4, a.layout = layout;
     DeviceBuffer<float> dg(std::vector<float>(3, 7.f)), db(std::vector<float>(3, 7.f)), mean(3), invstd(3);
