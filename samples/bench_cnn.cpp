@@ -49,7 +49,8 @@ int main(int argc, char** argv) {
   std::string model_name = "resnet18", image = "3x32x32", precision, json;
   int64_t batch = 256, warmup = 10, steps = 50;
   std::string device = "cuda";
-  bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api, graph = true, channels_last = false;
+  bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api, graph = true;
+  bool channels_last = false;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
   flags.add("image", &image, "image shape", {"1x28x28", "3x32x32"});

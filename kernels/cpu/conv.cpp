@@ -231,7 +231,7 @@ int64_t w_numel(const Conv2dArgs& a) { return a.c_out * (a.c_in / a.groups) * a.
 
 // The engine hands the CPU NCHW buffers only (a channels-last input is converted around it).
 void check_layout(const Conv2dArgs& a) {
-  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's conv2d kernels take NCHW buffers, not channels-last ones");
+  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's conv2d kernels take NCHW buffers");
 }
 
 }  // namespace

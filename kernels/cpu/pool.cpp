@@ -26,10 +26,15 @@ void for_each_plane(const Pool2dArgs& a, const char* what, int64_t work_per_plan
   });
 }
 
+// The engine hands the CPU NCHW buffers only (a channels-last input is converted around it).
+void check_layout(const Pool2dArgs& a) {
+  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's pooling kernels take NCHW buffers");
+}
+
 }  // namespace
 
 void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const void* x, StreamHandle) {
-  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's pooling kernels take NCHW buffers, not channels-last ones");
+  check_layout(a);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
   for_each_plane(a, "max_pool2d", ohw * a.kh * a.kw, [&](auto tag, int64_t p) {
     using T = decltype(tag);
@@ -59,7 +64,7 @@ void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const vo
 }
 
 void max_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, const int64_t* indices, StreamHandle) {
-  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's pooling kernels take NCHW buffers, not channels-last ones");
+  check_layout(a);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
   for_each_plane(a, "max_pool2d backward", hw * 4, [&](auto tag, int64_t p) {
     using T = decltype(tag);
@@ -83,7 +88,7 @@ void max_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, const in
 }
 
 void avg_pool2d_forward(const Pool2dArgs& a, void* y, const void* x, StreamHandle) {
-  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's pooling kernels take NCHW buffers, not channels-last ones");
+  check_layout(a);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
   for_each_plane(a, "avg_pool2d", ohw * a.kh * a.kw, [&](auto tag, int64_t p) {
     using T = decltype(tag);
@@ -105,7 +110,7 @@ void avg_pool2d_forward(const Pool2dArgs& a, void* y, const void* x, StreamHandl
 }
 
 void avg_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, StreamHandle) {
-  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's pooling kernels take NCHW buffers, not channels-last ones");
+  check_layout(a);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
   for_each_plane(a, "avg_pool2d backward", hw * 4, [&](auto tag, int64_t p) {
     using T = decltype(tag);

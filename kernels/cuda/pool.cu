@@ -27,7 +27,8 @@ struct Geom {
 };
 
 Geom geom(const Pool2dArgs& a) {
-  return {a.c, a.h, a.w, a.out_h, a.out_w, a.kh, a.kw, a.stride_h, a.stride_w, a.pad_h, a.pad_w, a.layout == ChannelLayout::channels_last};
+  const bool channels_last = a.layout == ChannelLayout::channels_last;
+  return {a.c, a.h, a.w, a.out_h, a.out_w, a.kh, a.kw, a.stride_h, a.stride_w, a.pad_h, a.pad_w, channels_last};
 }
 
 // Element e (in memory order) of a buffer of (N, C) planes of rows x cols, in the Geom's
