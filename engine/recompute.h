@@ -27,6 +27,11 @@
 // those hooks (DDP's end of backward) run when the whole backward ends. A parameter used in
 // two recomputed calls (or in one and outside) is accumulated, and its hooks fire, once per
 // pass that reaches it, which DDP refuses: share no parameters across recomputed blocks there.
+// A tensor fn captures that has a history of its own (computed, not a leaf) is
+// back-propagated through by the inner pass, which frees what its nodes saved (backward frees
+// as it goes, engine/autograd.h). Where the outer pass reaches those nodes too (the tensor is
+// also used outside fn, or shares its history with `inputs`), it stops with an error naming
+// one. Pass such a tensor among `inputs` instead.
 //
 // Inside a split backward pass (run_backward_split, engine/autograd.h) the inner pass is split
 // too: the B half reruns fn and computes only the gradients of the inputs it asks for, and the

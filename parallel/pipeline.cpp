@@ -542,7 +542,8 @@ void Pipeline::run_batch(const std::vector<Action>& batch) {
     switch (a.op) {
       case Op::send_activation:
         // A detached alias: what waits for the send must not keep the stage's graph alive.
-        ops.push_back(P2POp::send(st.output.detach(), schedule_.rank_of(a.stage + 1),
+        // Packed row-major if it is not (a transposed view, a channels-last activation).
+        ops.push_back(P2POp::send(st.output.detach().contiguous(), schedule_.rank_of(a.stage + 1),
                                   tag_of(a.stage, a.microbatch, m, false)));
         // No backward will want it: the send holds it from now on, and frees it once done.
         if (running_->forward_only) st.output = Tensor();

@@ -39,14 +39,12 @@ Tensor binary_kernel(BinaryOp op, const Tensor& a, const Tensor& b) {
   const MemoryFormat format = output_format(a, b, shape);
   Tensor out = Tensor::empty(shape, is_comparison(op) ? DType::u8 : a.dtype(), a.device(), format);
   // Operands of one shape in one non-default layout run as one row.
-  if (format != MemoryFormat::contiguous && a.shape() == b.shape() && a.is_contiguous(format) &&
-      b.is_contiguous(format)) {
-    if (out.numel() > 0) kernels(a.device()).binary(op, ops::flat(out), ops::flat(a), ops::flat(b), ops::stream(a));
-    return out;
-  }
+  const bool flat = format != MemoryFormat::contiguous && a.shape() == b.shape() && a.is_contiguous(format) &&
+                    b.is_contiguous(format);
   if (out.numel() > 0)
-    kernels(a.device()).binary(op, strided(out), ops::broadcast_strided(a, shape), ops::broadcast_strided(b, shape),
-                               ops::stream(a));
+    kernels(a.device()).binary(op, flat ? ops::flat(out) : strided(out),
+                               flat ? ops::flat(a) : ops::broadcast_strided(a, shape),
+                               flat ? ops::flat(b) : ops::broadcast_strided(b, shape), ops::stream(a));
   return out;
 }
 

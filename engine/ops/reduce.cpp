@@ -49,11 +49,10 @@ Tensor reduce_kernel(ReduceOp op, const Tensor& x, const std::vector<int>& dims,
     return reduce_kernel(op, x.permute(order), memory_dims, R_out).permute(back);
   }
   const std::vector<std::vector<int>> runs = runs_of(dims);
-  const bool exact_parts = x.dtype() == DType::f32 || x.dtype() == DType::f64 || op == ReduceOp::max ||
-                           op == ReduceOp::min;
+  const bool exact_parts = x.dtype() == DType::f32 || x.dtype() == DType::f64;
   if (runs.size() > 1 && !arg && exact_parts && x.is_contiguous()) {
     // The last run, then the others over its (contiguous) result: a sum of sums, a mean of
-    // means over equal counts, a max of maxima.
+    // means over equal counts.
     std::vector<int> rest;
     for (size_t r = 0; r + 1 < runs.size(); ++r) rest.insert(rest.end(), runs[r].begin(), runs[r].end());
     int64_t last_R = 1, rest_R = 1;

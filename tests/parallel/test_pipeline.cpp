@@ -254,6 +254,32 @@ std::vector<Stage> linear_stages(int rank, int last, int64_t declared_in, std::f
   return {s};
 }
 
+// A stage's output need not be row-major (a transposed view, a channels-last activation):
+// the send packs it, and the step's loss and gradients are those of a row-major output.
+TEST(Pipeline, AStageOutputThatIsNotRowMajorIsSentPacked) {
+  run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> world) {
+    std::vector<float> losses, grads;
+    for (bool transposed : {false, true}) {
+      manual_seed(3);
+      std::vector<Stage> stages = linear_stages(rank, 1, 4);
+      if (transposed && rank == 0) {
+        auto row_major = stages[0].forward;
+        stages[0].forward = [row_major](const Tensor& x, const Tensor& t) {
+          Tensor y = row_major(x, t).t().contiguous().t();  // (rows, 4), column-major in memory
+          EXPECT_FALSE(y.is_contiguous());
+          return y;
+        };
+      }
+      Pipeline pipe(world, stages, {.schedule = ScheduleKind::gpipe, .microbatches = 2});
+      manual_seed(4);
+      losses.push_back(pipe.step(randn({4, 4}), zeros({4})).item());
+      grads.push_back(stages[0].module->parameters()[0].grad().to_vector<float>()[0]);
+    }
+    EXPECT_EQ(losses[1], losses[0]);
+    EXPECT_EQ(grads[1], grads[0]);
+  });
+}
+
 TEST(Pipeline, StagesThatDisagreeOnAShapeAreBothNamed) {
   run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> world) {
     Pipeline pipe(world, linear_stages(rank, 1, rank == 1 ? 5 : 4), {.schedule = ScheduleKind::gpipe, .microbatches = 2});
