@@ -98,9 +98,18 @@ struct GemmArgs {
   bool autotune = true;
 };
 
+// Where the channel axis of a CNN op's buffers lies in memory (every activation buffer of a
+// call alike; MemoryFormat in engine/tensor.h):
+//   channels_first  row-major (N, C, H, W): a channel's values are planes of H * W.
+//   channels_last   (N, H, W, C): each pixel's C channels contiguous.
+enum class ChannelLayout : uint8_t { channels_first, channels_last };
+
 // A 2-d convolution (cross-correlation, as in PyTorch) over NCHW contiguous buffers:
 //   x (N, C_in, H, W), w (C_out, C_in / groups, KH, KW), y (N, C_out, OH, OW), with
-//   OH = (H + 2 pad_h - dilation_h (KH - 1) - 1) / stride_h + 1 (likewise OW).
+//   OH = (H + 2 pad_h - dilation_h (KH - 1) - 1) / stride_h + 1 (likewise OW);
+// or, laid out channels_last, the activations with their channels innermost in memory: x as
+// (N, H, W, C_in), y as (N, OH, OW, C_out), the weight still row-major (CPU only: the engine
+// hands the CUDA kernels channels_first buffers).
 // Groups split C_in and C_out into `groups` equal slices, slice g of y seeing only slice g
 // of x. Bias is not the kernel's business: the engine adds it with a broadcast add.
 // `workspace` is device scratch of at least conv2d_workspace_size(args, pass) bytes for the
@@ -124,29 +133,37 @@ struct Conv2dArgs {
   // CUDA: only algorithms whose results repeat bit for bit from run to run (cuDNN's engines
   // without the nondeterministic note; Options::deterministic). The CPU is deterministic.
   bool deterministic = false;
+  // Every buffer channels_last (see above). The CPU kernels read and write it as it lies;
+  // the CUDA kernels take channels_first only.
+  ChannelLayout layout = ChannelLayout::channels_first;
 };
 
 // A 2-d pooling window over NCHW contiguous buffers: x (N, C, H, W), y (N, C, OH, OW),
 // window (KH, KW) at stride (stride_h, stride_w), with pad on each side, and
 // OH = (H + 2 pad_h - KH) / stride_h + 1 (floor, as PyTorch's ceil_mode=False), likewise OW.
 // The engine guarantees pad <= kernel / 2, so every window holds at least one input element.
+// Laid out channels_last (CPU only), x, y, the indices and the gradients are (N, H, W, C)
+// in memory. Max pooling's indices are ih * W + iw within the plane, in either layout.
 struct Pool2dArgs {
   DType dtype = DType::f32;
   int64_t n = 0, c = 0, h = 0, w = 0;  // input (N, C, H, W)
   int64_t out_h = 0, out_w = 0;        // output (N, C, OH, OW)
   int64_t kh = 1, kw = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
+  ChannelLayout layout = ChannelLayout::channels_first;
 };
 
 // Batch normalisation over the channel axis of a contiguous (N, C, S) buffer (NCHW with
-// S = H * W; S = 1 for (N, C) inputs). x, y, dx, dy have `dtype`; every per-channel vector
-// (gamma, beta, running_mean, running_var, save_mean, save_invstd, dgamma, dbeta) is in the
-// accumulation type (f64 for f64, f32 otherwise), so bf16 activations keep f32 statistics
-// and f32 affine parameters, as cuDNN and PyTorch do.
+// S = H * W; S = 1 for (N, C) inputs), or of an (N, S, C) one laid out channels_last (CPU
+// only); the statistics and results are the same either way. x, y, dx, dy have `dtype`; every
+// per-channel vector (gamma, beta, running_mean, running_var, save_mean, save_invstd,
+// dgamma, dbeta) is in the accumulation type (f64 for f64, f32 otherwise), so bf16
+// activations keep f32 statistics and f32 affine parameters, as cuDNN and PyTorch do.
 struct BatchNormArgs {
   DType dtype = DType::f32;
   int64_t n = 0, c = 0, s = 1;
   double eps = 1e-5;
   double momentum = 0.1;  // running = (1 - momentum) * running + momentum * batch statistic
+  ChannelLayout layout = ChannelLayout::channels_first;
 };
 
 // Layer normalisation over the last axis of a contiguous (rows, dim) buffer, PyTorch's

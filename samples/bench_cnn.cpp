@@ -4,9 +4,10 @@
 // so the figure is the engine's: forward, loss, backward, optimizer step.
 //   bench_cnn [--model simplecnn|resnet18] [--image 1x28x28|3x32x32] [--batch N]
 //             [--precision f32|bf16] [--warmup N] [--steps N] [--ddp] [--json FILE]
-//             [--no-cudnn-graph] [--no-graph] [--device cuda|cpu]
+//             [--no-cudnn-graph] [--no-graph] [--device cuda|cpu] [--channels-last]
 // --device cpu steps the model on the CPU (eagerly, in f32, timed by the host's clock): its
-// step time and the most memory a step holds, where there is no GPU.
+// step time and the most memory a step holds, where there is no GPU. --channels-last lays the
+// batch out channels-last (MemoryFormat), which the CNN ops then keep.
 // By default the step is captured as one CUDA graph after the first eager steps and
 // replayed (layers/optim/captured_step.h), as train_cnn does: SimpleCNN's step is bound by
 // kernel launches otherwise. --no-graph times eager steps. The peak memory of a captured
@@ -49,6 +50,7 @@ int main(int argc, char** argv) {
   int64_t batch = 256, warmup = 10, steps = 50;
   std::string device = "cuda";
   bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api, graph = true;
+  bool channels_last = false;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
   flags.add("image", &image, "image shape", {"1x28x28", "3x32x32"});
@@ -63,6 +65,7 @@ int main(int argc, char** argv) {
   flags.add_switch("cudnn-graph", &cudnn_graph, "convolutions on cuDNN's graph API plans (else its convolution API)");
   flags.add_switch("graph", &graph, "capture the step as one CUDA graph after 2 eager steps and replay it (not with --ddp)");
   flags.add("device", &device, "where the step runs", {"cuda", "cpu"});
+  flags.add_switch("channels-last", &channels_last, "the batch laid out channels-last (N, H, W, C in memory)");
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
     flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
   const bool on_cpu = device == "cpu";
@@ -97,6 +100,7 @@ int main(int argc, char** argv) {
       trained = std::make_shared<dist::DistributedDataParallel>(model, dist::new_nccl_group(store, 0, 1, dev), options);
     }
     Tensor x = randn({batch, c, side, side}, DType::f32, dev);
+    if (channels_last) x = x.contiguous(MemoryFormat::channels_last);
     Tensor y = argmax(randn({batch, 10}, DType::f32, dev), 1);
     std::optional<DType> cast = precision == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
     // With --ddp, each timed step leaves four marks (start, forward done, backward done,
@@ -196,6 +200,7 @@ int main(int argc, char** argv) {
                                  {"precision", precision},
                                  {"ddp", int64_t(ddp) + int64_t(ddp && bucket_view)},
                                  {"graph", int64_t(graph)},
+                                 {"channels_last", int64_t(channels_last)},
                                  {"images_per_s", double(batch) / (step_ms * 1e-3)},
                                  {"ms_per_step", step_ms},
                                  {"peak_mib", peak_mib}};

@@ -79,25 +79,28 @@ Pool2dArgs pool_args(const char* op, const Tensor& x, std::array<int, 2> kernel,
 
 Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 2> kernel, std::array<int, 2> stride,
                  std::array<int, 2> padding) {
-  if (ops::channels_last(x0))
+  // The CPU kernels read and write channels-last as it lies; the CUDA ones take NCHW.
+  if (ops::channels_last(x0) && x0.device().is_cuda())
     return ops::through_row_major(x0, [&](const Tensor& x) {
       return pool_impl(op, is_max, x, kernel, stride, padding);
     });
   ops::check_defined(x0, op, "x");
   ops::check_floating(x0, op);
-  Tensor x = x0.contiguous();
-  const Pool2dArgs a = pool_args(op, x, kernel, stride, padding);
+  const MemoryFormat format = x0.memory_format();
+  Tensor x = x0.contiguous(format);
+  Pool2dArgs a = pool_args(op, x, kernel, stride, padding);
+  a.layout = format == MemoryFormat::channels_last ? ChannelLayout::channels_last : ChannelLayout::channels_first;
   const Device dev = x.device();
-  Tensor y = Tensor::empty({a.n, a.c, a.out_h, a.out_w}, x.dtype(), dev);
-  Tensor indices = is_max ? Tensor::empty(y.shape(), DType::i64, dev) : Tensor();
+  Tensor y = Tensor::empty({a.n, a.c, a.out_h, a.out_w}, x.dtype(), dev, format);
+  Tensor indices = is_max ? Tensor::empty(y.shape(), DType::i64, dev, format) : Tensor();
   if (y.numel() > 0) {
     if (is_max) kernels(dev).max_pool2d_forward(a, y.data_ptr(), indices.data<int64_t>(), x.data_ptr(), ops::stream(x));
     else kernels(dev).avg_pool2d_forward(a, y.data_ptr(), x.data_ptr(), ops::stream(x));
   }
   if (any_requires_grad({x})) {
-    record(op, {x}, {y}, [a, indices, is_max, dev](const TensorList& g) {
-      Tensor gy = g[0].to(a.dtype).contiguous();
-      Tensor gx = Tensor::empty({a.n, a.c, a.h, a.w}, a.dtype, dev);
+    record(op, {x}, {y}, [a, indices, is_max, dev, format](const TensorList& g) {
+      Tensor gy = g[0].to(a.dtype).contiguous(format);
+      Tensor gx = Tensor::empty({a.n, a.c, a.h, a.w}, a.dtype, dev, format);
       if (gx.numel() > 0) {
         if (is_max)
           kernels(dev).max_pool2d_backward(a, gx.data_ptr(), gy.data_ptr(), indices.data<int64_t>(), ops::stream(gx));
@@ -115,7 +118,9 @@ Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 
 Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array<int, 2> stride,
               std::array<int, 2> padding, std::array<int, 2> dilation, int groups) {
   const char* op = "conv2d";
-  if (ops::channels_last(x0))
+  // The CPU kernels read and write channels-last activations as they lie (the weight stays
+  // row-major); the CUDA ones take NCHW.
+  if (ops::channels_last(x0) && x0.device().is_cuda())
     return ops::through_row_major(x0, [&](const Tensor& x) {
       return conv2d(x, w0, bias, stride, padding, dilation, groups);
     });
@@ -150,7 +155,8 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
     t = ops::promote(t, bias.dtype());
   }
   t = autocast_compute_dtype(t);
-  Tensor x = x0.to(t).contiguous(), w = w0.to(t).contiguous();
+  const MemoryFormat format = x0.memory_format();
+  Tensor x = x0.to(t).contiguous(format), w = w0.to(t).contiguous();
 
   Conv2dArgs a;
   a.dtype = t;
@@ -158,12 +164,13 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
   a.c_out = c_out, a.kh = w.size(2), a.kw = w.size(3);
   a.stride_h = stride[0], a.stride_w = stride[1], a.pad_h = padding[0], a.pad_w = padding[1];
   a.dilation_h = dilation[0], a.dilation_w = dilation[1], a.groups = groups;
+  a.layout = format == MemoryFormat::channels_last ? ChannelLayout::channels_last : ChannelLayout::channels_first;
   a.out_h = conv_extent(op, "H", a.h, int(a.kh), stride[0], padding[0], dilation[0]);
   a.out_w = conv_extent(op, "W", a.w, int(a.kw), stride[1], padding[1], dilation[1]);
 
   const Device dev = x.device();
   StreamHandle st = ops::stream(x);  // also makes x's device current for the workspace query
-  Tensor y = Tensor::empty({a.n, a.c_out, a.out_h, a.out_w}, t, dev);
+  Tensor y = Tensor::empty({a.n, a.c_out, a.out_h, a.out_w}, t, dev, format);
   if (y.numel() > 0) {
     Conv2dArgs fa = a;
     Tensor ws = workspace_for(fa, ConvPass::forward, dev);
@@ -172,12 +179,12 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
   if (any_requires_grad({x, w})) {
     const bool need_dx = x.requires_grad(), need_dw = w.requires_grad();
     Tensor sx = need_dw ? x.detach() : Tensor(), sw = need_dx ? w.detach() : Tensor();
-    record(op, {x, w}, {y}, [a, sx, sw, need_dx, need_dw, dev](const TensorList& g) {
-      Tensor gy = g[0].to(a.dtype).contiguous();
+    record(op, {x, w}, {y}, [a, sx, sw, need_dx, need_dw, dev, format](const TensorList& g) {
+      Tensor gy = g[0].to(a.dtype).contiguous(format);
       StreamHandle gst = ops::stream(gy);
       Tensor gx, gw;
       if (need_dx) {
-        gx = Tensor::empty({a.n, a.c_in, a.h, a.w}, a.dtype, dev);
+        gx = Tensor::empty({a.n, a.c_in, a.h, a.w}, a.dtype, dev, format);
         Conv2dArgs da = a;
         Tensor ws = workspace_for(da, ConvPass::backward_data, dev);
         if (gx.numel() > 0) kernels(dev).conv2d_backward_data(da, gx.data_ptr(), gy.data_ptr(), sw.data_ptr(), gst);

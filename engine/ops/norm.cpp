@@ -1,10 +1,12 @@
 // Batch normalisation: the argument rules of F.batch_norm, the kernel calls, and the
 // backward closures beside the forwards.
 //
-// x (N, C, *) is viewed as a contiguous (N, C, S) buffer. Per-channel vectors live in the
-// accumulation type (f32, f64 for f64 x): running statistics must already be of that type,
-// since they are updated in place; weight and bias may also be of x's dtype and are then
-// converted with the differentiable to(), so a bf16 parameter receives a bf16 gradient.
+// x (N, C, *) is viewed as a contiguous (N, C, S) buffer; a channels-last (N, C, H, W) x as
+// the (N, S, C) buffer it is in memory, which the CPU kernels read as it lies (a GPU gets a
+// row-major copy), its output and its gradient laid out channels-last too. Per-channel vectors live in the accumulation type
+// (f32, f64 for f64 x): running statistics must already be of that type, since they are
+// updated in place; weight and bias may also be of x's dtype and are then converted with
+// the differentiable to(), so a bf16 parameter receives a bf16 gradient.
 //
 // Training records one node for (x, weight, bias) whose backward is the fused kernel, fed
 // the batch mean and 1 / std the forward saved. In evaluation the statistics are constants,
@@ -21,6 +23,11 @@ using ops::ptr_or_null;
 namespace {
 
 DType accumulation_type(DType t) { return t == DType::f64 ? DType::f64 : DType::f32; }
+
+// The layout of the kernels' buffers (x, y, dy, dx) as a MemoryFormat.
+MemoryFormat format_of(const BatchNormArgs& a) {
+  return a.layout == ChannelLayout::channels_last ? MemoryFormat::channels_last : MemoryFormat::contiguous;
+}
 
 void check_channels(const char* name, const Tensor& t, const Tensor& x) {
   LOOM_CHECK(t.dim() == 1 && t.size(0) == x.size(1), "batch_norm: ", name, " must have shape (", x.size(1),
@@ -63,7 +70,7 @@ Tensor train_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runn
                      const Tensor& weight, const Tensor& bias) {
   const Device dev = x.device();
   const DType acc = accumulation_type(a.dtype);
-  Tensor y = Tensor::empty(x.shape(), x.dtype(), dev);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), dev, format_of(a));
   Tensor save_mean = Tensor::empty({a.c}, acc, dev), save_invstd = Tensor::empty({a.c}, acc, dev);
   // Updated in place; a non-contiguous one goes through a contiguous copy.
   Tensor rm = running_mean.defined() ? running_mean.detach().contiguous() : Tensor();
@@ -83,8 +90,8 @@ Tensor train_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runn
     Tensor sx = x.detach(), sw = weight.defined() ? weight.detach() : Tensor();
     record("batch_norm", {x, weight, bias}, {y},
            [a, acc, dev, sx, sw, save_mean, save_invstd, need_w, need_b](const TensorList& g) {
-             Tensor gy = g[0].to(a.dtype).contiguous();
-             Tensor gx = Tensor::empty(sx.shape(), a.dtype, dev);
+             Tensor gy = g[0].to(a.dtype).contiguous(format_of(a));
+             Tensor gx = Tensor::empty(sx.shape(), a.dtype, dev, format_of(a));
              Tensor gw = Tensor::empty({a.c}, acc, dev), gb = Tensor::empty({a.c}, acc, dev);
              kernels(dev).batch_norm_backward(a, gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), gy.data_ptr(),
                                               sx.data_ptr(), ptr_or_null(sw), save_mean.data_ptr(),
@@ -100,7 +107,7 @@ Tensor eval_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runni
   const Device dev = x.device();
   const DType acc = accumulation_type(a.dtype);
   Tensor rm = running_mean.detach().contiguous(), rv = running_var.detach().contiguous();
-  Tensor y = Tensor::empty(x.shape(), x.dtype(), dev);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), dev, format_of(a));
   kernels(dev).batch_norm_forward_eval(a, y.data_ptr(), x.data_ptr(), ptr_or_null(weight), ptr_or_null(bias),
                                        rm.data_ptr(), rv.data_ptr(), ops::stream(x));
   if (any_requires_grad({x, weight, bias})) {
@@ -136,7 +143,8 @@ Tensor eval_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runni
 
 Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum, double eps) {
-  if (ops::channels_last(input))
+  // The CPU kernels read and write channels-last as it lies; the CUDA ones take NCHW.
+  if (ops::channels_last(input) && input.device().is_cuda())
     return ops::through_row_major(input, [&](const Tensor& x) {
       return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps);
     });
@@ -164,12 +172,13 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
   for (int d = 2; d < input.dim(); ++d) a.s *= input.size(d);
   a.eps = eps;
   a.momentum = momentum;
+  if (ops::channels_last(input)) a.layout = ChannelLayout::channels_last;
   LOOM_CHECK(!training || a.n * a.s != 1, "batch_norm: Expected more than 1 value per channel when training, got input ",
              shape_str(input.shape()), ": use a batch of more than one sample, or eval mode");
 
   Tensor w = affine_param("weight", weight, input, acc), b = affine_param("bias", bias, input, acc);
   if (input.numel() == 0) return input.clone();
-  Tensor x = input.contiguous();
+  Tensor x = input.contiguous(format_of(a));
   return training ? train_forward(a, x, running_mean, running_var, w, b)
                   : eval_forward(a, x, running_mean, running_var, w, b);
 }

@@ -1,12 +1,18 @@
-// CPU batch normalisation over a contiguous (N, C, S) buffer: threads over channels, each
-// channel's N rows of S values (C * S apart) handled by one thread.
+// CPU batch normalisation over a contiguous (N, C, S) buffer or a channels-last (N, S, C)
+// one: threads over tiles of channels, each tile handled by one thread.
 //
 // This is the reference the CUDA kernels are checked against, so every per-channel sum
-// is pairwise in double whatever the dtype: rows pairwise over S, row totals pairwise over
-// N. The statistics are two-pass (mean, then the mean of squared deviations), so a large
-// mean never cancels against the variance. Values are normalised in double from the
-// double statistics and rounded once to the output dtype; the per-channel outputs are
+// is pairwise in double whatever the dtype: a sample's S values pairwise, the N sample
+// totals pairwise. The statistics are two-pass (mean, then the mean of squared deviations),
+// so a large mean never cancels against the variance. Values are normalised in double from
+// the double statistics and rounded once to the output dtype; the per-channel outputs are
 // rounded to the accumulation type (f32, f64 for f64) that the contract gives them.
+//
+// Both layouts add each channel's values in that same order, so a channels-last tensor
+// normalises to the bits of its row-major copy. Only the walk differs. Row-major, a tile is
+// one channel: N rows of S contiguous values. Channels-last, a channel's values are C apart,
+// so a tile is K neighbouring channels (16 or 4), read as short contiguous runs of each of
+// the N * S rows, with one running sum per channel of the tile.
 #include <algorithm>
 #include <cmath>
 
@@ -28,7 +34,26 @@ struct Sums {
   }
 };
 
-// Pairwise sum of f(r) over [r0, r1), V being double or Sums.
+// Where element (n, c, s) lies in the buffer: n * batch + c * channel + s * value.
+struct Walk {
+  int64_t batch, channel, value;
+};
+
+Walk walk_of(const BatchNormArgs& a) {
+  if (a.layout == ChannelLayout::channels_last) return {a.s * a.c, 1, a.c};
+  return {a.c * a.s, a.s, 1};
+}
+
+// A value for each of K neighbouring channels, the K carried and summed side by side.
+template <class V, int K> struct Lanes {
+  V v[K]{};
+  Lanes& operator+=(const Lanes& o) {
+    for (int j = 0; j < K; ++j) v[j] += o.v[j];
+    return *this;
+  }
+};
+
+// Pairwise sum of f(r) over [r0, r1), V being double, Sums or Lanes of them.
 template <class V, class F>
 V pairwise(int64_t r0, int64_t r1, const F& f) {
   if (r1 - r0 <= kPairwiseLeaf) {
@@ -42,32 +67,60 @@ V pairwise(int64_t r0, int64_t r1, const F& f) {
   return s;
 }
 
-// Sum over the channel's (n, s) of f(offset), offset the element's index in the buffer.
-template <class V, class F>
-V channel_sum(const BatchNormArgs& a, int64_t c, const F& f) {
-  return pairwise<V>(0, a.n, [&](int64_t n) {
-    const int64_t row = (n * a.c + c) * a.s;
-    return pairwise<V>(0, a.s, [&](int64_t s) { return f(row + s); });
+// For each channel c0 + j, j < K, the sum over its (n, s) of f(offset, j), offset being the
+// element's index in the buffer.
+template <int K, class V, class F>
+Lanes<V, K> tile_sum(const BatchNormArgs& a, const Walk& w, int64_t c0, const F& f) {
+  return pairwise<Lanes<V, K>>(0, a.n, [&](int64_t n) {
+    return pairwise<Lanes<V, K>>(0, a.s, [&](int64_t s) {
+      const int64_t at = n * w.batch + c0 * w.channel + s * w.value;
+      Lanes<V, K> values;
+      for (int j = 0; j < K; ++j) values.v[j] = f(at + j * w.channel, j);
+      return values;
+    });
   });
 }
 
-// Calls f(offset) for every element of channel c.
-template <class F>
-void for_each_in_channel(const BatchNormArgs& a, int64_t c, const F& f) {
-  for (int64_t n = 0; n < a.n; ++n) {
-    const int64_t row = (n * a.c + c) * a.s;
-    for (int64_t s = 0; s < a.s; ++s) f(row + s);
-  }
+// Calls f(offset, j) for every element of channels c0 .. c0 + K - 1, in memory order.
+template <int K, class F>
+void for_each_in_tile(const BatchNormArgs& a, const Walk& w, int64_t c0, const F& f) {
+  for (int64_t n = 0; n < a.n; ++n)
+    for (int64_t s = 0; s < a.s; ++s) {
+      const int64_t at = n * w.batch + c0 * w.channel + s * w.value;
+      for (int j = 0; j < K; ++j) f(at + j * w.channel, j);
+    }
 }
 
-// Runs body(T{}, c) for every channel, in parallel, with T the element type.
+// Channels per tile: one row-major; channels-last, 16 or 4 where that still leaves every
+// thread a tile, else one. The width changes no sum's order, only the walk.
+int tile_width(const BatchNormArgs& a) {
+  if (a.layout == ChannelLayout::channels_first) return 1;
+  const int64_t per_thread = a.c / num_threads();
+  return per_thread >= 16 ? 16 : per_thread >= 4 ? 4 : 1;
+}
+
+// Runs body(T{}, std::integral_constant<int, K>{}, c0) over the channels in parallel, T
+// being the element type and each call taking channels c0 .. c0 + K - 1: tiles of the
+// width tile_width() gives, and the channels left over one at a time.
 template <class Body>
-void for_each_channel(const BatchNormArgs& a, const char* what, Body&& body) {
+void for_each_tile(const BatchNormArgs& a, const char* what, Body&& body) {
   dispatch_floating(a.dtype, what, [&](auto tag) {
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(a.n * a.s, 1));
-    parallel_for(a.c, grain, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) body(tag, c);
-    });
+    auto run = [&](auto width) {
+      constexpr int K = decltype(width)::value;
+      const int64_t wide = a.c / K, tiles = wide + a.c % K;
+      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(a.n * a.s * K, 1));
+      parallel_for(tiles, grain, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          if (t < wide) body(tag, width, t * K);
+          else body(tag, std::integral_constant<int, 1>{}, wide * K + (t - wide));
+        }
+      });
+    };
+    switch (tile_width(a)) {
+      case 16: return run(std::integral_constant<int, 16>{});
+      case 4: return run(std::integral_constant<int, 4>{});
+      default: return run(std::integral_constant<int, 1>{});
+    }
   });
 }
 
@@ -80,46 +133,64 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
                               const void* beta, StreamHandle) {
   const int64_t m = a.n * a.s;
   if (m == 0) return;
-  for_each_channel(a, "batch_norm", [&](auto tag, int64_t c) {
+  const Walk w = walk_of(a);
+  for_each_tile(a, "batch_norm", [&](auto tag, auto width, int64_t c0) {
     using T = decltype(tag);
     using A = acc_t<T>;
+    constexpr int K = decltype(width)::value;
     const T* in = static_cast<const T*>(x);
     T* out = static_cast<T*>(y);
-    const double mean = channel_sum<double>(a, c, [&](int64_t i) { return as_double(in[i]); }) / double(m);
-    const double var = channel_sum<double>(a, c, [&](int64_t i) {
-                         const double d = as_double(in[i]) - mean;
-                         return d * d;
-                       }) / double(m);
-    const double invstd = 1.0 / std::sqrt(var + a.eps);
-    static_cast<A*>(save_mean)[c] = A(mean);
-    static_cast<A*>(save_invstd)[c] = A(invstd);
-    if (running_mean) {
-      A& r = static_cast<A*>(running_mean)[c];
-      r = A((1 - a.momentum) * double(r) + a.momentum * mean);
+    Lanes<double, K> mean = tile_sum<K, double>(a, w, c0, [&](int64_t i, int) { return as_double(in[i]); });
+    for (double& v : mean.v) v /= double(m);
+    Lanes<double, K> var = tile_sum<K, double>(a, w, c0, [&](int64_t i, int j) {
+      const double d = as_double(in[i]) - mean.v[j];
+      return d * d;
+    });
+    double scale[K], shift[K];
+    for (int j = 0; j < K; ++j) {
+      const int64_t c = c0 + j;
+      var.v[j] /= double(m);
+      const double invstd = 1.0 / std::sqrt(var.v[j] + a.eps);
+      static_cast<A*>(save_mean)[c] = A(mean.v[j]);
+      static_cast<A*>(save_invstd)[c] = A(invstd);
+      if (running_mean) {
+        A& r = static_cast<A*>(running_mean)[c];
+        r = A((1 - a.momentum) * double(r) + a.momentum * mean.v[j]);
+      }
+      if (running_var) {
+        A& r = static_cast<A*>(running_var)[c];
+        r = A((1 - a.momentum) * double(r) + a.momentum * var.v[j] * double(m) / double(m - 1));
+      }
+      scale[j] = invstd * (gamma ? double(static_cast<const A*>(gamma)[c]) : 1.0);
+      shift[j] = beta ? double(static_cast<const A*>(beta)[c]) : 0.0;
     }
-    if (running_var) {
-      A& r = static_cast<A*>(running_var)[c];
-      r = A((1 - a.momentum) * double(r) + a.momentum * var * double(m) / double(m - 1));
-    }
-    const double scale = invstd * (gamma ? double(static_cast<const A*>(gamma)[c]) : 1.0);
-    const double shift = beta ? double(static_cast<const A*>(beta)[c]) : 0.0;
-    for_each_in_channel(a, c, [&](int64_t i) { out[i] = T((as_double(in[i]) - mean) * scale + shift); });
+    for_each_in_tile<K>(a, w, c0, [&](int64_t i, int j) {
+      out[i] = T((as_double(in[i]) - mean.v[j]) * scale[j] + shift[j]);
+    });
   });
 }
 
 void batch_norm_forward_eval(const BatchNormArgs& a, void* y, const void* x, const void* gamma, const void* beta,
                              const void* running_mean, const void* running_var, StreamHandle) {
   if (a.n * a.s == 0) return;
-  for_each_channel(a, "batch_norm", [&](auto tag, int64_t c) {
+  const Walk w = walk_of(a);
+  for_each_tile(a, "batch_norm", [&](auto tag, auto width, int64_t c0) {
     using T = decltype(tag);
     using A = acc_t<T>;
+    constexpr int K = decltype(width)::value;
     const T* in = static_cast<const T*>(x);
     T* out = static_cast<T*>(y);
-    const double mean = double(static_cast<const A*>(running_mean)[c]);
-    const double invstd = 1.0 / std::sqrt(double(static_cast<const A*>(running_var)[c]) + a.eps);
-    const double scale = invstd * (gamma ? double(static_cast<const A*>(gamma)[c]) : 1.0);
-    const double shift = beta ? double(static_cast<const A*>(beta)[c]) : 0.0;
-    for_each_in_channel(a, c, [&](int64_t i) { out[i] = T((as_double(in[i]) - mean) * scale + shift); });
+    double mean[K], scale[K], shift[K];
+    for (int j = 0; j < K; ++j) {
+      const int64_t c = c0 + j;
+      mean[j] = double(static_cast<const A*>(running_mean)[c]);
+      const double invstd = 1.0 / std::sqrt(double(static_cast<const A*>(running_var)[c]) + a.eps);
+      scale[j] = invstd * (gamma ? double(static_cast<const A*>(gamma)[c]) : 1.0);
+      shift[j] = beta ? double(static_cast<const A*>(beta)[c]) : 0.0;
+    }
+    for_each_in_tile<K>(a, w, c0, [&](int64_t i, int j) {
+      out[i] = T((as_double(in[i]) - mean[j]) * scale[j] + shift[j]);
+    });
   });
 }
 
@@ -127,27 +198,37 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
                          const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
                          StreamHandle) {
   const int64_t m = a.n * a.s;
-  for_each_channel(a, "batch_norm backward", [&](auto tag, int64_t c) {
+  const Walk w = walk_of(a);
+  for_each_tile(a, "batch_norm backward", [&](auto tag, auto width, int64_t c0) {
     using T = decltype(tag);
     using A = acc_t<T>;
+    constexpr int K = decltype(width)::value;
     const T* in = static_cast<const T*>(x);
     const T* go = static_cast<const T*>(dy);
     T* gi = static_cast<T*>(dx);
-    const double mean = double(static_cast<const A*>(save_mean)[c]);
-    const double invstd = double(static_cast<const A*>(save_invstd)[c]);
-    const Sums sums = channel_sum<Sums>(a, c, [&](int64_t i) {
+    double mean[K], k_dy[K], k_x[K], k_0[K];
+    for (int j = 0; j < K; ++j) mean[j] = double(static_cast<const A*>(save_mean)[c0 + j]);
+    const Lanes<Sums, K> sums = tile_sum<K, Sums>(a, w, c0, [&](int64_t i, int j) {
       const double g = as_double(go[i]);
-      return Sums{g, g * (as_double(in[i]) - mean)};
+      return Sums{g, g * (as_double(in[i]) - mean[j])};
     });
-    const double sum_dy = sums.a, sum_dy_xhat = sums.b * invstd;
-    static_cast<A*>(dbeta)[c] = A(sum_dy);
-    static_cast<A*>(dgamma)[c] = A(sum_dy_xhat);
+    double invstd[K];
+    for (int j = 0; j < K; ++j) {
+      const int64_t c = c0 + j;
+      invstd[j] = double(static_cast<const A*>(save_invstd)[c]);
+      static_cast<A*>(dbeta)[c] = A(sums.v[j].a);
+      static_cast<A*>(dgamma)[c] = A(sums.v[j].b * invstd[j]);
+    }
     if (m == 0) return;
     // dx = gamma invstd / M (M dy - dbeta - xhat dgamma), in the order that keeps x - mean whole.
-    const double k_dy = invstd * (gamma ? double(static_cast<const A*>(gamma)[c]) : 1.0);
-    const double k_x = k_dy * invstd * sum_dy_xhat / double(m), k_0 = k_dy * sum_dy / double(m);
-    for_each_in_channel(a, c, [&](int64_t i) {
-      gi[i] = T(k_dy * as_double(go[i]) - k_x * (as_double(in[i]) - mean) - k_0);
+    for (int j = 0; j < K; ++j) {
+      const double sum_dy = sums.v[j].a, sum_dy_xhat = sums.v[j].b * invstd[j];
+      k_dy[j] = invstd[j] * (gamma ? double(static_cast<const A*>(gamma)[c0 + j]) : 1.0);
+      k_x[j] = k_dy[j] * invstd[j] * sum_dy_xhat / double(m);
+      k_0[j] = k_dy[j] * sum_dy / double(m);
+    }
+    for_each_in_tile<K>(a, w, c0, [&](int64_t i, int j) {
+      gi[i] = T(k_dy[j] * as_double(go[i]) - k_x[j] * (as_double(in[i]) - mean[j]) - k_0[j]);
     });
   });
 }

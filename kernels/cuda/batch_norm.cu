@@ -286,6 +286,7 @@ int64_t scratch_groups(const BatchNormArgs& a, const void* scratch, size_t parti
 
 // The grid for a call at vector width v, splitting a channel over at most max_groups blocks.
 Geom plan(const BatchNormArgs& a, int v, int64_t max_groups) {
+  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "batch_norm: the CUDA kernels take (N, C, S) buffers");
   Geom g;
   g.s = a.s;
   g.row_stride = a.c * a.s;

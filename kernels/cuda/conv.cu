@@ -260,6 +260,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 // Checks the sizes cuDNN's int-based descriptors can hold.
 void check_sizes(const Conv2dArgs& a) {
+  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "conv2d: the CUDA kernels take NCHW buffers");
   constexpr int64_t kMax = std::numeric_limits<int>::max();
   const int64_t dims[] = {a.n,     a.c_in,  a.h,        a.w,        a.c_out,      a.kh,         a.kw,
                           a.out_h, a.out_w, a.stride_h, a.stride_w, a.dilation_h, a.dilation_w, a.groups};

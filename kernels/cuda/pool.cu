@@ -24,6 +24,7 @@ struct Geom {
 };
 
 Geom geom(const Pool2dArgs& a) {
+  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "pooling: the CUDA kernels take NCHW buffers");
   return {a.h, a.w, a.out_h, a.out_w, a.kh, a.kw, a.stride_h, a.stride_w, a.pad_h, a.pad_w};
 }
 

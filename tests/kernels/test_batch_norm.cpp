@@ -3,10 +3,13 @@
 // floating dtype, over odd shapes (one sample, one channel, one value per row, rows longer
 // than the pairwise leaf, many threads' worth of channels), with and without gamma/beta.
 // The inputs are rounded to the tested dtype first, so the reference sees the same numbers;
-// tolerances then cover only the output's own rounding.
+// tolerances then cover only the output's own rounding. The channels-last (N, S, C) layout
+// is checked against the row-major kernels on the same values transposed: bit for bit,
+// since both add each channel's values in the same order.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -233,6 +236,90 @@ TEST(BatchNormKernel, MatchesPlainLoopsF32) { check_all<float>(); }
 TEST(BatchNormKernel, MatchesPlainLoopsBf16) { check_all<bf16>(); }
 TEST(BatchNormKernel, MatchesPlainLoopsF16) { check_all<f16>(); }
 
+// ---- channels-last ---------------------------------------------------------------------
+
+// (N, C, S) values laid out (N, S, C).
+template <class V> std::vector<V> to_channels_last(const Shape3& sh, const std::vector<V>& v) {
+  std::vector<V> out(v.size());
+  for (int64_t n = 0; n < sh.n; ++n)
+    for (int64_t c = 0; c < sh.c; ++c)
+      for (int64_t s = 0; s < sh.s; ++s)
+        out[size_t((n * sh.s + s) * sh.c + c)] = v[size_t((n * sh.c + c) * sh.s + s)];
+  return out;
+}
+
+template <class V> void expect_same_bits(const std::vector<V>& got, const std::vector<V>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_EQ(std::memcmp(&got[i], &want[i], sizeof(V)), 0)
+        << what << " element " << i << ": " << to_double(got[i]) << " vs " << to_double(want[i]);
+}
+
+// Shapes past those above: a tile of channels cut short (C = 37, 130), one value per row
+// with odd C, one channel with long rows.
+const std::vector<Shape3>& channels_last_shapes() {
+  static const std::vector<Shape3> table = {{1, 3, 7},  {5, 1, 1},  {2, 7, 33},  {64, 16, 1025}, {3, 70, 2},
+                                            {4, 37, 1}, {2, 1, 300}, {6, 130, 5}, {2, 33, 64}};
+  return table;
+}
+
+// Training, evaluation and backward on (N, S, C) buffers give the row-major results, transposed.
+template <class T>
+void check_channels_last(const Shape3& sh, WithAffine affine) {
+  using A = acc_of<T>;
+  SCOPED_TRACE(name_of(sh) + (affine == WithAffine::yes ? " affine" : " plain"));
+  std::mt19937 rng(13);
+  std::vector<double> xe, dye;
+  const auto x = channel_values<T>(sh, 2.0, 0.3, rng, xe), dy = channel_values<T>(sh, 1.0, 0.1, rng, dye);
+  const auto gamma = per_channel<A>(sh.c, 0.5, 1.5, rng), beta = per_channel<A>(sh.c, -1, 1, rng);
+  const auto rm0 = per_channel<A>(sh.c, -1, 1, rng), rv0 = per_channel<A>(sh.c, 0.5, 2, rng);
+  const bool with = affine == WithAffine::yes;
+  const A* g = with ? gamma.data() : nullptr;
+  const A* b = with ? beta.data() : nullptr;
+  const size_t c = size_t(sh.c);
+
+  struct Run {
+    std::vector<T> y, y_eval, dx;
+    std::vector<A> mean, invstd, rm, rv, dgamma, dbeta;
+  };
+  auto run = [&](ChannelLayout layout, const std::vector<T>& xs, const std::vector<T>& dys) {
+    BatchNormArgs a;
+    a.dtype = dtype_of<T>();
+    a.n = sh.n, a.c = sh.c, a.s = sh.s, a.eps = 1e-3, a.momentum = 0.25, a.layout = layout;
+    Run r{std::vector<T>(xs.size()), std::vector<T>(xs.size()), std::vector<T>(xs.size()), std::vector<A>(c),
+          std::vector<A>(c), rm0, rv0, std::vector<A>(c), std::vector<A>(c)};
+    cpu::batch_norm_forward_train(a, r.y.data(), r.mean.data(), r.invstd.data(), r.rm.data(), r.rv.data(), xs.data(),
+                                  g, b, nullptr);
+    cpu::batch_norm_forward_eval(a, r.y_eval.data(), xs.data(), g, b, rm0.data(), rv0.data(), nullptr);
+    cpu::batch_norm_backward(a, r.dx.data(), r.dgamma.data(), r.dbeta.data(), dys.data(), xs.data(), g,
+                             r.mean.data(), r.invstd.data(), nullptr);
+    return r;
+  };
+  const Run rows = run(ChannelLayout::channels_first, x, dy);
+  const Run last = run(ChannelLayout::channels_last, to_channels_last(sh, x), to_channels_last(sh, dy));
+  expect_same_bits(last.y, to_channels_last(sh, rows.y), "y");
+  expect_same_bits(last.mean, rows.mean, "save_mean");
+  expect_same_bits(last.invstd, rows.invstd, "save_invstd");
+  expect_same_bits(last.rm, rows.rm, "running_mean");
+  expect_same_bits(last.rv, rows.rv, "running_var");
+  expect_same_bits(last.y_eval, to_channels_last(sh, rows.y_eval), "y (eval)");
+  expect_same_bits(last.dx, to_channels_last(sh, rows.dx), "dx");
+  expect_same_bits(last.dgamma, rows.dgamma, "dgamma");
+  expect_same_bits(last.dbeta, rows.dbeta, "dbeta");
+}
+
+template <class T> void check_channels_last_all() {
+  for (const Shape3& sh : channels_last_shapes())
+    for (WithAffine affine : {WithAffine::no, WithAffine::yes}) check_channels_last<T>(sh, affine);
+}
+
+TEST(BatchNormKernel, ChannelsLastEqualsRowMajorF64) { check_channels_last_all<double>(); }
+TEST(BatchNormKernel, ChannelsLastEqualsRowMajorF32) { check_channels_last_all<float>(); }
+TEST(BatchNormKernel, ChannelsLastEqualsRowMajorBf16) { check_channels_last_all<bf16>(); }
+TEST(BatchNormKernel, ChannelsLastEqualsRowMajorF16) { check_channels_last_all<f16>(); }
+
+// ---- edge cases ------------------------------------------------------------------------
+
 TEST(BatchNormKernel, NullRunningStatisticsAreLeftAlone) {
   const Shape3 sh{4, 2, 3};
   std::mt19937 rng(9);
@@ -267,13 +354,15 @@ TEST(BatchNormKernel, LargeMeanKeepsTheVariance) {
 }
 
 TEST(BatchNormKernel, EmptyBatchBackwardGivesZeroSums) {
-  BatchNormArgs a;
-  a.n = 0, a.c = 3, a.s = 4;
-  std::vector<float> dgamma(3, 7.f), dbeta(3, 7.f), mean(3, 0.f), invstd(3, 1.f);
-  cpu::batch_norm_backward(a, nullptr, dgamma.data(), dbeta.data(), nullptr, nullptr, nullptr, mean.data(),
-                           invstd.data(), nullptr);
-  EXPECT_EQ(dgamma, std::vector<float>(3, 0.f));
-  EXPECT_EQ(dbeta, std::vector<float>(3, 0.f));
+  for (ChannelLayout layout : {ChannelLayout::channels_first, ChannelLayout::channels_last}) {
+    BatchNormArgs a;
+    a.n = 0, a.c = 3, a.s = 4, a.layout = layout;
+    std::vector<float> dgamma(3, 7.f), dbeta(3, 7.f), mean(3, 0.f), invstd(3, 1.f);
+    cpu::batch_norm_backward(a, nullptr, dgamma.data(), dbeta.data(), nullptr, nullptr, nullptr, mean.data(),
+                             invstd.data(), nullptr);
+    EXPECT_EQ(dgamma, std::vector<float>(3, 0.f));
+    EXPECT_EQ(dbeta, std::vector<float>(3, 0.f));
+  }
 }
 
 }  // namespace
