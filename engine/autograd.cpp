@@ -48,7 +48,9 @@ Edge gradient_edge(const Tensor& t) {
 }
 
 // Adds g into the leaf's gradient and fires its hooks. The first gradient is adopted
-// when nothing else can see it, copied otherwise; later ones are added in place.
+// when nothing else can see it, copied otherwise; later ones are added in place. A leaf's
+// gradient is row-major, its strides too (contiguous() re-strides, without a copy, memory
+// that the channels-last layout describes as well).
 void accumulate(const Node& node, const Tensor& g) {
   Tensor leaf(node.leaf);
   Tensor grad = g;
@@ -56,7 +58,7 @@ void accumulate(const Node& node, const Tensor& g) {
   if (grad.shape() != leaf.shape()) grad = sum_to(grad, leaf.shape());
   if (!leaf.grad().defined()) {
     bool exclusive = grad.impl_ptr().use_count() <= 2 && grad.storage().use_count() == 1 && grad.is_contiguous();
-    leaf.set_grad(exclusive ? grad.detach() : grad.clone());
+    leaf.set_grad(exclusive ? grad.detach().contiguous() : grad.clone());
   } else {
     add_(leaf.grad(), grad);
   }

@@ -99,8 +99,15 @@ bool Tensor::is_contiguous(MemoryFormat format) const {
 }
 
 MemoryFormat Tensor::memory_format() const {
-  return !is_contiguous() && is_contiguous(MemoryFormat::channels_last) ? MemoryFormat::channels_last
-                                                                         : MemoryFormat::contiguous;
+  if (!is_contiguous(MemoryFormat::channels_last)) return MemoryFormat::contiguous;
+  if (!is_contiguous()) return MemoryFormat::channels_last;
+  // Both layouts describe this memory (a dim of size 1): the strides themselves decide, as
+  // in PyTorch, so that a (N, 1, H, W) batch laid out channels-last starts a channels-last
+  // network.
+  const Shape& s = strides();
+  return s == format_strides(shape(), MemoryFormat::channels_last) && s != contiguous_strides(shape())
+             ? MemoryFormat::channels_last
+             : MemoryFormat::contiguous;
 }
 
 void* Tensor::data_ptr() const {

@@ -37,12 +37,13 @@ struct Node;
 //                  elementwise ops (which run such operands as one row), casts,
 //                  convolutions, BatchNorm and pooling give a channels-last output for a
 //                  channels-last input.
-// Where both describe the same memory (C = 1, or H = W = 1) the tensor counts as contiguous.
-// BatchNorm's kernels read and write the channels-last layout as it lies, on both devices;
-// so do the convolutions (cuDNN, the weight laid out channels-last too) and pooling on a
-// GPU. On the CPU the convolution and pooling kernels read and write row-major buffers: for
-// a channels-last input those ops run on a row-major copy and lay their output out
-// channels-last again (ops::through_row_major).
+// Where both describe the same memory (C = 1, or H = W = 1) the strides decide, as in
+// PyTorch: the tensor is channels-last when its strides are exactly format_strides(shape,
+// channels_last), so contiguous(channels_last) of a (N, 1, H, W) batch re-strides it (a view)
+// and the network after it runs channels-last.
+// The convolution, BatchNorm and pooling kernels read and write channels-last buffers as
+// they lie, on both devices (on a GPU, cuDNN's convolutions with the weight laid out
+// channels-last too; on the CPU the weight stays row-major).
 enum class MemoryFormat : uint8_t { contiguous, channels_last };
 
 // Whether a backward pass keeps what each node saved for its gradient once the node has run

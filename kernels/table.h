@@ -107,8 +107,9 @@ enum class ChannelLayout : uint8_t { channels_first, channels_last };
 // A 2-d convolution (cross-correlation, as in PyTorch) over NCHW contiguous buffers:
 //   x (N, C_in, H, W), w (C_out, C_in / groups, KH, KW), y (N, C_out, OH, OW), with
 //   OH = (H + 2 pad_h - dilation_h (KH - 1) - 1) / stride_h + 1 (likewise OW);
-// or, laid out channels_last, the same tensors with the channels innermost in memory: x as
-// (N, H, W, C_in), w as (C_out, KH, KW, C_in / groups), y as (N, OH, OW, C_out) (CUDA only).
+// or, laid out channels_last, the activations with their channels innermost in memory: x as
+// (N, H, W, C_in), y as (N, OH, OW, C_out); the weight is then row-major on the CPU and laid
+// out (C_out, KH, KW, C_in / groups) on CUDA, as cuDNN's NHWC kernels want it.
 // Groups split C_in and C_out into `groups` equal slices, slice g of y seeing only slice g
 // of x. Bias is not the kernel's business: the engine adds it with a broadcast add.
 // `workspace` is device scratch of at least conv2d_workspace_size(args, pass) bytes for the
@@ -132,8 +133,8 @@ struct Conv2dArgs {
   // CUDA: only algorithms whose results repeat bit for bit from run to run (cuDNN's engines
   // without the nondeterministic note; Options::deterministic). The CPU is deterministic.
   bool deterministic = false;
-  // Every buffer channels_last (see above): cuDNN's tensor-core kernels read and write it
-  // without transposing. The CPU kernels take channels_first only.
+  // Every activation buffer channels_last (see above), read and written as it lies (cuDNN's
+  // tensor-core kernels without transposing).
   ChannelLayout layout = ChannelLayout::channels_first;
 };
 
@@ -141,7 +142,7 @@ struct Conv2dArgs {
 // window (KH, KW) at stride (stride_h, stride_w), with pad on each side, and
 // OH = (H + 2 pad_h - KH) / stride_h + 1 (floor, as PyTorch's ceil_mode=False), likewise OW.
 // The engine guarantees pad <= kernel / 2, so every window holds at least one input element.
-// Laid out channels_last (CUDA only), x, y, the indices and the gradients are (N, H, W, C)
+// Laid out channels_last, x, y, the indices and the gradients are (N, H, W, C)
 // in memory. Max pooling's indices are ih * W + iw within the plane, in either layout.
 struct Pool2dArgs {
   DType dtype = DType::f32;

@@ -65,7 +65,7 @@ struct Options {
           hsdp = 1;
   double lr = 0, momentum = 0.9, weight_decay = -1, clip = 0, label_smoothing = 0;
   bool gpu_resident = false, quiet = false, sync_bn_stats = false, allow_nonfinite = false, fsdp = false;
-  bool graph = true;
+  bool graph = true, channels_last = false;
 };
 
 struct Datasets {
@@ -259,6 +259,10 @@ int run(int argc, char** argv) {
   flags.add("device", &o.device, "cpu, cuda or cuda:N (auto: the first GPU, else the CPU)", {}, "DEVICE");
   flags.add("workers", &o.workers, "data-loader threads", 0, 64);
   flags.add_switch("gpu-resident", &o.gpu_resident, "keep the whole dataset on the GPU (no augmentation)");
+  flags.add_switch("channels-last", &o.channels_last,
+                   "lay each batch out channels-last (N, H, W, C in memory); the network keeps that layout "
+                   "(the CPU's kernels read it as it lies; on a GPU the convolutions, BatchNorm and pooling "
+                   "still take row-major copies)");
   flags.add("init", &o.init, "initial weights (a safetensors state dict, e.g. from PyTorch)", {}, "FILE");
   flags.add("save", &o.save, "write a training checkpoint here after every epoch (with --fsdp: a folder of shards)", {},
             "PATH");
@@ -487,7 +491,11 @@ int run(int argc, char** argv) {
     trained = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, ddp_options);
   }
   std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, fsdp ? fsdp->parameters() : model->parameters());
-  auto forward = [&](const Tensor& x) { return fsdp ? fsdp->forward(x) : trained->forward(x); };
+  // --channels-last lays each batch out once, at the input; the CNN ops keep the layout.
+  auto forward = [&](const Tensor& batch) {
+    const Tensor x = o.channels_last ? batch.contiguous(MemoryFormat::channels_last) : batch;
+    return fsdp ? fsdp->forward(x) : trained->forward(x);
+  };
   const dist::MemoryPlan plan =
       fsdp ? dist::plan_sharded(*fsdp, *opt, activations)
            : dist::plan_replicated(*model, *opt, activations,
@@ -504,11 +512,12 @@ int run(int argc, char** argv) {
   }
 
   if (main_rank) std::printf("train_cnn: %s (%lld parameters) on %s: %lld training and %lld test images of %lldx%lldx%lld, "
-              "%lld classes\n  %s lr %g, %s schedule, batch %lld, %lld epochs, %s on %s\n",
+              "%lld classes\n  %s lr %g, %s schedule, batch %lld, %lld epochs, %s%s on %s\n",
               model->type_name().c_str(), (long long)model->num_parameters(), d.name.c_str(),
               (long long)d.train.count, (long long)d.test.count, (long long)d.train.channels,
               (long long)d.train.height, (long long)d.train.width, (long long)class_count(d), opt->type_name().c_str(),
               o.lr, o.schedule.c_str(), (long long)o.batch_size, (long long)o.epochs, o.precision.c_str(),
+              o.channels_last ? " channels-last" : "",
               ctx.active ? (std::to_string(ctx.size) + " ranks (" + ctx.group->backend() + "), " + device.str() +
                             " on rank 0").c_str()
                          : device.str().c_str());

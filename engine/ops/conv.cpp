@@ -79,11 +79,6 @@ Pool2dArgs pool_args(const char* op, const Tensor& x, std::array<int, 2> kernel,
 
 Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 2> kernel, std::array<int, 2> stride,
                  std::array<int, 2> padding) {
-  // The CUDA kernels read and write channels-last natively; the CPU's take NCHW.
-  if (ops::channels_last(x0) && x0.device().is_cpu())
-    return ops::through_row_major(x0, [&](const Tensor& x) {
-      return pool_impl(op, is_max, x, kernel, stride, padding);
-    });
   ops::check_defined(x0, op, "x");
   ops::check_floating(x0, op);
   const MemoryFormat format = x0.memory_format();
@@ -118,12 +113,6 @@ Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 
 Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array<int, 2> stride,
               std::array<int, 2> padding, std::array<int, 2> dilation, int groups) {
   const char* op = "conv2d";
-  // cuDNN reads and writes channels-last natively (the weight then goes channels-last too);
-  // the CPU's kernels take NCHW.
-  if (ops::channels_last(x0) && x0.device().is_cpu())
-    return ops::through_row_major(x0, [&](const Tensor& x) {
-      return conv2d(x, w0, bias, stride, padding, dilation, groups);
-    });
   ops::check_defined(x0, op, "x");
   ops::check_defined(w0, op, "weight");
   ops::check_floating(x0, op);
@@ -156,7 +145,10 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
   }
   t = autocast_compute_dtype(t);
   const MemoryFormat format = x0.memory_format();
-  Tensor x = x0.to(t).contiguous(format), w = w0.to(t).contiguous(format);
+  // cuDNN's NHWC kernels want the weight laid out (C_out, KH, KW, C_in / groups) too; the
+  // CPU's read it row-major in either layout.
+  const MemoryFormat weight_format = x0.device().is_cuda() ? format : MemoryFormat::contiguous;
+  Tensor x = x0.to(t).contiguous(format), w = w0.to(t).contiguous(weight_format);
 
   Conv2dArgs a;
   a.dtype = t;
@@ -190,7 +182,7 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
         if (gx.numel() > 0) kernels(dev).conv2d_backward_data(da, gx.data_ptr(), gy.data_ptr(), sw.data_ptr(), gst);
       }
       if (need_dw) {
-        gw = Tensor::empty({a.c_out, a.c_in / a.groups, a.kh, a.kw}, a.dtype, dev, format);
+        gw = Tensor::empty({a.c_out, a.c_in / a.groups, a.kh, a.kw}, a.dtype, dev, weight_format);
         Conv2dArgs fa = a;
         Tensor ws = workspace_for(fa, ConvPass::backward_filter, dev);
         if (gw.numel() > 0)

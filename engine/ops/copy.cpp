@@ -116,10 +116,16 @@ Tensor Tensor::clone() const {
   return clone_as(*this, MemoryFormat::contiguous);
 }
 
-Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
+Tensor Tensor::contiguous() const { return contiguous(MemoryFormat::contiguous); }
 
 Tensor Tensor::contiguous(MemoryFormat format) const {
-  return is_contiguous(format) ? *this : clone_as(*this, format);
+  if (!is_contiguous(format)) return clone_as(*this, format);
+  if (dim() != 4 || memory_format() == format) return *this;
+  // Memory that both layouts describe (a dim of size 1), read through the format's own
+  // strides: a view, so that memory_format() answers `format`.
+  Tensor out = from_storage(storage(), shape(), format_strides(shape(), format), offset(), dtype());
+  if (any_requires_grad({*this})) record("Restride", {*this}, {out}, [](const TensorList& g) { return g; });
+  return out;
 }
 
 }  // namespace loom

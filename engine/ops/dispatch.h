@@ -51,14 +51,6 @@ inline Strided flat(const Tensor& t) {
 // Whether x is a channels-last tensor (MemoryFormat).
 inline bool channels_last(const Tensor& x) { return x.defined() && x.memory_format() == MemoryFormat::channels_last; }
 
-// For an op whose kernels read and write row-major (NCHW) buffers, given a channels-last x:
-// runs op on a row-major copy of x and lays the result out channels-last again, so that the
-// layout carries on to the next op (both copies are differentiable).
-template <class Op>
-Tensor through_row_major(const Tensor& x, Op&& op) {
-  return op(x.contiguous()).contiguous(MemoryFormat::channels_last);
-}
-
 // A Strided view of `t` broadcast to `shape` (stride 0 on broadcast dimensions).
 Strided broadcast_strided(const Tensor& t, const Shape& shape);
 

@@ -8,6 +8,16 @@
 //   backward filter:  dw_g (C_out/g, rows)        += dy_g @ col^T, summed over samples
 // A 1x1 convolution with stride 1 and no padding needs no im2col: x is already col.
 //
+// Channels-last activations (x (N, H, W, C_in), y (N, OH, OW, C_out); the weight stays
+// (C_out, C_in/g, KH, KW) row-major) take the transposed lowering: im2row lays one sample's
+// windows out as a row matrix row (OH * OW, C_in/g * KH * KW), one output pixel's window
+// per row in the weight's (c, i, j) order, so that
+//   forward:          y_g  (OH*OW, C_out/g)        = row @ w_g^T
+//   backward data:    drow (OH*OW, rows)           = dy_g @ w_g, then row2im adds drow back
+//   backward filter:  dw_g (C_out/g, rows)        += dy_g^T @ row, summed over samples
+// where y_g, dy_g and the group's slice of x are columns of their buffers (row stride C_out
+// or C_in), read and written in place. A 1x1 stride-1 unpadded x is its own row matrix.
+//
 // Everything runs in the accumulation type (f32 for bf16/f16): 16-bit buffers are
 // converted once on the way in and the result once on the way out, so sums over the
 // batch never round to 16 bits. Threads split the batch (the gemm then runs inline, as
@@ -90,6 +100,51 @@ void col2im(const Conv2dArgs& a, const Geometry& g, const A* col, A* x) {
       }
 }
 
+// row (OH * OW, cg * KH * KW) from one group's channels of a channels-last sample x (H, W,
+// C_in; x points at the group's first channel); zeros where a window reads padding. Each
+// input pixel's channels are read together and written KH * KW apart.
+template <class A>
+void im2row(const Conv2dArgs& a, const Geometry& g, const A* x, A* row) {
+  const int64_t taps = a.kh * a.kw;
+  for (int64_t oh = 0; oh < a.out_h; ++oh)
+    for (int64_t ow = 0; ow < a.out_w; ++ow) {
+      A* window = row + (oh * a.out_w + ow) * g.rows;
+      for (int64_t i = 0; i < a.kh; ++i) {
+        const int64_t ih = oh * a.stride_h - a.pad_h + i * a.dilation_h;
+        for (int64_t j = 0; j < a.kw; ++j) {
+          const int64_t iw = ow * a.stride_w - a.pad_w + j * a.dilation_w;
+          A* out = window + i * a.kw + j;
+          if (ih < 0 || ih >= a.h || iw < 0 || iw >= a.w) {
+            for (int64_t c = 0; c < g.cg; ++c) out[c * taps] = A(0);
+          } else {
+            const A* in = x + (ih * a.w + iw) * a.c_in;
+            for (int64_t c = 0; c < g.cg; ++c) out[c * taps] = in[c];
+          }
+        }
+      }
+    }
+}
+
+// The adjoint of im2row: x (H, W, C_in; the group's channels) += every entry of row at the
+// input it was read from.
+template <class A>
+void row2im(const Conv2dArgs& a, const Geometry& g, const A* row, A* x) {
+  for (int64_t oh = 0; oh < a.out_h; ++oh)
+    for (int64_t ow = 0; ow < a.out_w; ++ow) {
+      const A* window = row + (oh * a.out_w + ow) * g.rows;
+      for (int64_t i = 0; i < a.kh; ++i) {
+        const int64_t ih = oh * a.stride_h - a.pad_h + i * a.dilation_h;
+        for (int64_t j = 0; j < a.kw; ++j) {
+          const int64_t iw = ow * a.stride_w - a.pad_w + j * a.dilation_w;
+          if (ih < 0 || ih >= a.h || iw < 0 || iw >= a.w) continue;
+          const A* in = window + i * a.kw + j;
+          A* out = x + (ih * a.w + iw) * a.c_in;
+          for (int64_t c = 0; c < g.cg; ++c) out[c] += in[c * a.kh * a.kw];
+        }
+      }
+    }
+}
+
 // c (m, n) = op(a) (m, k) @ op(b) (k, n) + beta * c, row-major, on the CPU gemm.
 template <class A>
 void matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const A* a, int64_t lda, const A* b, int64_t ldb,
@@ -101,6 +156,17 @@ void matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const A* a, int64
   g.a = a, g.lda = lda, g.b = b, g.ldb = ldb, g.c = c, g.ldc = ldc;
   g.beta = beta;
   gemm(g, nullptr);
+}
+
+// dw += partials 1 .. tasks - 1 of the filter gradient, in order.
+template <class A>
+void sum_partials(A* dw, const std::vector<A>& partial, int64_t tasks, int64_t w_size) {
+  parallel_for(w_size, 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t t = 1; t < tasks; ++t) {
+      const A* p = partial.data() + (t - 1) * w_size;
+      for (int64_t i = i0; i < i1; ++i) dw[i] += p[i];
+    }
+  });
 }
 
 template <class A>
@@ -164,12 +230,75 @@ void backward_filter_acc(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
         }
     }
   });
-  parallel_for(w_size, 1 << 14, [&](int64_t i0, int64_t i1) {
-    for (int64_t t = 1; t < tasks; ++t) {
-      const A* p = partial.data() + (t - 1) * w_size;
-      for (int64_t i = i0; i < i1; ++i) dw[i] += p[i];
+  sum_partials(dw, partial, tasks, w_size);
+}
+
+// ---- channels-last -------------------------------------------------------------------
+
+template <class A>
+void forward_cl(const Conv2dArgs& a, A* y, const A* x, const A* w) {
+  const Geometry g = geometry(a);
+  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<A> row(size_t(g.direct ? 0 : g.ohw * g.rows));
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t grp = 0; grp < a.groups; ++grp) {
+        const A* xg = x + n * g.hw * a.c_in + grp * g.cg;
+        if (!g.direct) im2row(a, g, xg, row.data());
+        matmul<A>(false, true, g.ohw, g.kg, g.rows, g.direct ? xg : row.data(), g.direct ? a.c_in : g.rows,
+                  w + grp * g.kg * g.rows, g.rows, y + n * g.ohw * a.c_out + grp * g.kg, a.c_out, 0.f);
+      }
+  });
+}
+
+template <class A>
+void backward_data_cl(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
+  const Geometry g = geometry(a);
+  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<A> row(size_t(g.direct ? 0 : g.ohw * g.rows));
+    for (int64_t n = n0; n < n1; ++n) {
+      A* dxn = dx + n * g.hw * a.c_in;
+      if (!g.direct) std::fill_n(dxn, g.hw * a.c_in, A(0));
+      for (int64_t grp = 0; grp < a.groups; ++grp) {
+        const A* dyg = dy + n * g.ohw * a.c_out + grp * g.kg;
+        const A* wg = w + grp * g.kg * g.rows;  // (kg, rows)
+        if (g.direct) {
+          matmul<A>(false, false, g.ohw, g.rows, g.kg, dyg, a.c_out, wg, g.rows, dxn + grp * g.cg, a.c_in, 0.f);
+          continue;
+        }
+        matmul<A>(false, false, g.ohw, g.rows, g.kg, dyg, a.c_out, wg, g.rows, row.data(), g.rows, 0.f);
+        row2im(a, g, row.data(), dxn + grp * g.cg);
+      }
     }
   });
+}
+
+template <class A>
+void backward_filter_cl(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
+  const Geometry g = geometry(a);
+  const int64_t w_size = a.c_out * g.rows;
+  if (a.n == 0) {
+    std::fill_n(dw, w_size, A(0));
+    return;
+  }
+  // As backward_filter_acc: a fixed number of partials, reduced in order.
+  const int64_t tasks = std::min(a.n, kFilterPartials);
+  std::vector<A> partial(size_t((tasks - 1) * w_size));
+  parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<A> row(size_t(g.direct ? 0 : g.ohw * g.rows));
+    for (int64_t t = t0; t < t1; ++t) {
+      A* acc = t == 0 ? dw : partial.data() + (t - 1) * w_size;
+      const int64_t first = a.n * t / tasks, last = a.n * (t + 1) / tasks;
+      for (int64_t n = first; n < last; ++n)
+        for (int64_t grp = 0; grp < a.groups; ++grp) {
+          const A* xg = x + n * g.hw * a.c_in + grp * g.cg;
+          if (!g.direct) im2row(a, g, xg, row.data());
+          matmul<A>(true, false, g.kg, g.rows, g.ohw, dy + n * g.ohw * a.c_out + grp * g.kg, a.c_out,
+                    g.direct ? xg : row.data(), g.direct ? a.c_in : g.rows, acc + grp * g.kg * g.rows, g.rows,
+                    n == first ? 0.f : 1.f);
+        }
+    }
+  });
+  sum_partials(dw, partial, tasks, w_size);
 }
 
 // A buffer of T seen as A: the buffer itself when T is A, else a converted copy in `store`.
@@ -228,35 +357,33 @@ void run_acc(const Conv2dArgs& a, const char* what, void* out, int64_t out_n, co
 int64_t x_numel(const Conv2dArgs& a) { return a.n * a.c_in * a.h * a.w; }
 int64_t y_numel(const Conv2dArgs& a) { return a.n * a.c_out * a.out_h * a.out_w; }
 int64_t w_numel(const Conv2dArgs& a) { return a.c_out * (a.c_in / a.groups) * a.kh * a.kw; }
-
-// The engine hands the CPU NCHW buffers only (a channels-last input is converted around it).
-void check_layout(const Conv2dArgs& a) {
-  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's conv2d kernels take NCHW buffers");
-}
+bool channels_last(const Conv2dArgs& a) { return a.layout == ChannelLayout::channels_last; }
 
 }  // namespace
 
 size_t conv2d_workspace_size(const Conv2dArgs&, ConvPass) { return 0; }
 
 void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, StreamHandle) {
-  check_layout(a);
   if (y_numel(a) == 0) return;
-  run_acc(a, "conv2d", y, y_numel(a), x, x_numel(a), w, w_numel(a),
-          [&](auto* out, const auto* xa, const auto* wa) { forward_acc(a, out, xa, wa); });
+  run_acc(a, "conv2d", y, y_numel(a), x, x_numel(a), w, w_numel(a), [&](auto* out, const auto* xa, const auto* wa) {
+    channels_last(a) ? forward_cl(a, out, xa, wa) : forward_acc(a, out, xa, wa);
+  });
 }
 
 void conv2d_backward_data(const Conv2dArgs& a, void* dx, const void* dy, const void* w, StreamHandle) {
-  check_layout(a);
   if (x_numel(a) == 0) return;
   run_acc(a, "conv2d backward", dx, x_numel(a), dy, y_numel(a), w, w_numel(a),
-          [&](auto* out, const auto* dya, const auto* wa) { backward_data_acc(a, out, dya, wa); });
+          [&](auto* out, const auto* dya, const auto* wa) {
+            channels_last(a) ? backward_data_cl(a, out, dya, wa) : backward_data_acc(a, out, dya, wa);
+          });
 }
 
 void conv2d_backward_filter(const Conv2dArgs& a, void* dw, const void* x, const void* dy, StreamHandle) {
-  check_layout(a);
   if (w_numel(a) == 0) return;
   run_acc(a, "conv2d backward", dw, w_numel(a), x, x_numel(a), dy, y_numel(a),
-          [&](auto* out, const auto* xa, const auto* dya) { backward_filter_acc(a, out, xa, dya); });
+          [&](auto* out, const auto* xa, const auto* dya) {
+            channels_last(a) ? backward_filter_cl(a, out, xa, dya) : backward_filter_acc(a, out, xa, dya);
+          });
 }
 
 }  // namespace loom::cpu

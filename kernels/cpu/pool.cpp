@@ -1,4 +1,8 @@
-// CPU 2-d max and average pooling over NCHW planes, threads over the N * C planes.
+// CPU 2-d max and average pooling over NCHW planes, threads over the N * C planes; over a
+// channels-last (N, H, W, C) buffer, threads over the N * OH output rows (N * H input rows
+// for backward), each pixel's C channels handled together in the innermost loop. Either way
+// a channel sees its window's elements in the same order, so both layouts give the same
+// bits, and the same max-pool indices (ih * W + iw within the plane).
 //
 // The backward passes gather rather than scatter: each input element sums the gradients
 // of the outputs whose windows cover it (kernels/core/pool_window.h), in a fixed order,
@@ -6,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "kernels/core/pool_window.h"
 #include "kernels/cpu/common.h"
@@ -26,15 +31,118 @@ void for_each_plane(const Pool2dArgs& a, const char* what, int64_t work_per_plan
   });
 }
 
-// The engine hands the CPU NCHW buffers only (a channels-last input is converted around it).
-void check_layout(const Pool2dArgs& a) {
-  LOOM_ASSERT(a.layout == ChannelLayout::channels_first, "the CPU's pooling kernels take NCHW buffers");
+bool channels_last(const Pool2dArgs& a) { return a.layout == ChannelLayout::channels_last; }
+
+// Runs body(tag, n, r, acc) for each of the N * rows image rows of a channels-last buffer, in
+// parallel, with T the element type and acc a scratch vector of C accumulation-type values.
+template <class Body>
+void for_each_row(const Pool2dArgs& a, const char* what, int64_t rows, int64_t work_per_row, Body&& body) {
+  dispatch_floating(a.dtype, what, [&](auto tag) {
+    using A = acc_t<decltype(tag)>;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(work_per_row, 1));
+    parallel_for(a.n * rows, grain, [&](int64_t r0, int64_t r1) {
+      std::vector<A> acc(size_t(a.c));
+      for (int64_t r = r0; r < r1; ++r) body(tag, r / rows, r % rows, acc.data());
+    });
+  });
+}
+
+void max_forward_cl(const Pool2dArgs& a, void* y, int64_t* indices, const void* x) {
+  for_each_row(a, "max_pool2d", a.out_h, a.out_w * a.kh * a.kw * a.c, [&](auto tag, int64_t n, int64_t oh, auto* best) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    const pool::Span rows = pool::input_span(oh, a.stride_h, a.pad_h, a.kh, a.h);
+    std::vector<int64_t> best_at(size_t(a.c));
+    for (int64_t ow = 0; ow < a.out_w; ++ow) {
+      const pool::Span cols = pool::input_span(ow, a.stride_w, a.pad_w, a.kw, a.w);
+      std::fill_n(best, a.c, -std::numeric_limits<A>::infinity());
+      std::fill(best_at.begin(), best_at.end(), rows.begin * a.w + cols.begin);
+      for (int64_t ih = rows.begin; ih < rows.end; ++ih)
+        for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
+          const T* in = static_cast<const T*>(x) + ((n * a.h + ih) * a.w + iw) * a.c;
+          for (int64_t c = 0; c < a.c; ++c) {
+            const A v = A(in[c]);
+            if (v > best[c] || std::isnan(v)) {
+              best[c] = v;
+              best_at[size_t(c)] = ih * a.w + iw;
+            }
+          }
+        }
+      const int64_t at = ((n * a.out_h + oh) * a.out_w + ow) * a.c;
+      for (int64_t c = 0; c < a.c; ++c) {
+        static_cast<T*>(y)[at + c] = T(best[c]);
+        indices[at + c] = best_at[size_t(c)];
+      }
+    }
+  });
+}
+
+void max_backward_cl(const Pool2dArgs& a, void* dx, const void* dy, const int64_t* indices) {
+  for_each_row(a, "max_pool2d backward", a.h, a.w * a.c * 4, [&](auto tag, int64_t n, int64_t ih, auto* sum) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    const pool::Span rows = pool::output_span(ih, a.stride_h, a.pad_h, a.kh, a.out_h);
+    for (int64_t iw = 0; iw < a.w; ++iw) {
+      const pool::Span cols = pool::output_span(iw, a.stride_w, a.pad_w, a.kw, a.out_w);
+      const int64_t self = ih * a.w + iw;
+      std::fill_n(sum, a.c, A(0));
+      for (int64_t oh = rows.begin; oh < rows.end; ++oh)
+        for (int64_t ow = cols.begin; ow < cols.end; ++ow) {
+          const int64_t at = ((n * a.out_h + oh) * a.out_w + ow) * a.c;
+          const T* go = static_cast<const T*>(dy) + at;
+          for (int64_t c = 0; c < a.c; ++c)
+            if (indices[at + c] == self) sum[c] += A(go[c]);
+        }
+      T* gi = static_cast<T*>(dx) + ((n * a.h + ih) * a.w + iw) * a.c;
+      for (int64_t c = 0; c < a.c; ++c) gi[c] = T(sum[c]);
+    }
+  });
+}
+
+void avg_forward_cl(const Pool2dArgs& a, void* y, const void* x) {
+  for_each_row(a, "avg_pool2d", a.out_h, a.out_w * a.kh * a.kw * a.c, [&](auto tag, int64_t n, int64_t oh, auto* sum) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    const A scale = A(1) / A(a.kh * a.kw);
+    const pool::Span rows = pool::input_span(oh, a.stride_h, a.pad_h, a.kh, a.h);
+    for (int64_t ow = 0; ow < a.out_w; ++ow) {
+      const pool::Span cols = pool::input_span(ow, a.stride_w, a.pad_w, a.kw, a.w);
+      std::fill_n(sum, a.c, A(0));
+      for (int64_t ih = rows.begin; ih < rows.end; ++ih)
+        for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
+          const T* in = static_cast<const T*>(x) + ((n * a.h + ih) * a.w + iw) * a.c;
+          for (int64_t c = 0; c < a.c; ++c) sum[c] += A(in[c]);
+        }
+      T* out = static_cast<T*>(y) + ((n * a.out_h + oh) * a.out_w + ow) * a.c;
+      for (int64_t c = 0; c < a.c; ++c) out[c] = T(sum[c] * scale);
+    }
+  });
+}
+
+void avg_backward_cl(const Pool2dArgs& a, void* dx, const void* dy) {
+  for_each_row(a, "avg_pool2d backward", a.h, a.w * a.c * 4, [&](auto tag, int64_t n, int64_t ih, auto* sum) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    const A scale = A(1) / A(a.kh * a.kw);
+    const pool::Span rows = pool::output_span(ih, a.stride_h, a.pad_h, a.kh, a.out_h);
+    for (int64_t iw = 0; iw < a.w; ++iw) {
+      const pool::Span cols = pool::output_span(iw, a.stride_w, a.pad_w, a.kw, a.out_w);
+      std::fill_n(sum, a.c, A(0));
+      for (int64_t oh = rows.begin; oh < rows.end; ++oh)
+        for (int64_t ow = cols.begin; ow < cols.end; ++ow) {
+          const T* go = static_cast<const T*>(dy) + ((n * a.out_h + oh) * a.out_w + ow) * a.c;
+          for (int64_t c = 0; c < a.c; ++c) sum[c] += A(go[c]);
+        }
+      T* gi = static_cast<T*>(dx) + ((n * a.h + ih) * a.w + iw) * a.c;
+      for (int64_t c = 0; c < a.c; ++c) gi[c] = T(sum[c] * scale);
+    }
+  });
 }
 
 }  // namespace
 
 void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const void* x, StreamHandle) {
-  check_layout(a);
+  if (channels_last(a)) return max_forward_cl(a, y, indices, x);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
   for_each_plane(a, "max_pool2d", ohw * a.kh * a.kw, [&](auto tag, int64_t p) {
     using T = decltype(tag);
@@ -64,7 +172,7 @@ void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const vo
 }
 
 void max_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, const int64_t* indices, StreamHandle) {
-  check_layout(a);
+  if (channels_last(a)) return max_backward_cl(a, dx, dy, indices);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
   for_each_plane(a, "max_pool2d backward", hw * 4, [&](auto tag, int64_t p) {
     using T = decltype(tag);
@@ -88,7 +196,7 @@ void max_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, const in
 }
 
 void avg_pool2d_forward(const Pool2dArgs& a, void* y, const void* x, StreamHandle) {
-  check_layout(a);
+  if (channels_last(a)) return avg_forward_cl(a, y, x);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
   for_each_plane(a, "avg_pool2d", ohw * a.kh * a.kw, [&](auto tag, int64_t p) {
     using T = decltype(tag);
@@ -110,7 +218,7 @@ void avg_pool2d_forward(const Pool2dArgs& a, void* y, const void* x, StreamHandl
 }
 
 void avg_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, StreamHandle) {
-  check_layout(a);
+  if (channels_last(a)) return avg_backward_cl(a, dx, dy);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
   for_each_plane(a, "avg_pool2d backward", hw * 4, [&](auto tag, int64_t p) {
     using T = decltype(tag);

@@ -3,6 +3,7 @@
 // the values and input gradients of the same op on the row-major input, bit for bit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -26,11 +27,29 @@ TEST(MemoryFormat, ChannelsLastStridesPutTheChannelsInnermost) {
   EXPECT_EQ(format_strides({2, 3, 4, 5}, MemoryFormat::contiguous), (Shape{60, 20, 5, 1}));
 }
 
-TEST(MemoryFormat, ALayoutBothFormatsDescribeCountsAsContiguous) {
+// Where both layouts describe the memory (C = 1, H = W = 1) the strides decide, and
+// contiguous(format) re-strides without a copy, as a differentiable view.
+TEST(MemoryFormat, ALayoutBothFormatsDescribeIsTheOneItsStridesSpell) {
   for (Shape shape : {Shape{2, 1, 4, 5}, Shape{2, 3, 1, 1}}) {
+    SCOPED_TRACE(shape_str(shape));
     Tensor t = Tensor::empty(shape, DType::f32, Device::cpu(), kLast);
-    EXPECT_TRUE(t.is_contiguous()) << shape_str(shape);
-    EXPECT_EQ(t.memory_format(), MemoryFormat::contiguous) << shape_str(shape);
+    EXPECT_TRUE(t.is_contiguous());
+    EXPECT_EQ(t.memory_format(), kLast);
+    Tensor row_major = randn(shape);
+    EXPECT_EQ(row_major.memory_format(), MemoryFormat::contiguous);
+    row_major.set_requires_grad();
+    Tensor last = row_major.contiguous(kLast);
+    EXPECT_EQ(last.memory_format(), kLast);
+    EXPECT_EQ(last.strides(), format_strides(shape, kLast));
+    EXPECT_EQ(last.data_ptr(), row_major.data_ptr());  // no copy
+    EXPECT_EQ(last.to_vector<float>(), row_major.to_vector<float>());
+    Tensor back = last.contiguous();
+    EXPECT_EQ(back.memory_format(), MemoryFormat::contiguous);
+    EXPECT_EQ(back.strides(), format_strides(shape, MemoryFormat::contiguous));
+    EXPECT_EQ(back.data_ptr(), row_major.data_ptr());
+    sum(mul(back, 3.0)).backward();
+    EXPECT_EQ(row_major.grad().to_vector<float>(), std::vector<float>(size_t(row_major.numel()), 3.f));
+    EXPECT_EQ(row_major.grad().strides(), format_strides(shape, MemoryFormat::contiguous));
   }
   // A transposed matrix is neither.
   Tensor m = zeros({3, 4}).t();
@@ -68,11 +87,24 @@ TEST(MemoryFormat, CastsAndClonesOfChannelsLast) {
   EXPECT_TRUE(x.clone().is_contiguous());  // clone() is row-major, as contiguous() needs
 }
 
+// Every element of got within tol * max |want| of want's (bit for bit when tol is 0).
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, double tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  if (tol == 0) {
+    EXPECT_EQ(got, want) << what;
+    return;
+  }
+  double scale = 0;
+  for (float v : want) scale = std::max(scale, double(std::fabs(v)));
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], tol * scale) << what << " element " << i;
+}
+
 // Runs op on x in both layouts (x requiring a gradient), backward from the sum of the output
 // times fixed weights, and checks the channels-last run's output layout, values and input
-// gradient against the row-major run's.
+// gradient against the row-major run's: bit for bit, or within tol (relative to the largest
+// value) for ops whose kernels sum in another order in each layout (the convolutions).
 void expect_layout_kept(const std::string& name, const std::function<Tensor(const Tensor&)>& op,
-                        const Shape& shape, bool output_channels_last = true) {
+                        const Shape& shape, bool output_channels_last = true, double tol = 0) {
   SCOPED_TRACE(name);
   manual_seed(7);
   Tensor x = randn(shape);
@@ -90,8 +122,8 @@ void expect_layout_kept(const std::string& name, const std::function<Tensor(cons
     outputs[layout] = y.to_vector<float>();
     grads[layout] = leaf.grad().to_vector<float>();
   }
-  EXPECT_EQ(outputs[1], outputs[0]);
-  EXPECT_EQ(grads[1], grads[0]);
+  expect_close(outputs[1], outputs[0], tol, "output");
+  expect_close(grads[1], grads[0], tol, "input gradient");
 }
 
 TEST(MemoryFormat, EveryCnnOpKeepsAChannelsLastInputChannelsLast) {
@@ -99,8 +131,9 @@ TEST(MemoryFormat, EveryCnnOpKeepsAChannelsLastInputChannelsLast) {
   Tensor w = randn({4, 3, 3, 3}), b = randn({4}), gamma = randn({3}), beta = randn({3});
   Tensor bias = randn({1, 3, 1, 1}), other = randn({2, 3, 6, 5});
   const Shape s{2, 3, 6, 5};
-  expect_layout_kept("conv2d", [&](const Tensor& x) { return conv2d(x, w, b, {1, 1}, {1, 1}); }, s);
-  expect_layout_kept("conv2d stride 2", [&](const Tensor& x) { return conv2d(x, w, Tensor(), {2, 2}, {1, 1}); }, s);
+  expect_layout_kept("conv2d", [&](const Tensor& x) { return conv2d(x, w, b, {1, 1}, {1, 1}); }, s, true, 1e-6);
+  expect_layout_kept("conv2d stride 2", [&](const Tensor& x) { return conv2d(x, w, Tensor(), {2, 2}, {1, 1}); }, s,
+                     true, 1e-6);
   expect_layout_kept("batch_norm", [&](const Tensor& x) {
     return batch_norm(x, Tensor(), Tensor(), gamma, beta, true);
   }, s);
@@ -121,6 +154,29 @@ TEST(MemoryFormat, EveryCnnOpKeepsAChannelsLastInputChannelsLast) {
   expect_layout_kept("to bf16 and back", [](const Tensor& x) { return x.to(DType::bf16).to(DType::f32); }, s);
   // A row-major operand beside a channels-last one: the values are the same either way.
   expect_layout_kept("mixed layouts", [&](const Tensor& x) { return mul(x, other); }, s);
+}
+
+// A one-channel batch laid out channels-last (Fashion-MNIST's images) runs a convolution
+// channels-last, and trains as the row-major batch does; the weight's gradient is row-major.
+TEST(MemoryFormat, AOneChannelBatchStartsAChannelsLastNetwork) {
+  manual_seed(4);
+  Tensor images = randn({3, 1, 7, 6}), w0 = randn({5, 1, 3, 3});
+  std::vector<float> grads[2];
+  for (int layout = 0; layout < 2; ++layout) {
+    Tensor w = w0.detach();
+    w.set_requires_grad();
+    Tensor x = layout ? images.contiguous(kLast) : images;
+    Tensor h = conv2d(x, w, Tensor(), {1, 1}, {1, 1});
+    EXPECT_EQ(h.memory_format(), layout ? kLast : MemoryFormat::contiguous);
+    h = max_pool2d(relu(h), {2, 2});
+    EXPECT_EQ(h.memory_format(), layout ? kLast : MemoryFormat::contiguous);
+    manual_seed(1);
+    sum(mul(h, randn(h.shape()))).backward();
+    EXPECT_TRUE(w.grad().is_contiguous());
+    EXPECT_EQ(w.grad().strides(), format_strides(w.shape(), MemoryFormat::contiguous));
+    grads[layout] = w.grad().to_vector<float>();
+  }
+  expect_close(grads[1], grads[0], 1e-6, "weight gradient");
 }
 
 // A channels-last tensor reduces in its memory order: a convolution bias's gradient (a sum

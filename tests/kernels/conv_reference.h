@@ -67,6 +67,26 @@ inline ConvReference conv_reference(const Conv2dArgs& a, const std::vector<doubl
   return r;
 }
 
+// A row-major (N, C, H, W) buffer laid out channels-last, (N, H, W, C) in memory, and back.
+// A weight (C_out, C_in/g, KH, KW) goes with N = C_out and C = C_in/g.
+template <class V>
+V to_channels_last(const V& v, int64_t n, int64_t c, int64_t h, int64_t w) {
+  V out(v.size());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < c; ++k)
+      for (int64_t p = 0; p < h * w; ++p) out[size_t((i * h * w + p) * c + k)] = v[size_t((i * c + k) * h * w + p)];
+  return out;
+}
+
+template <class V>
+V from_channels_last(const V& v, int64_t n, int64_t c, int64_t h, int64_t w) {
+  V out(v.size());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < c; ++k)
+      for (int64_t p = 0; p < h * w; ++p) out[size_t((i * c + k) * h * w + p)] = v[size_t((i * h * w + p) * c + k)];
+  return out;
+}
+
 struct PoolCase {
   std::string name;
   int64_t n, c, h, w, kh, kw, stride_h, stride_w, pad_h = 0, pad_w = 0;

@@ -3,10 +3,12 @@
 // dilation, groups (depthwise too), 1x1 (the no-im2col path), rectangular kernels, one
 // sample (threads inside the gemm) and more samples than the filter gradient's partials.
 // Errors are measured against sum |a||b| (the f64 loop over magnitudes), the scale that
-// bounds rounding in any summation order.
+// bounds rounding in any summation order. Each case runs in both layouts: channels-last
+// buffers are the same activations permuted to (N, H, W, C), the weight as it is.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <type_traits>
@@ -73,22 +75,32 @@ void expect_near_scaled(const std::vector<T>& got, const std::vector<double>& wa
 }
 
 template <class T>
-void check_conv(const ConvCase& c, double tol) {
+void check_conv(const ConvCase& c, double tol, ChannelLayout layout = ChannelLayout::channels_first) {
   SCOPED_TRACE(c.name);
   std::mt19937 rng(17);
-  const Conv2dArgs a = test::conv_args(c, dtype_of<T>());
+  Conv2dArgs a = test::conv_args(c, dtype_of<T>());
   std::vector<double> xe, we, dye;
-  const auto x = random_values<T>(test::x_numel(a), rng, xe);
-  const auto w = random_values<T>(test::w_numel(a), rng, we);
-  const auto dy = random_values<T>(test::y_numel(a), rng, dye);
+  auto x = random_values<T>(test::x_numel(a), rng, xe);
+  auto w = random_values<T>(test::w_numel(a), rng, we);
+  auto dy = random_values<T>(test::y_numel(a), rng, dye);
   const test::ConvReference want = test::conv_reference(a, xe, we, dye);
   const test::ConvReference scale = test::conv_reference(a, xe, we, dye, true);
+  const bool cl = layout == ChannelLayout::channels_last;
+  if (cl) {
+    a.layout = layout;
+    x = test::to_channels_last(x, a.n, a.c_in, a.h, a.w);
+    dy = test::to_channels_last(dy, a.n, a.c_out, a.out_h, a.out_w);
+  }
 
   EXPECT_EQ(cpu::conv2d_workspace_size(a, ConvPass::forward), 0u);
-  std::vector<T> y(size_t(test::y_numel(a))), dx(size_t(test::x_numel(a))), dw(size_t(test::w_numel(a)));
+  std::vector<T> y(size_t(test::y_numel(a))), dx(size_t(test::x_numel(a)), T(7.f)), dw(size_t(test::w_numel(a)));
   cpu::conv2d_forward(a, y.data(), x.data(), w.data(), nullptr);
   cpu::conv2d_backward_data(a, dx.data(), dy.data(), w.data(), nullptr);
   cpu::conv2d_backward_filter(a, dw.data(), x.data(), dy.data(), nullptr);
+  if (cl) {
+    y = test::from_channels_last(y, a.n, a.c_out, a.out_h, a.out_w);
+    dx = test::from_channels_last(dx, a.n, a.c_in, a.h, a.w);
+  }
   expect_near_scaled(y, want.y, scale.y, tol, "y");
   expect_near_scaled(dx, want.dx, scale.dx, tol, "dx");
   expect_near_scaled(dw, want.dw, scale.dw, tol, "dw");
@@ -106,6 +118,16 @@ TEST(ConvCpu, MatchesDirectLoopBf16) {
 }
 TEST(ConvCpu, MatchesDirectLoopF16) {
   for (const auto& c : conv_cases()) check_conv<f16>(c, 2e-3);
+}
+
+TEST(ConvCpu, ChannelsLastMatchesDirectLoopF64) {
+  for (const auto& c : conv_cases()) check_conv<double>(c, 1e-12, ChannelLayout::channels_last);
+}
+TEST(ConvCpu, ChannelsLastMatchesDirectLoopF32) {
+  for (const auto& c : conv_cases()) check_conv<float>(c, 1e-5, ChannelLayout::channels_last);
+}
+TEST(ConvCpu, ChannelsLastMatchesDirectLoopBf16) {
+  for (const auto& c : conv_cases()) check_conv<bf16>(c, 1e-2, ChannelLayout::channels_last);
 }
 
 TEST(ConvCpu, FilterGradientOfAnEmptyBatchIsZero) {
@@ -141,8 +163,40 @@ const std::vector<PoolCase>& pool_cases() {
   return table;
 }
 
+// The pooling kernels' outputs in the row-major order of the reference, whatever the layout.
 template <class T>
-void check_pools(const PoolCase& p, double tol) {
+struct PoolResults {
+  std::vector<T> y, dx;
+  std::vector<int64_t> idx;
+};
+
+// Runs the max (or average) pooling kernels on row-major x and dy, in a's layout.
+template <class T>
+PoolResults<T> run_pools(Pool2dArgs a, ChannelLayout layout, bool max, std::vector<T> x, std::vector<T> dy) {
+  const bool cl = layout == ChannelLayout::channels_last;
+  a.layout = layout;
+  if (cl) {
+    x = test::to_channels_last(x, a.n, a.c, a.h, a.w);
+    dy = test::to_channels_last(dy, a.n, a.c, a.out_h, a.out_w);
+  }
+  PoolResults<T> r{std::vector<T>(dy.size()), std::vector<T>(x.size(), T(123.f)), std::vector<int64_t>(dy.size())};
+  if (max) {
+    cpu::max_pool2d_forward(a, r.y.data(), r.idx.data(), x.data(), nullptr);
+    cpu::max_pool2d_backward(a, r.dx.data(), dy.data(), r.idx.data(), nullptr);
+  } else {
+    cpu::avg_pool2d_forward(a, r.y.data(), x.data(), nullptr);
+    cpu::avg_pool2d_backward(a, r.dx.data(), dy.data(), nullptr);
+  }
+  if (cl) {
+    r.y = test::from_channels_last(r.y, a.n, a.c, a.out_h, a.out_w);
+    r.idx = test::from_channels_last(r.idx, a.n, a.c, a.out_h, a.out_w);
+    r.dx = test::from_channels_last(r.dx, a.n, a.c, a.h, a.w);
+  }
+  return r;
+}
+
+template <class T>
+void check_pools(const PoolCase& p, double tol, ChannelLayout layout = ChannelLayout::channels_first) {
   SCOPED_TRACE(p.name);
   std::mt19937 rng(5);
   const Pool2dArgs a = test::pool_args(p, dtype_of<T>());
@@ -153,20 +207,24 @@ void check_pools(const PoolCase& p, double tol) {
   std::vector<double> ones_y(static_cast<size_t>(ny), 1.0), ones_x(static_cast<size_t>(nx), 1.0);
 
   const test::MaxPoolReference mref = test::max_pool_reference(a, xe, dye);
-  std::vector<T> y(static_cast<size_t>(ny)), dx(static_cast<size_t>(nx), T(123.f));
-  std::vector<int64_t> idx(static_cast<size_t>(ny));
-  cpu::max_pool2d_forward(a, y.data(), idx.data(), x.data(), nullptr);
-  cpu::max_pool2d_backward(a, dx.data(), dy.data(), idx.data(), nullptr);
-  EXPECT_EQ(idx, mref.indices);
-  expect_near_scaled(y, mref.y, ones_y, 0.0, "max y");
-  expect_near_scaled(dx, mref.dx, ones_x, tol, "max dx");
+  const PoolResults<T> m = run_pools(a, layout, true, x, dy);
+  EXPECT_EQ(m.idx, mref.indices);
+  expect_near_scaled(m.y, mref.y, ones_y, 0.0, "max y");
+  expect_near_scaled(m.dx, mref.dx, ones_x, tol, "max dx");
 
   const test::AvgPoolReference aref = test::avg_pool_reference(a, xe, dye);
-  std::fill(dx.begin(), dx.end(), T(123.f));
-  cpu::avg_pool2d_forward(a, y.data(), x.data(), nullptr);
-  cpu::avg_pool2d_backward(a, dx.data(), dy.data(), nullptr);
-  expect_near_scaled(y, aref.y, ones_y, tol, "avg y");
-  expect_near_scaled(dx, aref.dx, ones_x, tol, "avg dx");
+  const PoolResults<T> v = run_pools(a, layout, false, x, dy);
+  expect_near_scaled(v.y, aref.y, ones_y, tol, "avg y");
+  expect_near_scaled(v.dx, aref.dx, ones_x, tol, "avg dx");
+
+  if (layout == ChannelLayout::channels_last) {  // the same bits as the row-major kernels
+    const PoolResults<T> m0 = run_pools(a, ChannelLayout::channels_first, true, x, dy);
+    const PoolResults<T> v0 = run_pools(a, ChannelLayout::channels_first, false, x, dy);
+    EXPECT_EQ(0, std::memcmp(m.y.data(), m0.y.data(), m.y.size() * sizeof(T)));
+    EXPECT_EQ(0, std::memcmp(m.dx.data(), m0.dx.data(), m.dx.size() * sizeof(T)));
+    EXPECT_EQ(0, std::memcmp(v.y.data(), v0.y.data(), v.y.size() * sizeof(T)));
+    EXPECT_EQ(0, std::memcmp(v.dx.data(), v0.dx.data(), v.dx.size() * sizeof(T)));
+  }
 }
 
 TEST(PoolCpu, MatchesLoopsF64) {
@@ -177,6 +235,16 @@ TEST(PoolCpu, MatchesLoopsF32) {
 }
 TEST(PoolCpu, MatchesLoopsBf16) {
   for (const auto& p : pool_cases()) check_pools<bf16>(p, 1e-2);
+}
+
+TEST(PoolCpu, ChannelsLastMatchesLoopsAndTheRowMajorKernelsF64) {
+  for (const auto& p : pool_cases()) check_pools<double>(p, 1e-14, ChannelLayout::channels_last);
+}
+TEST(PoolCpu, ChannelsLastMatchesLoopsAndTheRowMajorKernelsF32) {
+  for (const auto& p : pool_cases()) check_pools<float>(p, 1e-6, ChannelLayout::channels_last);
+}
+TEST(PoolCpu, ChannelsLastMatchesLoopsAndTheRowMajorKernelsBf16) {
+  for (const auto& p : pool_cases()) check_pools<bf16>(p, 1e-2, ChannelLayout::channels_last);
 }
 
 TEST(PoolCpu, MaxPoolPropagatesNan) {

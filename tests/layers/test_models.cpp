@@ -77,9 +77,9 @@ TEST(ResNet18, HasTorchvisionNamesAndTheCifarParameterCount) {
   EXPECT_EQ(gray->forward(randn({2, 1, 28, 28})).shape(), (Shape{2, 10}));
 }
 
-// A channels-last batch (MemoryFormat) trains ResNet-18 as the row-major one does: the same
-// loss and gradients bit for bit on the CPU, the stem's and every stage's output staying
-// channels-last.
+// A channels-last batch (MemoryFormat) trains ResNet-18 as the row-major one does, the stem's
+// and every stage's output staying channels-last. The CPU's convolutions sum in another
+// order in each layout, so the loss and gradients agree to rounding, not bit for bit.
 TEST(ResNet18, AChannelsLastBatchStaysChannelsLastAndTrainsAlike) {
   std::vector<float> losses[2];
   std::vector<std::vector<float>> grads[2];
@@ -104,9 +104,14 @@ TEST(ResNet18, AChannelsLastBatchStaysChannelsLastAndTrainsAlike) {
     losses[layout] = loss.to_vector<float>();
     for (const Tensor& p : model->parameters()) grads[layout].push_back(p.grad().to_vector<float>());
   }
-  EXPECT_EQ(losses[1], losses[0]);
+  EXPECT_NEAR(losses[1][0], losses[0][0], 1e-5 * std::fabs(losses[0][0]));
   ASSERT_EQ(grads[1].size(), grads[0].size());
-  for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_EQ(grads[1][i], grads[0][i]) << "parameter " << i;
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    float scale = 0;
+    for (float g : grads[0][i]) scale = std::max(scale, std::fabs(g));
+    for (size_t j = 0; j < grads[0][i].size(); ++j)
+      ASSERT_NEAR(grads[1][i][j], grads[0][i][j], 1e-4 * scale) << "parameter " << i << " element " << j;
+  }
 }
 
 TEST(Conv2dLayer, InitialisesLikePyTorchAndMatchesTheOp) {

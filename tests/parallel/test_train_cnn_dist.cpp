@@ -52,6 +52,27 @@ TEST(TrainCnnDist, TwoCpuRanksOverGlooTrainAndReportOnce) {
   EXPECT_EQ(lines, 1);
 }
 
+// --channels-last lays each batch out channels-last; two ranks under DDP then train to the
+// row-major run's losses (the convolutions sum in another order, so to rounding).
+TEST(TrainCnnDist, ChannelsLastTrainsToTheLossesOfTheRowMajorRun) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)";
+  double losses[2][2];
+  for (int layout = 0; layout < 2; ++layout) {
+    RunResult r = run(std::string(std::getenv("LOOMRUN")) + " --nproc-per-node 2 " + std::getenv("TRAIN_CNN") +
+                          " --device cpu --subset 1200 --test-subset 500 --epochs 1 --batch-size 50 --workers 1"
+                          " --quiet --plot '' --metrics ''" + (layout ? " --channels-last" : ""),
+                      300);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find(layout ? "f32 channels-last on" : "f32 on"), std::string::npos) << r.output;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex("train loss ([0-9.]+)  test loss ([0-9.]+)"))) << r.output;
+    losses[layout][0] = std::stod(m[1]);
+    losses[layout][1] = std::stod(m[2]);
+  }
+  EXPECT_NEAR(losses[1][0], losses[0][0], 2e-4);
+  EXPECT_NEAR(losses[1][1], losses[0][1], 2e-4);
+}
+
 TEST(TrainCnnDist, ScalingReportsSpeedupAndEfficiencyForOneAndTwoRanks) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)";
   const auto dir = std::filesystem::path(::testing::TempDir());
