@@ -52,8 +52,9 @@ inline Strided flat(const Tensor& t) {
 inline bool channels_last(const Tensor& x) { return x.defined() && x.memory_format() == MemoryFormat::channels_last; }
 
 // For an op whose kernels read and write row-major (NCHW) buffers, given a channels-last x:
-// runs op on a row-major copy of x and lays the result out channels-last again, so that the
-// layout carries on to the next op (both copies are differentiable).
+// runs op on x laid out row-major (a copy, or a view where both layouts describe the memory)
+// and lays the result out channels-last again, so that the layout carries on to the next op
+// (all differentiable).
 template <class Op>
 Tensor through_row_major(const Tensor& x, Op&& op) {
   return op(x.contiguous()).contiguous(MemoryFormat::channels_last);
