@@ -49,8 +49,8 @@ Edge gradient_edge(const Tensor& t) {
 
 // Adds g into the leaf's gradient and fires its hooks. The first gradient is adopted
 // when nothing else can see it, copied otherwise; later ones are added in place. A leaf's
-// gradient is row-major, its strides too (contiguous() re-strides, without a copy, memory
-// that the channels-last layout describes as well).
+// gradient is row-major: one whose memory channels-last describes as well (a dim of size 1)
+// and whose strides say channels-last is re-strided by contiguous(), without a copy.
 void accumulate(const Node& node, const Tensor& g) {
   Tensor leaf(node.leaf);
   Tensor grad = g;

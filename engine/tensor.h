@@ -102,8 +102,9 @@ class Tensor {
   bool is_contiguous() const;
   bool is_contiguous(MemoryFormat format) const;
   // The format this tensor is dense in, for an op to give its output the same:
-  // channels_last when it is a channels-last 4-d tensor (and not also row-major), else
-  // contiguous (also for views that are neither).
+  // channels_last when it is a channels-last 4-d tensor that is not also row-major, or is
+  // both (a dim of size 1) with exactly the channels-last strides; else contiguous (also
+  // for views that are neither).
   MemoryFormat memory_format() const;
   const std::shared_ptr<Storage>& storage() const { return impl()->storage; }
   // Records a write into the storage made around Loom's in-place ops (through data_ptr()
@@ -160,7 +161,9 @@ class Tensor {
   Tensor unsqueeze(int dim) const;
   Tensor flatten(int start_dim = 0, int end_dim = -1) const;
   Tensor contiguous() const;
-  // This tensor if it is dense in `format`, else a copy laid out so (differentiable).
+  // This tensor if it is dense in `format` with that format's strides; a view with them if
+  // its memory is dense in both formats (a dim of size 1); else a copy laid out so. All
+  // differentiable.
   Tensor contiguous(MemoryFormat format) const;
   Tensor clone() const;
   Tensor to(Device device) const;

@@ -262,7 +262,7 @@ int run(int argc, char** argv) {
   flags.add_switch("channels-last", &o.channels_last,
                    "lay each batch out channels-last (N, H, W, C in memory); the network keeps that layout "
                    "(the CPU's kernels read it as it lies; on a GPU the convolutions, BatchNorm and pooling "
-                   "still take row-major copies)");
+                   "still take row-major copies, so there it is slower)");
   flags.add("init", &o.init, "initial weights (a safetensors state dict, e.g. from PyTorch)", {}, "FILE");
   flags.add("save", &o.save, "write a training checkpoint here after every epoch (with --fsdp: a folder of shards)", {},
             "PATH");
@@ -451,6 +451,7 @@ int run(int argc, char** argv) {
       !print_plan ? 0 : dist::activation_bytes(*model, device, o.batch_size, [&](int64_t rows) {
         AutocastGuard cast(autocast);
         Tensor images = randn({rows, d.train.channels, d.train.height, d.train.width}, DType::f32, device);
+        if (o.channels_last) images = images.contiguous(MemoryFormat::channels_last);
         Tensor logits = model->forward(images);
         return cross_entropy(logits.to(DType::f32), zeros({rows}, DType::i64, device));
       });

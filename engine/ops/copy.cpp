@@ -121,9 +121,11 @@ Tensor Tensor::contiguous() const { return contiguous(MemoryFormat::contiguous);
 Tensor Tensor::contiguous(MemoryFormat format) const {
   if (!is_contiguous(format)) return clone_as(*this, format);
   if (dim() != 4 || memory_format() == format) return *this;
+  const Shape want = format_strides(shape(), format);
+  if (strides() == want) return *this;  // (N, 1, 1, 1): both formats have these strides
   // Memory that both layouts describe (a dim of size 1), read through the format's own
   // strides: a view, so that memory_format() answers `format`.
-  Tensor out = from_storage(storage(), shape(), format_strides(shape(), format), offset(), dtype());
+  Tensor out = from_storage(storage(), shape(), want, offset(), dtype());
   if (any_requires_grad({*this})) record("Restride", {*this}, {out}, [](const TensorList& g) { return g; });
   return out;
 }

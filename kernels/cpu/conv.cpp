@@ -16,7 +16,8 @@
 //   backward data:    drow (OH*OW, rows)           = dy_g @ w_g, then row2im adds drow back
 //   backward filter:  dw_g (C_out/g, rows)        += dy_g^T @ row, summed over samples
 // where y_g, dy_g and the group's slice of x are columns of their buffers (row stride C_out
-// or C_in), read and written in place. A 1x1 stride-1 unpadded x is its own row matrix.
+// or C_in), read and written in place, and OH*OW spans a chunk of samples (below). A 1x1
+// stride-1 unpadded x is its own row matrix.
 //
 // Everything runs in the accumulation type (f32 for bf16/f16): 16-bit buffers are
 // converted once on the way in and the result once on the way out, so sums over the
@@ -234,71 +235,92 @@ void backward_filter_acc(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
 }
 
 // ---- channels-last -------------------------------------------------------------------
+//
+// A channels-last batch is one tall matrix (N * OH * OW rows of C channels), so the
+// products run over chunks of whole samples at once: each chunk's windows are laid out as
+// rows (a thread per sample), then one product covers the chunk, its threads splitting the
+// rows. The filter gradient sums over the chunk inside the product, chunks in order.
+
+// Bytes of windows laid out at once; a chunk holds at least one sample.
+constexpr int64_t kChunkBytes = int64_t(8) << 20;
+
+template <class A>
+int64_t chunk_samples(const Conv2dArgs& a, const Geometry& g) {
+  if (g.direct) return std::max<int64_t>(a.n, 1);  // x is its own row matrix: no copy to bound
+  return std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(g.ohw * g.rows * int64_t(sizeof(A)), 1), 1,
+                             std::max<int64_t>(a.n, 1));
+}
+
+// The windows of samples [n0, n0 + count) of group grp, a row per output pixel.
+template <class A>
+void im2row_chunk(const Conv2dArgs& a, const Geometry& g, const A* x, int64_t n0, int64_t count, int64_t grp,
+                  A* row) {
+  parallel_for(count, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s)
+      im2row(a, g, x + (n0 + s) * g.hw * a.c_in + grp * g.cg, row + s * g.ohw * g.rows);
+  });
+}
 
 template <class A>
 void forward_cl(const Conv2dArgs& a, A* y, const A* x, const A* w) {
   const Geometry g = geometry(a);
-  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<A> row(size_t(g.direct ? 0 : g.ohw * g.rows));
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t grp = 0; grp < a.groups; ++grp) {
-        const A* xg = x + n * g.hw * a.c_in + grp * g.cg;
-        if (!g.direct) im2row(a, g, xg, row.data());
-        matmul<A>(false, true, g.ohw, g.kg, g.rows, g.direct ? xg : row.data(), g.direct ? a.c_in : g.rows,
-                  w + grp * g.kg * g.rows, g.rows, y + n * g.ohw * a.c_out + grp * g.kg, a.c_out, 0.f);
-      }
-  });
+  const int64_t chunk = chunk_samples<A>(a, g);
+  std::vector<A> row(size_t(g.direct ? 0 : chunk * g.ohw * g.rows));
+  for (int64_t n0 = 0; n0 < a.n; n0 += chunk) {
+    const int64_t count = std::min(chunk, a.n - n0);
+    for (int64_t grp = 0; grp < a.groups; ++grp) {
+      const A* xg = x + n0 * g.hw * a.c_in + grp * g.cg;
+      if (!g.direct) im2row_chunk(a, g, x, n0, count, grp, row.data());
+      matmul<A>(false, true, count * g.ohw, g.kg, g.rows, g.direct ? xg : row.data(), g.direct ? a.c_in : g.rows,
+                w + grp * g.kg * g.rows, g.rows, y + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out, 0.f);
+    }
+  }
 }
 
 template <class A>
 void backward_data_cl(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
   const Geometry g = geometry(a);
-  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<A> row(size_t(g.direct ? 0 : g.ohw * g.rows));
-    for (int64_t n = n0; n < n1; ++n) {
-      A* dxn = dx + n * g.hw * a.c_in;
-      if (!g.direct) std::fill_n(dxn, g.hw * a.c_in, A(0));
-      for (int64_t grp = 0; grp < a.groups; ++grp) {
-        const A* dyg = dy + n * g.ohw * a.c_out + grp * g.kg;
-        const A* wg = w + grp * g.kg * g.rows;  // (kg, rows)
-        if (g.direct) {
-          matmul<A>(false, false, g.ohw, g.rows, g.kg, dyg, a.c_out, wg, g.rows, dxn + grp * g.cg, a.c_in, 0.f);
-          continue;
-        }
-        matmul<A>(false, false, g.ohw, g.rows, g.kg, dyg, a.c_out, wg, g.rows, row.data(), g.rows, 0.f);
-        row2im(a, g, row.data(), dxn + grp * g.cg);
+  const int64_t chunk = chunk_samples<A>(a, g);
+  std::vector<A> row(size_t(g.direct ? 0 : chunk * g.ohw * g.rows));
+  for (int64_t n0 = 0; n0 < a.n; n0 += chunk) {
+    const int64_t count = std::min(chunk, a.n - n0);
+    A* dxn = dx + n0 * g.hw * a.c_in;
+    if (!g.direct) std::fill_n(dxn, count * g.hw * a.c_in, A(0));
+    for (int64_t grp = 0; grp < a.groups; ++grp) {
+      const A* dyg = dy + n0 * g.ohw * a.c_out + grp * g.kg;
+      const A* wg = w + grp * g.kg * g.rows;  // (kg, rows)
+      if (g.direct) {
+        matmul<A>(false, false, count * g.ohw, g.rows, g.kg, dyg, a.c_out, wg, g.rows, dxn + grp * g.cg, a.c_in, 0.f);
+        continue;
       }
+      matmul<A>(false, false, count * g.ohw, g.rows, g.kg, dyg, a.c_out, wg, g.rows, row.data(), g.rows, 0.f);
+      parallel_for(count, 1, [&](int64_t s0, int64_t s1) {
+        for (int64_t s = s0; s < s1; ++s)
+          row2im(a, g, row.data() + s * g.ohw * g.rows, dxn + s * g.hw * a.c_in + grp * g.cg);
+      });
     }
-  });
+  }
 }
 
 template <class A>
 void backward_filter_cl(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
   const Geometry g = geometry(a);
-  const int64_t w_size = a.c_out * g.rows;
   if (a.n == 0) {
-    std::fill_n(dw, w_size, A(0));
+    std::fill_n(dw, a.c_out * g.rows, A(0));
     return;
   }
-  // As backward_filter_acc: a fixed number of partials, reduced in order.
-  const int64_t tasks = std::min(a.n, kFilterPartials);
-  std::vector<A> partial(size_t((tasks - 1) * w_size));
-  parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<A> row(size_t(g.direct ? 0 : g.ohw * g.rows));
-    for (int64_t t = t0; t < t1; ++t) {
-      A* acc = t == 0 ? dw : partial.data() + (t - 1) * w_size;
-      const int64_t first = a.n * t / tasks, last = a.n * (t + 1) / tasks;
-      for (int64_t n = first; n < last; ++n)
-        for (int64_t grp = 0; grp < a.groups; ++grp) {
-          const A* xg = x + n * g.hw * a.c_in + grp * g.cg;
-          if (!g.direct) im2row(a, g, xg, row.data());
-          matmul<A>(true, false, g.kg, g.rows, g.ohw, dy + n * g.ohw * a.c_out + grp * g.kg, a.c_out,
-                    g.direct ? xg : row.data(), g.direct ? a.c_in : g.rows, acc + grp * g.kg * g.rows, g.rows,
-                    n == first ? 0.f : 1.f);
-        }
+  const int64_t chunk = chunk_samples<A>(a, g);
+  std::vector<A> row(size_t(g.direct ? 0 : chunk * g.ohw * g.rows));
+  for (int64_t n0 = 0; n0 < a.n; n0 += chunk) {
+    const int64_t count = std::min(chunk, a.n - n0);
+    for (int64_t grp = 0; grp < a.groups; ++grp) {
+      const A* xg = x + n0 * g.hw * a.c_in + grp * g.cg;
+      if (!g.direct) im2row_chunk(a, g, x, n0, count, grp, row.data());
+      matmul<A>(true, false, g.kg, g.rows, count * g.ohw, dy + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out,
+                g.direct ? xg : row.data(), g.direct ? a.c_in : g.rows, dw + grp * g.kg * g.rows, g.rows,
+                n0 == 0 ? 0.f : 1.f);
     }
-  });
-  sum_partials(dw, partial, tasks, w_size);
+  }
 }
 
 // A buffer of T seen as A: the buffer itself when T is A, else a converted copy in `store`.

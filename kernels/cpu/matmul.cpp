@@ -6,10 +6,10 @@
 // MR-row slivers and the slice of op(B) into NR-column panels, both k-major and already
 // converted to the accumulation type (so transposes, strides and bf16/f16 cost nothing
 // past the packing). A micro-kernel then multiplies one sliver by one panel into an
-// MR x NR register tile: plain loops over compile-time sizes, which -O3 unrolls and
-// vectorises. Tiles add into a per-task accumulator, and alpha and beta are applied once
-// at the end, so 16-bit outputs are rounded once and beta == 0 never reads C (NaNs in C
-// are ignored, as BLAS does).
+// MR x NR register tile (kernels/cpu/gemm_micro.h: FMA tiles on AVX2 and AVX-512, plain
+// loops elsewhere; the tile's size, chosen at run time, sets the packing). Tiles add into
+// a per-task accumulator, and alpha and beta are applied once at the end, so 16-bit outputs
+// are rounded once and beta == 0 never reads C (NaNs in C are ignored, as BLAS does).
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -17,46 +17,62 @@
 #include "kernels/core/gemm_check.h"
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/elementwise_ops.h"
+#include "kernels/cpu/gemm_micro.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/parallel_for.h"
 
 namespace loom::cpu {
 namespace {
 
-// Register tile: MR rows by NR columns, NR two 16-byte vectors wide, so the tile plus
-// one panel row fits the 16 vector registers of baseline x86-64 (and of NEON, twice over).
-constexpr int kMR = 4;
-template <class A> constexpr int kNR = int(32 / sizeof(A));
 // Cache blocks: a KC x NC panel of B (128 KiB in f32) stays in L2 while the MC x KC
 // slivers of A (96 KiB) stream past it; one MR x KC sliver and one KC x NR panel sit in L1.
 constexpr int64_t kMC = 96, kKC = 256, kNC = 128;
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// c (MR, NR; row stride ldc) += a (kc, MR) slivers times b (kc, NR) panel.
-template <class A, int MR, int NR>
-inline void micro_kernel(int64_t kc, const A* __restrict a, const A* __restrict b, A* __restrict c, int64_t ldc) {
-  A acc[MR][NR] = {};
-  for (int64_t p = 0; p < kc; ++p, a += MR, b += NR)
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] += a[i] * b[j];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) c[i * ldc + j] += acc[i][j];
+// The micro-kernel tile in use for accumulation type A.
+template <class A>
+const gemm_micro::Tile<A>& tile() {
+  if constexpr (std::is_same_v<A, double>) return gemm_micro::active().f64;
+  else return gemm_micro::active().f32;
 }
 
 // Packs rows [0, rows) x columns [0, cols) of a strided matrix into groups of `width` rows
 // (zero-padded), each group stored column by column: dst[group][col][row in group].
 // Packing A uses it directly (rows = M slice, cols = K slice); packing B uses it on the
 // transposed view (rows = N slice, cols = K slice).
+// A group's rows lying side by side in memory (row_stride 1) are copied a column at a time;
+// rows lying along memory (col_stride 1, a row-major A or a transposed B) are read a row at
+// a time and written `width` apart; any other layout goes element by element.
 template <class A, class T>
 void pack(A* dst, const T* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols, int width) {
-  for (int64_t g = 0; g < rows; g += width) {
+  for (int64_t g = 0; g < rows; g += width, dst += cols * width) {
     const int valid = int(std::min<int64_t>(width, rows - g));
     const T* base = src + g * row_stride;
-    for (int64_t p = 0; p < cols; ++p, dst += width) {
-      const T* col = base + p * col_stride;
-      for (int r = 0; r < valid; ++r) dst[r] = A(col[r * row_stride]);
-      for (int r = valid; r < width; ++r) dst[r] = A(0);
+    if (row_stride == 1) {
+      for (int64_t p = 0; p < cols; ++p) {
+        const T* col = base + p * col_stride;
+        A* out = dst + p * width;
+        for (int r = 0; r < valid; ++r) out[r] = A(col[r]);
+        for (int r = valid; r < width; ++r) out[r] = A(0);
+      }
+    } else if (col_stride == 1) {
+      for (int r = 0; r < width; ++r) {
+        A* out = dst + r;
+        if (r >= valid) {
+          for (int64_t p = 0; p < cols; ++p) out[p * width] = A(0);
+          continue;
+        }
+        const T* row = base + r * row_stride;
+        for (int64_t p = 0; p < cols; ++p) out[p * width] = A(row[p]);
+      }
+    } else {
+      for (int64_t p = 0; p < cols; ++p) {
+        const T* col = base + p * col_stride;
+        A* out = dst + p * width;
+        for (int r = 0; r < valid; ++r) out[r] = A(col[r * row_stride]);
+        for (int r = valid; r < width; ++r) out[r] = A(0);
+      }
     }
   }
 }
@@ -71,7 +87,8 @@ T store(A v) {
 template <class T, class O = T>
 void gemm_typed(const GemmArgs& g) {
   using A = acc_t<T>;
-  constexpr int MR = kMR, NR = kNR<A>;
+  const gemm_micro::Tile<A> micro = tile<A>();
+  const int MR = micro.mr, NR = micro.nr;
   const int64_t m_blocks = (g.m + kMC - 1) / kMC, n_blocks = (g.n + kNC - 1) / kNC;
   const int64_t tasks = g.batch * m_blocks * n_blocks;
   // Element (i, p) of op(A) is at a[i * a_rs + p * a_cs]; element (p, j) of op(B) at
@@ -85,9 +102,9 @@ void gemm_typed(const GemmArgs& g) {
 
   parallel_for(tasks, grain, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<A> a_pack, b_pack, c_tile;
-    a_pack.resize(size_t(kMC * kKC));
-    b_pack.resize(size_t(kNC * kKC));
-    c_tile.resize(size_t(kMC * kNC));
+    a_pack.resize(size_t(round_up(kMC, MR) * kKC));
+    b_pack.resize(size_t(round_up(kNC, NR) * kKC));
+    c_tile.resize(size_t(round_up(kMC, MR) * round_up(kNC, NR)));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bi = t / (m_blocks * n_blocks), ib = t / n_blocks % m_blocks, jb = t % n_blocks;
       const int64_t i0 = ib * kMC, mc = std::min(kMC, g.m - i0);
@@ -105,15 +122,26 @@ void gemm_typed(const GemmArgs& g) {
         pack<A>(b_pack.data(), b + p0 * b_ks, b_js, b_ks, nc, kc, NR);
         for (int64_t jr = 0; jr < nc_pad; jr += NR)
           for (int64_t ir = 0; ir < mc_pad; ir += MR)
-            micro_kernel<A, MR, NR>(kc, a_pack.data() + ir * kc, b_pack.data() + jr * kc,
-                                    c_tile.data() + ir * nc_pad + jr, nc_pad);
+            micro.fn(kc, a_pack.data() + ir * kc, b_pack.data() + jr * kc, c_tile.data() + ir * nc_pad + jr,
+                     nc_pad);
       }
       const O* bias = g.bias ? static_cast<const O*>(g.bias) + j0 : nullptr;
       T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
+      // The plain product (alpha 1, no bias, no epilogue) in loops the compiler vectorises;
+      // they do the general loop's arithmetic, so give its bits.
+      const bool plain = alpha == A(1) && !bias && g.epilogue == GemmEpilogue::none;
       for (int64_t i = 0; i < mc; ++i) {
         const A* acc = c_tile.data() + i * nc_pad;
         O* row = c + i * g.ldc;
         const O* row_in = c_in + i * g.ldc;
+        if (plain && beta == A(0)) {
+          for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j]);
+          continue;
+        }
+        if (plain) {
+          for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j] + beta * A(row_in[j]));
+          continue;
+        }
         for (int64_t j = 0; j < nc; ++j) {
           A v = alpha * acc[j];
           if (beta != A(0)) v += beta * A(row_in[j]);

@@ -33,8 +33,9 @@ void for_each_plane(const Pool2dArgs& a, const char* what, int64_t work_per_plan
 
 bool channels_last(const Pool2dArgs& a) { return a.layout == ChannelLayout::channels_last; }
 
-// Runs body(tag, n, r, acc) for each of the N * rows image rows of a channels-last buffer, in
-// parallel, with T the element type and acc a scratch vector of C accumulation-type values.
+// Runs body(tag, n, r, acc, at) for each of the N * rows image rows of a channels-last
+// buffer, in parallel, with T the element type and acc and at scratch vectors of C
+// accumulation-type values and C indices.
 template <class Body>
 void for_each_row(const Pool2dArgs& a, const char* what, int64_t rows, int64_t work_per_row, Body&& body) {
   dispatch_floating(a.dtype, what, [&](auto tag) {
@@ -42,21 +43,22 @@ void for_each_row(const Pool2dArgs& a, const char* what, int64_t rows, int64_t w
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(work_per_row, 1));
     parallel_for(a.n * rows, grain, [&](int64_t r0, int64_t r1) {
       std::vector<A> acc(size_t(a.c));
-      for (int64_t r = r0; r < r1; ++r) body(tag, r / rows, r % rows, acc.data());
+      std::vector<int64_t> at(size_t(a.c));
+      for (int64_t r = r0; r < r1; ++r) body(tag, r / rows, r % rows, acc.data(), at.data());
     });
   });
 }
 
 void max_forward_cl(const Pool2dArgs& a, void* y, int64_t* indices, const void* x) {
-  for_each_row(a, "max_pool2d", a.out_h, a.out_w * a.kh * a.kw * a.c, [&](auto tag, int64_t n, int64_t oh, auto* best) {
+  const int64_t work = a.out_w * a.kh * a.kw * a.c;
+  for_each_row(a, "max_pool2d", a.out_h, work, [&](auto tag, int64_t n, int64_t oh, auto* best, int64_t* best_at) {
     using T = decltype(tag);
     using A = acc_t<T>;
     const pool::Span rows = pool::input_span(oh, a.stride_h, a.pad_h, a.kh, a.h);
-    std::vector<int64_t> best_at(size_t(a.c));
     for (int64_t ow = 0; ow < a.out_w; ++ow) {
       const pool::Span cols = pool::input_span(ow, a.stride_w, a.pad_w, a.kw, a.w);
       std::fill_n(best, a.c, -std::numeric_limits<A>::infinity());
-      std::fill(best_at.begin(), best_at.end(), rows.begin * a.w + cols.begin);
+      std::fill_n(best_at, a.c, rows.begin * a.w + cols.begin);
       for (int64_t ih = rows.begin; ih < rows.end; ++ih)
         for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
           const T* in = static_cast<const T*>(x) + ((n * a.h + ih) * a.w + iw) * a.c;
@@ -64,21 +66,21 @@ void max_forward_cl(const Pool2dArgs& a, void* y, int64_t* indices, const void* 
             const A v = A(in[c]);
             if (v > best[c] || std::isnan(v)) {
               best[c] = v;
-              best_at[size_t(c)] = ih * a.w + iw;
+              best_at[c] = ih * a.w + iw;
             }
           }
         }
       const int64_t at = ((n * a.out_h + oh) * a.out_w + ow) * a.c;
       for (int64_t c = 0; c < a.c; ++c) {
         static_cast<T*>(y)[at + c] = T(best[c]);
-        indices[at + c] = best_at[size_t(c)];
+        indices[at + c] = best_at[c];
       }
     }
   });
 }
 
 void max_backward_cl(const Pool2dArgs& a, void* dx, const void* dy, const int64_t* indices) {
-  for_each_row(a, "max_pool2d backward", a.h, a.w * a.c * 4, [&](auto tag, int64_t n, int64_t ih, auto* sum) {
+  for_each_row(a, "max_pool2d backward", a.h, a.w * a.c * 4, [&](auto tag, int64_t n, int64_t ih, auto* sum, int64_t*) {
     using T = decltype(tag);
     using A = acc_t<T>;
     const pool::Span rows = pool::output_span(ih, a.stride_h, a.pad_h, a.kh, a.out_h);
@@ -100,7 +102,7 @@ void max_backward_cl(const Pool2dArgs& a, void* dx, const void* dy, const int64_
 }
 
 void avg_forward_cl(const Pool2dArgs& a, void* y, const void* x) {
-  for_each_row(a, "avg_pool2d", a.out_h, a.out_w * a.kh * a.kw * a.c, [&](auto tag, int64_t n, int64_t oh, auto* sum) {
+  for_each_row(a, "avg_pool2d", a.out_h, a.out_w * a.kh * a.kw * a.c, [&](auto tag, int64_t n, int64_t oh, auto* sum, int64_t*) {
     using T = decltype(tag);
     using A = acc_t<T>;
     const A scale = A(1) / A(a.kh * a.kw);
@@ -120,7 +122,7 @@ void avg_forward_cl(const Pool2dArgs& a, void* y, const void* x) {
 }
 
 void avg_backward_cl(const Pool2dArgs& a, void* dx, const void* dy) {
-  for_each_row(a, "avg_pool2d backward", a.h, a.w * a.c * 4, [&](auto tag, int64_t n, int64_t ih, auto* sum) {
+  for_each_row(a, "avg_pool2d backward", a.h, a.w * a.c * 4, [&](auto tag, int64_t n, int64_t ih, auto* sum, int64_t*) {
     using T = decltype(tag);
     using A = acc_t<T>;
     const A scale = A(1) / A(a.kh * a.kw);

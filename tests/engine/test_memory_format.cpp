@@ -49,8 +49,21 @@ TEST(MemoryFormat, ALayoutBothFormatsDescribeIsTheOneItsStridesSpell) {
     EXPECT_EQ(back.data_ptr(), row_major.data_ptr());
     sum(mul(back, 3.0)).backward();
     EXPECT_EQ(row_major.grad().to_vector<float>(), std::vector<float>(size_t(row_major.numel()), 3.f));
-    EXPECT_EQ(row_major.grad().strides(), format_strides(shape, MemoryFormat::contiguous));
   }
+}
+
+// A gradient that reaches a leaf with channels-last strides, over memory that is row-major as
+// well, is kept with row-major strides, like every parameter's gradient.
+TEST(MemoryFormat, ALeafGradientKeepsRowMajorStrides) {
+  const Shape shape{2, 1, 4, 5};
+  Tensor leaf = randn(shape);
+  leaf.set_requires_grad();
+  Tensor w = randn(shape).contiguous(kLast);
+  Tensor y = mul(leaf.contiguous(kLast), w);
+  ASSERT_EQ(y.memory_format(), kLast);
+  sum(y).backward();
+  EXPECT_EQ(leaf.grad().strides(), format_strides(shape, MemoryFormat::contiguous));
+  EXPECT_EQ(leaf.grad().to_vector<float>(), w.to_vector<float>());
   // A transposed matrix is neither.
   Tensor m = zeros({3, 4}).t();
   EXPECT_FALSE(m.is_contiguous(kLast));

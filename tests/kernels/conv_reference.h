@@ -68,7 +68,6 @@ inline ConvReference conv_reference(const Conv2dArgs& a, const std::vector<doubl
 }
 
 // A row-major (N, C, H, W) buffer laid out channels-last, (N, H, W, C) in memory, and back.
-// A weight (C_out, C_in/g, KH, KW) goes with N = C_out and C = C_in/g.
 template <class V>
 V to_channels_last(const V& v, int64_t n, int64_t c, int64_t h, int64_t w) {
   V out(v.size());

@@ -248,7 +248,8 @@ template <class V> std::vector<V> to_channels_last(const Shape3& sh, const std::
   return out;
 }
 
-template <class V> void expect_same_bits(const std::vector<V>& got, const std::vector<V>& want, const std::string& what) {
+template <class V>
+void expect_same_bits(const std::vector<V>& got, const std::vector<V>& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i)
     ASSERT_EQ(std::memcmp(&got[i], &want[i], sizeof(V)), 0)

@@ -1,7 +1,8 @@
 // The CPU convolution (im2col + gemm) and pooling kernels against the plain loops of
 // conv_reference.h, on random data, over a table of shapes that covers padding, stride,
 // dilation, groups (depthwise too), 1x1 (the no-im2col path), rectangular kernels, one
-// sample (threads inside the gemm) and more samples than the filter gradient's partials.
+// sample (threads inside the gemm), more samples than the filter gradient's partials, and a
+// batch that channels-last multiplies in several chunks of samples.
 // Errors are measured against sum |a||b| (the f64 loop over magnitudes), the scale that
 // bounds rounding in any summation order. Each case runs in both layouts: channels-last
 // buffers are the same activations permuted to (N, H, W, C), the weight as it is.
@@ -32,11 +33,14 @@ const std::vector<ConvCase>& conv_cases() {
       {"depthwise", 2, 4, 6, 6, 4, 3, 3, 1, 1, 1, 1, 1, 1, 4},
       {"1x1", 3, 5, 4, 4, 7, 1, 1},
       {"1x1_stride2", 2, 3, 5, 5, 4, 1, 1, 2, 2},
+      {"1x1_groups2", 2, 4, 5, 5, 6, 1, 1, 1, 1, 0, 0, 1, 1, 2},
       {"rect_kernel_stride", 1, 2, 5, 9, 3, 2, 3, 1, 2, 0, 1},
       {"stride_past_kernel", 2, 2, 9, 9, 3, 2, 2, 3, 3},
       {"one_sample_wide", 1, 16, 12, 12, 24, 3, 3, 1, 1, 1, 1},
       {"many_samples", 19, 3, 6, 6, 4, 3, 3, 1, 1, 1, 1},
       {"7x7_stride2_pad3", 2, 3, 16, 16, 8, 7, 7, 2, 2, 3, 3},
+      // 2.3 MB of f32 windows a sample: channels-last runs it in chunks of 3 and 2 samples.
+      {"chunks", 5, 64, 32, 32, 8, 3, 3, 1, 1, 1, 1},
   };
   return table;
 }
@@ -93,7 +97,9 @@ void check_conv(const ConvCase& c, double tol, ChannelLayout layout = ChannelLay
   }
 
   EXPECT_EQ(cpu::conv2d_workspace_size(a, ConvPass::forward), 0u);
-  std::vector<T> y(size_t(test::y_numel(a))), dx(size_t(test::x_numel(a)), T(7.f)), dw(size_t(test::w_numel(a)));
+  // Outputs start at 7, so an output a kernel fails to write (or adds to) shows.
+  std::vector<T> y(size_t(test::y_numel(a)), T(7.f)), dx(size_t(test::x_numel(a)), T(7.f)),
+      dw(size_t(test::w_numel(a)), T(7.f));
   cpu::conv2d_forward(a, y.data(), x.data(), w.data(), nullptr);
   cpu::conv2d_backward_data(a, dx.data(), dy.data(), w.data(), nullptr);
   cpu::conv2d_backward_filter(a, dw.data(), x.data(), dy.data(), nullptr);
@@ -129,12 +135,18 @@ TEST(ConvCpu, ChannelsLastMatchesDirectLoopF32) {
 TEST(ConvCpu, ChannelsLastMatchesDirectLoopBf16) {
   for (const auto& c : conv_cases()) check_conv<bf16>(c, 1e-2, ChannelLayout::channels_last);
 }
+TEST(ConvCpu, ChannelsLastMatchesDirectLoopF16) {
+  for (const auto& c : conv_cases()) check_conv<f16>(c, 2e-3, ChannelLayout::channels_last);
+}
 
 TEST(ConvCpu, FilterGradientOfAnEmptyBatchIsZero) {
-  Conv2dArgs a = test::conv_args({"empty", 0, 2, 4, 4, 3, 3, 3, 1, 1, 1, 1}, DType::f32);
-  std::vector<float> dw(size_t(test::w_numel(a)), 7.f);
-  cpu::conv2d_backward_filter(a, dw.data(), nullptr, nullptr, nullptr);
-  for (float v : dw) ASSERT_EQ(v, 0.f);
+  for (ChannelLayout layout : {ChannelLayout::channels_first, ChannelLayout::channels_last}) {
+    Conv2dArgs a = test::conv_args({"empty", 0, 2, 4, 4, 3, 3, 3, 1, 1, 1, 1}, DType::f32);
+    a.layout = layout;
+    std::vector<float> dw(size_t(test::w_numel(a)), 7.f);
+    cpu::conv2d_backward_filter(a, dw.data(), nullptr, nullptr, nullptr);
+    for (float v : dw) ASSERT_EQ(v, 0.f);
+  }
 }
 
 TEST(ConvCpu, FilterGradientIsBitwiseReproducible) {

@@ -1,15 +1,18 @@
 // The CPU GEMM against a naive triple loop in f64, over a table of shapes that cross
 // every blocking edge (1, odd sizes, past the MC/NC/KC blocks), every transpose, padded
-// leading dimensions, batch broadcasting and alpha/beta, for each floating dtype.
+// leading dimensions, batch broadcasting and alpha/beta, for each floating dtype, with
+// each micro-kernel set this CPU runs (kernels/cpu/gemm_micro.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/gemm_micro.h"
 #include "kernels/cpu/kernels.h"
 
 namespace loom {
@@ -124,9 +127,23 @@ void check_case(const GemmCase& cs, double tol) {
       }
 }
 
+// Every case with every micro-kernel set, the one in use restored after.
 template <class T>
 void check_all_cases(double tol) {
-  for (const auto& cs : cases()) check_case<T>(cs, tol);
+  const cpu::gemm_micro::Kernels& before = cpu::gemm_micro::active();
+  for (const cpu::gemm_micro::Kernels* k : cpu::gemm_micro::available()) {
+    SCOPED_TRACE(k->name);
+    cpu::gemm_micro::use(*k);
+    for (const auto& cs : cases()) check_case<T>(cs, tol);
+  }
+  cpu::gemm_micro::use(before);
+}
+
+// The widest set this CPU runs is the one chosen (unless LOOM_CPU_GEMM names another).
+TEST(MatmulCpu, TheWidestMicroKernelsAreChosen) {
+  if (std::getenv("LOOM_CPU_GEMM")) GTEST_SKIP() << "LOOM_CPU_GEMM chooses the kernels";
+  EXPECT_EQ(&cpu::gemm_micro::active(), cpu::gemm_micro::available().back());
+  EXPECT_STREQ(cpu::gemm_micro::available().front()->name, "generic");
 }
 
 TEST(MatmulCpu, MatchesNaiveLoopF32) { check_all_cases<float>(1e-5); }

@@ -53,7 +53,9 @@ TEST(TrainCnnDist, TwoCpuRanksOverGlooTrainAndReportOnce) {
 }
 
 // --channels-last lays each batch out channels-last; two ranks under DDP then train to the
-// row-major run's losses (the convolutions sum in another order, so to rounding).
+// row-major run's losses (the convolutions sum in another order, so to rounding). That such a
+// one-channel batch runs the network channels-last is MemoryFormat's test
+// (AOneChannelBatchStartsAChannelsLastNetwork); this one checks the program end to end.
 TEST(TrainCnnDist, ChannelsLastTrainsToTheLossesOfTheRowMajorRun) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)";
   double losses[2][2];
