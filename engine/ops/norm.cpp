@@ -2,12 +2,11 @@
 // backward closures beside the forwards.
 //
 // x (N, C, *) is viewed as a contiguous (N, C, S) buffer; a channels-last (N, C, H, W) x as
-// the (N, S, C) buffer it is in memory, which the kernels read as it lies on either device, its
-// output and its gradient laid out channels-last too. Per-channel
-// vectors live in the accumulation type (f32, f64 for f64 x): running statistics must
-// already be of that type, since they are updated in place; weight and bias may also be of
-// x's dtype and are then converted with the differentiable to(), so a bf16 parameter
-// receives a bf16 gradient.
+// the (N, S, C) buffer it is in memory, which the kernels read as it lies on either device,
+// its output and its gradient laid out channels-last too. Per-channel vectors live in the
+// accumulation type (f32, f64 for f64 x): running statistics must already be of that type,
+// since they are updated in place; weight and bias may also be of x's dtype and are then
+// converted with the differentiable to(), so a bf16 parameter receives a bf16 gradient.
 //
 // Training records one node for (x, weight, bias) whose backward is the fused kernel, fed
 // the batch mean and 1 / std the forward saved. In evaluation the statistics are constants,
