@@ -171,7 +171,7 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
   if (any_requires_grad({x, w})) {
     const bool need_dx = x.requires_grad(), need_dw = w.requires_grad();
     Tensor sx = need_dw ? x.detach() : Tensor(), sw = need_dx ? w.detach() : Tensor();
-    record(op, {x, w}, {y}, [a, sx, sw, need_dx, need_dw, dev, format](const TensorList& g) {
+    record(op, {x, w}, {y}, [a, sx, sw, need_dx, need_dw, dev, format, weight_format](const TensorList& g) {
       Tensor gy = g[0].to(a.dtype).contiguous(format);
       StreamHandle gst = ops::stream(gy);
       Tensor gx, gw;

@@ -90,6 +90,9 @@ TEST(ChannelsLastCuda, SimpleCnnWithMaxPoolingStepsLikeRowMajor) {
   LOOM_REQUIRE_CUDA();
   test::Tf32Off full_f32;
   check([] { return std::make_shared<SimpleCNN>(3, 32, 10); }, {4, 3, 32, 32}, std::nullopt, 1e-3);
+  // One channel (Fashion-MNIST): the batch is re-strided, not copied, and the first
+  // convolution reads a (N, 1, H, W) NHWC tensor.
+  check([] { return std::make_shared<SimpleCNN>(1, 28, 10); }, {4, 1, 28, 28}, std::nullopt, 1e-3);
 }
 
 }  // namespace
