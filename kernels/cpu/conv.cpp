@@ -27,6 +27,7 @@
 // order, so its bits do not depend on the thread count.
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/common.h"
@@ -244,46 +245,50 @@ void backward_filter_acc(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
 // Bytes of windows laid out at once; a chunk holds at least one sample.
 constexpr int64_t kChunkBytes = int64_t(8) << 20;
 
-template <class A>
-int64_t chunk_samples(const Conv2dArgs& a, const Geometry& g) {
-  if (g.direct) return std::max<int64_t>(a.n, 1);  // x is its own row matrix: no copy to bound
-  return std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(g.ohw * g.rows * int64_t(sizeof(A)), 1), 1,
-                             std::max<int64_t>(a.n, 1));
+// Runs body(n0, count) over the chunks of samples [n0, n0 + count), in order, with `row`
+// sized for a chunk's windows (left empty for a direct convolution, whose x is its own row
+// matrix and so needs no bound).
+template <class A, class Body>
+void for_each_chunk(const Conv2dArgs& a, const Geometry& g, std::vector<A>& row, Body&& body) {
+  const int64_t all = std::max<int64_t>(a.n, 1);
+  const int64_t per_sample = std::max<int64_t>(g.ohw * g.rows * int64_t(sizeof(A)), 1);
+  const int64_t chunk = g.direct ? all : std::clamp<int64_t>(kChunkBytes / per_sample, 1, all);
+  row.resize(size_t(g.direct ? 0 : chunk * g.ohw * g.rows));
+  for (int64_t n0 = 0; n0 < a.n; n0 += chunk) body(n0, std::min(chunk, a.n - n0));
 }
 
-// The windows of samples [n0, n0 + count) of group grp, a row per output pixel.
+// The row matrix of samples [n0, n0 + count) of group grp and its row stride: the group's
+// columns of x for a direct convolution, else their windows laid out in `row` (a thread per
+// sample), a row per output pixel.
 template <class A>
-void im2row_chunk(const Conv2dArgs& a, const Geometry& g, const A* x, int64_t n0, int64_t count, int64_t grp,
-                  A* row) {
+std::pair<const A*, int64_t> windows(const Conv2dArgs& a, const Geometry& g, const A* x, int64_t n0, int64_t count,
+                                     int64_t grp, std::vector<A>& row) {
+  const A* xg = x + n0 * g.hw * a.c_in + grp * g.cg;
+  if (g.direct) return {xg, a.c_in};
   parallel_for(count, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s)
-      im2row(a, g, x + (n0 + s) * g.hw * a.c_in + grp * g.cg, row + s * g.ohw * g.rows);
+    for (int64_t s = s0; s < s1; ++s) im2row(a, g, xg + s * g.hw * a.c_in, row.data() + s * g.ohw * g.rows);
   });
+  return {row.data(), g.rows};
 }
 
 template <class A>
 void forward_cl(const Conv2dArgs& a, A* y, const A* x, const A* w) {
   const Geometry g = geometry(a);
-  const int64_t chunk = chunk_samples<A>(a, g);
-  std::vector<A> row(size_t(g.direct ? 0 : chunk * g.ohw * g.rows));
-  for (int64_t n0 = 0; n0 < a.n; n0 += chunk) {
-    const int64_t count = std::min(chunk, a.n - n0);
+  std::vector<A> row;
+  for_each_chunk(a, g, row, [&](int64_t n0, int64_t count) {
     for (int64_t grp = 0; grp < a.groups; ++grp) {
-      const A* xg = x + n0 * g.hw * a.c_in + grp * g.cg;
-      if (!g.direct) im2row_chunk(a, g, x, n0, count, grp, row.data());
-      matmul<A>(false, true, count * g.ohw, g.kg, g.rows, g.direct ? xg : row.data(), g.direct ? a.c_in : g.rows,
-                w + grp * g.kg * g.rows, g.rows, y + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out, 0.f);
+      const auto [rows, ld] = windows(a, g, x, n0, count, grp, row);
+      matmul<A>(false, true, count * g.ohw, g.kg, g.rows, rows, ld, w + grp * g.kg * g.rows, g.rows,
+                y + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out, 0.f);
     }
-  }
+  });
 }
 
 template <class A>
 void backward_data_cl(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
   const Geometry g = geometry(a);
-  const int64_t chunk = chunk_samples<A>(a, g);
-  std::vector<A> row(size_t(g.direct ? 0 : chunk * g.ohw * g.rows));
-  for (int64_t n0 = 0; n0 < a.n; n0 += chunk) {
-    const int64_t count = std::min(chunk, a.n - n0);
+  std::vector<A> row;
+  for_each_chunk(a, g, row, [&](int64_t n0, int64_t count) {
     A* dxn = dx + n0 * g.hw * a.c_in;
     if (!g.direct) std::fill_n(dxn, count * g.hw * a.c_in, A(0));
     for (int64_t grp = 0; grp < a.groups; ++grp) {
@@ -299,7 +304,7 @@ void backward_data_cl(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
           row2im(a, g, row.data() + s * g.ohw * g.rows, dxn + s * g.hw * a.c_in + grp * g.cg);
       });
     }
-  }
+  });
 }
 
 template <class A>
@@ -309,18 +314,14 @@ void backward_filter_cl(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
     std::fill_n(dw, a.c_out * g.rows, A(0));
     return;
   }
-  const int64_t chunk = chunk_samples<A>(a, g);
-  std::vector<A> row(size_t(g.direct ? 0 : chunk * g.ohw * g.rows));
-  for (int64_t n0 = 0; n0 < a.n; n0 += chunk) {
-    const int64_t count = std::min(chunk, a.n - n0);
+  std::vector<A> row;
+  for_each_chunk(a, g, row, [&](int64_t n0, int64_t count) {
     for (int64_t grp = 0; grp < a.groups; ++grp) {
-      const A* xg = x + n0 * g.hw * a.c_in + grp * g.cg;
-      if (!g.direct) im2row_chunk(a, g, x, n0, count, grp, row.data());
-      matmul<A>(true, false, g.kg, g.rows, count * g.ohw, dy + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out,
-                g.direct ? xg : row.data(), g.direct ? a.c_in : g.rows, dw + grp * g.kg * g.rows, g.rows,
-                n0 == 0 ? 0.f : 1.f);
+      const auto [rows, ld] = windows(a, g, x, n0, count, grp, row);
+      matmul<A>(true, false, g.kg, g.rows, count * g.ohw, dy + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out, rows, ld,
+                dw + grp * g.kg * g.rows, g.rows, n0 == 0 ? 0.f : 1.f);
     }
-  }
+  });
 }
 
 // A buffer of T seen as A: the buffer itself when T is A, else a converted copy in `store`.

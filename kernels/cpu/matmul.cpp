@@ -1,9 +1,10 @@
 // CPU matrix product: a cache-blocked GEMM in the BLIS style, with no BLAS underneath.
 //
-// C (m, n) is cut into (MC x NC) blocks; a block is one task for cpu::parallel_for, so
-// threads split the work over (batch, row block, column block) and never share output.
-// Within a task, K is walked in KC-deep slices: the slice of op(A) is packed into
-// MR-row slivers and the slice of op(B) into NR-column panels, both k-major and already
+// C (m, n) is cut into (MC x NC) blocks. A task for cpu::parallel_for is one column block of
+// one batch entry and a run of its row blocks (as long a run as still gives every thread two
+// tasks, and at most kMaxRun), so threads never share output. Within a task, K is walked in KC-deep slices: the
+// slice of op(B) is packed once into NR-column panels and serves the whole run, the slice of
+// op(A) into MR-row slivers for each row block, both k-major and already
 // converted to the accumulation type (so transposes, strides and bf16/f16 cost nothing
 // past the packing). A micro-kernel then multiplies one sliver by one panel into an
 // MR x NR register tile (kernels/cpu/gemm_micro.h: FMA tiles on AVX2 and AVX-512, plain
@@ -27,6 +28,9 @@ namespace {
 // Cache blocks: a KC x NC panel of B (128 KiB in f32) stays in L2 while the MC x KC
 // slivers of A (96 KiB) stream past it; one MR x KC sliver and one KC x NR panel sit in L1.
 constexpr int64_t kMC = 96, kKC = 256, kNC = 128;
+// Row blocks a task runs over one packed B panel at most: their accumulators (384 KiB in
+// f32) stay in L2 from one KC slice to the next.
+constexpr int64_t kMaxRun = 8;
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -90,70 +94,86 @@ void gemm_typed(const GemmArgs& g) {
   const gemm_micro::Tile<A> micro = tile<A>();
   const int MR = micro.mr, NR = micro.nr;
   const int64_t m_blocks = (g.m + kMC - 1) / kMC, n_blocks = (g.n + kNC - 1) / kNC;
-  const int64_t tasks = g.batch * m_blocks * n_blocks;
+  // A task is one column block of one batch entry and a run of row blocks: each KC slice of
+  // its B panel is packed once and serves every row block of the run. Runs are as long as
+  // still gives each thread two tasks.
+  const int64_t columns = g.batch * n_blocks;
+  const int64_t wanted_runs = std::clamp<int64_t>((2 * num_threads() + columns - 1) / columns, 1, m_blocks);
+  const int64_t run = std::min(kMaxRun, (m_blocks + wanted_runs - 1) / wanted_runs);
+  const int64_t runs = (m_blocks + run - 1) / run;
+  const int64_t tasks = columns * runs;
+  const int64_t mc_full = round_up(kMC, MR), nc_full = round_up(kNC, NR);
   // Element (i, p) of op(A) is at a[i * a_rs + p * a_cs]; element (p, j) of op(B) at
   // b[p * b_ks + j * b_js].
   const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
   const int64_t b_ks = g.trans_b ? 1 : g.ldb, b_js = g.trans_b ? g.ldb : 1;
   const A alpha = g.alpha_ptr ? *static_cast<const A*>(g.alpha_ptr) : A(g.alpha), beta = A(g.beta);
   // Group small tasks so a tiny product is not spread over threads.
-  const int64_t task_flops = std::min(g.m, kMC) * std::min(g.n, kNC) * std::max<int64_t>(g.k, 1);
+  const int64_t task_flops = std::min(g.m, run * kMC) * std::min(g.n, kNC) * std::max<int64_t>(g.k, 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / task_flops);
 
   parallel_for(tasks, grain, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<A> a_pack, b_pack, c_tile;
-    a_pack.resize(size_t(round_up(kMC, MR) * kKC));
-    b_pack.resize(size_t(round_up(kNC, NR) * kKC));
-    c_tile.resize(size_t(round_up(kMC, MR) * round_up(kNC, NR)));
+    thread_local std::vector<A> a_pack, b_pack, c_tiles;
+    a_pack.resize(size_t(mc_full * kKC));
+    b_pack.resize(size_t(nc_full * kKC));
+    c_tiles.resize(size_t(run * mc_full * nc_full));
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t bi = t / (m_blocks * n_blocks), ib = t / n_blocks % m_blocks, jb = t % n_blocks;
-      const int64_t i0 = ib * kMC, mc = std::min(kMC, g.m - i0);
-      const int64_t j0 = jb * kNC, nc = std::min(kNC, g.n - j0);
-      const int64_t mc_pad = round_up(mc, MR), nc_pad = round_up(nc, NR);
-      const T* a = static_cast<const T*>(g.a) + bi * g.stride_a + i0 * a_rs;
+      const int64_t bi = t / (n_blocks * runs), jb = t / runs % n_blocks, ib0 = t % runs * run;
+      const int64_t ib1 = std::min(m_blocks, ib0 + run);
+      const int64_t j0 = jb * kNC, nc = std::min(kNC, g.n - j0), nc_pad = round_up(nc, NR);
       const T* b = static_cast<const T*>(g.b) + bi * g.stride_b + j0 * b_js;
-      O* c = static_cast<O*>(g.c) + bi * g.stride_c + i0 * g.ldc + j0;
-      const O* c_in = g.c_in ? static_cast<const O*>(g.c_in) + i0 * g.ldc + j0 : c;
+      // Row block ib's accumulator: mc x nc_pad at this offset in c_tiles.
+      auto tile_of = [&](int64_t ib) { return c_tiles.data() + (ib - ib0) * mc_full * nc_pad; };
 
-      std::fill(c_tile.begin(), c_tile.begin() + mc_pad * nc_pad, A(0));
+      std::fill(c_tiles.begin(), c_tiles.begin() + (ib1 - ib0) * mc_full * nc_pad, A(0));
       for (int64_t p0 = 0; p0 < g.k; p0 += kKC) {
         const int64_t kc = std::min(kKC, g.k - p0);
-        pack<A>(a_pack.data(), a + p0 * a_cs, a_rs, a_cs, mc, kc, MR);
         pack<A>(b_pack.data(), b + p0 * b_ks, b_js, b_ks, nc, kc, NR);
-        for (int64_t jr = 0; jr < nc_pad; jr += NR)
-          for (int64_t ir = 0; ir < mc_pad; ir += MR)
-            micro.fn(kc, a_pack.data() + ir * kc, b_pack.data() + jr * kc, c_tile.data() + ir * nc_pad + jr,
-                     nc_pad);
+        for (int64_t ib = ib0; ib < ib1; ++ib) {
+          const int64_t i0 = ib * kMC, mc = std::min(kMC, g.m - i0), mc_pad = round_up(mc, MR);
+          const T* a = static_cast<const T*>(g.a) + bi * g.stride_a + i0 * a_rs;
+          pack<A>(a_pack.data(), a + p0 * a_cs, a_rs, a_cs, mc, kc, MR);
+          A* acc = tile_of(ib);
+          for (int64_t jr = 0; jr < nc_pad; jr += NR)
+            for (int64_t ir = 0; ir < mc_pad; ir += MR)
+              micro.fn(kc, a_pack.data() + ir * kc, b_pack.data() + jr * kc, acc + ir * nc_pad + jr, nc_pad);
+        }
       }
-      const O* bias = g.bias ? static_cast<const O*>(g.bias) + j0 : nullptr;
-      T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
-      // The plain product (alpha 1, no bias, no epilogue) in loops the compiler vectorises;
-      // they do the general loop's arithmetic, so give its bits.
-      const bool plain = alpha == A(1) && !bias && g.epilogue == GemmEpilogue::none;
-      for (int64_t i = 0; i < mc; ++i) {
-        const A* acc = c_tile.data() + i * nc_pad;
-        O* row = c + i * g.ldc;
-        const O* row_in = c_in + i * g.ldc;
-        if (plain && beta == A(0)) {
-          for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j]);
-          continue;
-        }
-        if (plain) {
-          for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j] + beta * A(row_in[j]));
-          continue;
-        }
-        for (int64_t j = 0; j < nc; ++j) {
-          A v = alpha * acc[j];
-          if (beta != A(0)) v += beta * A(row_in[j]);
-          if (bias) v += A(bias[j]);
-          if (g.epilogue == GemmEpilogue::gelu) {
-            aux[i * g.ld_aux + j] = store<T>(v);
-            v = elementwise::unary_float<UnaryOp::gelu, A>(v, A(0));
-          } else if (g.epilogue == GemmEpilogue::dgelu) {
-            const A z = A(aux[i * g.ld_aux + j]);
-            v = elementwise::unary_grad<UnaryOp::gelu, A>(v, z, A(0), A(0));
+      for (int64_t ib = ib0; ib < ib1; ++ib) {
+        const int64_t i0 = ib * kMC, mc = std::min(kMC, g.m - i0);
+        const A* acc_rows = tile_of(ib);
+        O* c = static_cast<O*>(g.c) + bi * g.stride_c + i0 * g.ldc + j0;
+        const O* c_in = g.c_in ? static_cast<const O*>(g.c_in) + i0 * g.ldc + j0 : c;
+        const O* bias = g.bias ? static_cast<const O*>(g.bias) + j0 : nullptr;
+        T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
+        // The plain product (alpha 1, no bias, no epilogue) in loops the compiler vectorises;
+        // they do the general loop's arithmetic, so give its bits.
+        const bool plain = alpha == A(1) && !bias && g.epilogue == GemmEpilogue::none;
+        for (int64_t i = 0; i < mc; ++i) {
+          const A* acc = acc_rows + i * nc_pad;
+          O* row = c + i * g.ldc;
+          const O* row_in = c_in + i * g.ldc;
+          if (plain && beta == A(0)) {
+            for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j]);
+            continue;
           }
-          row[j] = store<O>(v);
+          if (plain) {
+            for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j] + beta * A(row_in[j]));
+            continue;
+          }
+          for (int64_t j = 0; j < nc; ++j) {
+            A v = alpha * acc[j];
+            if (beta != A(0)) v += beta * A(row_in[j]);
+            if (bias) v += A(bias[j]);
+            if (g.epilogue == GemmEpilogue::gelu) {
+              aux[i * g.ld_aux + j] = store<T>(v);
+              v = elementwise::unary_float<UnaryOp::gelu, A>(v, A(0));
+            } else if (g.epilogue == GemmEpilogue::dgelu) {
+              const A z = A(aux[i * g.ld_aux + j]);
+              v = elementwise::unary_grad<UnaryOp::gelu, A>(v, z, A(0), A(0));
+            }
+            row[j] = store<O>(v);
+          }
         }
       }
     }

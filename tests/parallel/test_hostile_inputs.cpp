@@ -222,6 +222,13 @@ TEST(HostileInputs, TrainCnnCorpus) {
   };
   EXPECT_GE(run_cases(c, program("TRAIN_CNN"), cases), 35);
 
+  // A gemm kernel set the CPU does not have, or that does not exist, is named with the ones it has.
+  RunResult no_kernel = run_in(c.dir, "env LOOM_CPU_GEMM=sse9 '" + program("TRAIN_CNN") + "' " + q);
+  EXPECT_NE(no_kernel.code, 0) << no_kernel.output;
+  EXPECT_EQ(no_kernel.output.find("terminate called"), std::string::npos) << no_kernel.output;
+  for (const char* part : {"LOOM_CPU_GEMM=sse9", "generic", "unset LOOM_CPU_GEMM"})
+    EXPECT_NE(no_kernel.output.find(part), std::string::npos) << part << " in:\n" << no_kernel.output;
+
   // Allowed on purpose: non-finite weights with the flag, and a warning for a warm-up
   // longer than the run.
   RunResult allowed = run_in(c.dir, "'" + program("TRAIN_CNN") + "' " + q + " --init inf.st --allow-nonfinite --max-steps 1");
