@@ -21,10 +21,11 @@
 //
 // Everything runs in the accumulation type (f32 for bf16/f16): 16-bit buffers are
 // converted once on the way in and the result once on the way out, so sums over the
-// batch never round to 16 bits. Threads split the batch (the gemm then runs inline, as
-// parallel_for nests inline); a batch of one leaves the threads to the gemm instead.
-// The filter gradient sums over samples in a fixed number of partial buffers reduced in
-// order, so its bits do not depend on the thread count.
+// batch never round to 16 bits. Row-major, threads split the batch (the gemm then runs
+// inline, as parallel_for nests inline); a batch of one leaves the threads to the gemm
+// instead. Channels-last, the gemm's threads split each chunk's product. In both layouts the
+// filter gradient sums over samples in a fixed number of partial buffers reduced in order,
+// so its bits do not depend on the thread count.
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -246,13 +247,14 @@ void backward_filter_acc(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
 constexpr int64_t kChunkBytes = int64_t(8) << 20;
 
 // Runs body(n0, count) over the chunks of samples [n0, n0 + count), in order, with `row`
-// sized for a chunk's windows (left empty for a direct convolution, whose x is its own row
-// matrix and so needs no bound).
+// sized for a chunk's windows of at most `bytes` (left empty for a direct convolution, whose
+// x is its own row matrix and so needs no bound).
 template <class A, class Body>
-void for_each_chunk(const Conv2dArgs& a, const Geometry& g, std::vector<A>& row, Body&& body) {
+void for_each_chunk(const Conv2dArgs& a, const Geometry& g, std::vector<A>& row, Body&& body,
+                    int64_t bytes = kChunkBytes) {
   const int64_t all = std::max<int64_t>(a.n, 1);
   const int64_t per_sample = std::max<int64_t>(g.ohw * g.rows * int64_t(sizeof(A)), 1);
-  const int64_t chunk = g.direct ? all : std::clamp<int64_t>(kChunkBytes / per_sample, 1, all);
+  const int64_t chunk = g.direct ? all : std::clamp<int64_t>(bytes / per_sample, 1, all);
   row.resize(size_t(g.direct ? 0 : chunk * g.ohw * g.rows));
   for (int64_t n0 = 0; n0 < a.n; n0 += chunk) body(n0, std::min(chunk, a.n - n0));
 }
@@ -307,21 +309,43 @@ void backward_data_cl(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
   });
 }
 
+// A group's filter gradient smaller than this has too few blocks of product to keep the
+// threads busy: the batch is then split into parts, as backward_filter_acc does.
+constexpr int64_t kSplitBelow = int64_t(1) << 15;
+
+// The gemm's threads share each chunk's product; a small gradient (kSplitBelow, a rule of
+// shapes alone, so the bits never depend on the thread count) is instead summed over a fixed
+// number of parts of the batch into partial gradients, threads taking the parts, reduced in
+// order, each part going in chunks of its share of the chunk bytes.
 template <class A>
 void backward_filter_cl(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
   const Geometry g = geometry(a);
+  const int64_t w_size = a.c_out * g.rows;
   if (a.n == 0) {
-    std::fill_n(dw, a.c_out * g.rows, A(0));
+    std::fill_n(dw, w_size, A(0));
     return;
   }
-  std::vector<A> row;
-  for_each_chunk(a, g, row, [&](int64_t n0, int64_t count) {
-    for (int64_t grp = 0; grp < a.groups; ++grp) {
-      const auto [rows, ld] = windows(a, g, x, n0, count, grp, row);
-      matmul<A>(true, false, g.kg, g.rows, count * g.ohw, dy + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out, rows, ld,
-                dw + grp * g.kg * g.rows, g.rows, n0 == 0 ? 0.f : 1.f);
+  const int64_t tasks = g.kg * g.rows < kSplitBelow ? std::min(a.n, kFilterPartials) : 1;
+  std::vector<A> partial(size_t((tasks - 1) * w_size));
+  parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<A> row;
+    for (int64_t t = t0; t < t1; ++t) {
+      A* acc = t == 0 ? dw : partial.data() + (t - 1) * w_size;
+      const int64_t first = a.n * t / tasks;
+      Conv2dArgs part = a;
+      part.n = a.n * (t + 1) / tasks - first;
+      const A* xp = x + first * g.hw * a.c_in;
+      const A* dyp = dy + first * g.ohw * a.c_out;
+      for_each_chunk(part, g, row, [&](int64_t n0, int64_t count) {
+        for (int64_t grp = 0; grp < a.groups; ++grp) {
+          const auto [rows, ld] = windows(part, g, xp, n0, count, grp, row);
+          matmul<A>(true, false, g.kg, g.rows, count * g.ohw, dyp + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out, rows,
+                    ld, acc + grp * g.kg * g.rows, g.rows, n0 == 0 ? 0.f : 1.f);
+        }
+      }, kChunkBytes / tasks);
     }
   });
+  sum_partials(dw, partial, tasks, w_size);
 }
 
 // A buffer of T seen as A: the buffer itself when T is A, else a converted copy in `store`.

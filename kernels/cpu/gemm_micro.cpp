@@ -3,6 +3,7 @@
 // attributes and chosen at run time, so one build runs on every x86-64 CPU.
 #include "kernels/cpu/gemm_micro.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -117,8 +118,8 @@ const Kernels* chosen() {
             " (unset LOOM_CPU_GEMM for the widest)");
 }
 
-const Kernels*& in_use() {
-  static const Kernels* k = chosen();
+std::atomic<const Kernels*>& in_use() {
+  static std::atomic<const Kernels*> k{chosen()};
   return k;
 }
 
@@ -133,8 +134,8 @@ std::vector<const Kernels*> available() {
   return all;
 }
 
-const Kernels& active() { return *in_use(); }
+const Kernels& active() { return *in_use().load(std::memory_order_acquire); }
 
-void use(const Kernels& k) { in_use() = &k; }
+void use(const Kernels& k) { in_use().store(&k, std::memory_order_release); }
 
 }  // namespace loom::cpu::gemm_micro

@@ -1,15 +1,20 @@
 // CPU 2-d max and average pooling over NCHW planes, threads over the N * C planes; over a
 // channels-last (N, H, W, C) buffer, threads over the N * OH output rows (N * H input rows
-// for backward), each pixel's C channels handled together in the innermost loop. Either way
-// a channel sees its window's elements in the same order, so both layouts give the same
-// bits, and the same max-pool indices (ih * W + iw within the plane).
+// for average pooling's backward, the N images for max pooling's), each pixel's C channels
+// handled together in the innermost loop. Either way a channel sees its window's elements
+// in the same order, so both layouts give the same bits, and the same max-pool indices
+// (ih * W + iw within the plane).
 //
-// The backward passes gather rather than scatter: each input element sums the gradients
-// of the outputs whose windows cover it (kernels/core/pool_window.h), in a fixed order,
-// exactly as the CUDA kernels do. Values are compared and summed in the accumulation type.
+// Average pooling's backward gathers: each input element sums the gradients of the outputs
+// whose windows cover it (kernels/core/pool_window.h), outputs in order, as the CUDA
+// kernels do. Max pooling's scatters each output's gradient onto its argmax, outputs in
+// order within one thread, so each input element adds its gradients in that same order,
+// and the same bits, for no search of the windows. Values are compared and summed in the
+// accumulation type.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/core/pool_window.h"
@@ -62,12 +67,12 @@ void max_forward_cl(const Pool2dArgs& a, void* y, int64_t* indices, const void* 
       for (int64_t ih = rows.begin; ih < rows.end; ++ih)
         for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
           const T* in = static_cast<const T*>(x) + ((n * a.h + ih) * a.w + iw) * a.c;
-          for (int64_t c = 0; c < a.c; ++c) {
+          const int64_t here = ih * a.w + iw;
+          for (int64_t c = 0; c < a.c; ++c) {  // branch-free, so the loop vectorises
             const A v = A(in[c]);
-            if (v > best[c] || std::isnan(v)) {
-              best[c] = v;
-              best_at[c] = ih * a.w + iw;
-            }
+            const bool take = (v > best[c]) | (v != v);  // larger, or NaN
+            best[c] = take ? v : best[c];
+            best_at[c] = take ? here : best_at[c];
           }
         }
       const int64_t at = ((n * a.out_h + oh) * a.out_w + ow) * a.c;
@@ -80,24 +85,23 @@ void max_forward_cl(const Pool2dArgs& a, void* y, int64_t* indices, const void* 
 }
 
 void max_backward_cl(const Pool2dArgs& a, void* dx, const void* dy, const int64_t* indices) {
-  for_each_row(a, "max_pool2d backward", a.h, a.w * a.c * 4, [&](auto tag, int64_t n, int64_t ih, auto* sum, int64_t*) {
+  dispatch_floating(a.dtype, "max_pool2d backward", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    const pool::Span rows = pool::output_span(ih, a.stride_h, a.pad_h, a.kh, a.out_h);
-    for (int64_t iw = 0; iw < a.w; ++iw) {
-      const pool::Span cols = pool::output_span(iw, a.stride_w, a.pad_w, a.kw, a.out_w);
-      const int64_t self = ih * a.w + iw;
-      std::fill_n(sum, a.c, A(0));
-      for (int64_t oh = rows.begin; oh < rows.end; ++oh)
-        for (int64_t ow = cols.begin; ow < cols.end; ++ow) {
-          const int64_t at = ((n * a.out_h + oh) * a.out_w + ow) * a.c;
-          const T* go = static_cast<const T*>(dy) + at;
-          for (int64_t c = 0; c < a.c; ++c)
-            if (indices[at + c] == self) sum[c] += A(go[c]);
-        }
-      T* gi = static_cast<T*>(dx) + ((n * a.h + ih) * a.w + iw) * a.c;
-      for (int64_t c = 0; c < a.c; ++c) gi[c] = T(sum[c]);
-    }
+    const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>((hw + ohw) * a.c, 1));
+    parallel_for(a.n, grain, [&](int64_t n0, int64_t n1) {
+      std::vector<A> acc(size_t(hw * a.c));
+      for (int64_t n = n0; n < n1; ++n) {
+        std::fill(acc.begin(), acc.end(), A(0));
+        const T* go = static_cast<const T*>(dy) + n * ohw * a.c;
+        const int64_t* idx = indices + n * ohw * a.c;
+        for (int64_t o = 0; o < ohw * a.c; o += a.c)
+          for (int64_t c = 0; c < a.c; ++c) acc[size_t(idx[o + c] * a.c + c)] += A(go[o + c]);
+        T* gi = static_cast<T*>(dx) + n * hw * a.c;
+        for (int64_t i = 0; i < hw * a.c; ++i) gi[i] = T(acc[size_t(i)]);
+      }
+    });
   });
 }
 
@@ -176,23 +180,20 @@ void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const vo
 void max_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, const int64_t* indices, StreamHandle) {
   if (channels_last(a)) return max_backward_cl(a, dx, dy, indices);
   const int64_t hw = a.h * a.w, ohw = a.out_h * a.out_w;
-  for_each_plane(a, "max_pool2d backward", hw * 4, [&](auto tag, int64_t p) {
+  for_each_plane(a, "max_pool2d backward", hw + ohw, [&](auto tag, int64_t p) {
     using T = decltype(tag);
     using A = acc_t<T>;
     const T* go = static_cast<const T*>(dy) + p * ohw;
     const int64_t* idx = indices + p * ohw;
     T* gi = static_cast<T*>(dx) + p * hw;
-    for (int64_t ih = 0; ih < a.h; ++ih) {
-      const pool::Span rows = pool::output_span(ih, a.stride_h, a.pad_h, a.kh, a.out_h);
-      for (int64_t iw = 0; iw < a.w; ++iw) {
-        const pool::Span cols = pool::output_span(iw, a.stride_w, a.pad_w, a.kw, a.out_w);
-        const int64_t self = ih * a.w + iw;
-        A sum = 0;
-        for (int64_t oh = rows.begin; oh < rows.end; ++oh)
-          for (int64_t ow = cols.begin; ow < cols.end; ++ow)
-            if (idx[oh * a.out_w + ow] == self) sum += A(go[oh * a.out_w + ow]);
-        gi[self] = T(sum);
-      }
+    if constexpr (std::is_same_v<T, A>) {
+      std::fill_n(gi, hw, T(0));
+      for (int64_t o = 0; o < ohw; ++o) gi[idx[o]] += go[o];
+    } else {
+      thread_local std::vector<A> acc;
+      acc.assign(size_t(hw), A(0));
+      for (int64_t o = 0; o < ohw; ++o) acc[size_t(idx[o])] += A(go[o]);
+      for (int64_t i = 0; i < hw; ++i) gi[i] = T(acc[size_t(i)]);
     }
   });
 }

@@ -39,8 +39,11 @@ const std::vector<ConvCase>& conv_cases() {
       {"one_sample_wide", 1, 16, 12, 12, 24, 3, 3, 1, 1, 1, 1},
       {"many_samples", 19, 3, 6, 6, 4, 3, 3, 1, 1, 1, 1},
       {"7x7_stride2_pad3", 2, 3, 16, 16, 8, 7, 7, 2, 2, 3, 3},
-      // 2.3 MB of f32 windows a sample: channels-last runs it in chunks of 3 and 2 samples.
-      {"chunks", 5, 64, 32, 32, 8, 3, 3, 1, 1, 1, 1},
+      // 2.3 MB of f32 windows a sample: channels-last runs it in chunks of 3 samples (the
+      // filter gradient's parts of two samples in chunks of one).
+      {"chunks", 10, 64, 32, 32, 8, 3, 3, 1, 1, 1, 1},
+      // A filter gradient large enough to be one product a chunk: chunks of 7 and 3 samples.
+      {"chunks_one_part", 10, 128, 16, 16, 32, 3, 3, 1, 1, 1, 1},
   };
   return table;
 }

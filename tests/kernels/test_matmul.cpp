@@ -39,6 +39,9 @@ const std::vector<GemmCase>& cases() {
       {"tall_m", 1030, 2, 9, 1, true, false},
       {"deep_k", 4, 6, 1027, 1, false, true},
       {"all_blocks", 200, 150, 300, 1, true, true},
+      // 33 row blocks in one column block: tasks run several row blocks over one packed B
+      // panel at any thread count up to 16, the last run short.
+      {"long_runs", 3100, 40, 300, 1, false, true},
       {"alpha_beta", 33, 20, 40, 1, false, false, 0.5f, 2.f},
       {"minus_alpha_beta_one", 9, 12, 5, 1, true, false, -1.f, 1.f},
       {"padded_ld", 13, 11, 19, 1, false, true, 1.f, 0.f, false, false, 5},
