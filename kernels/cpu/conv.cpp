@@ -5,8 +5,10 @@
 // col (C_in/g * KH * KW, OH * OW), so that
 //   forward:          y_g  (C_out/g, OH*OW)        = w_g (C_out/g, rows) @ col
 //   backward data:    dcol (rows, OH*OW)           = w_g^T @ dy_g, then col2im adds dcol back
-//   backward filter:  dw_g (C_out/g, rows)        += dy_g @ col^T, summed over samples
-// A 1x1 convolution with stride 1 and no padding needs no im2col: x is already col.
+//   backward filter:  dw_g (C_out/g, rows)        += dy_g @ col^T, summed over samples, the
+//                     columns and gradients of a chunk of samples side by side in one product
+// A 1x1 convolution with stride 1 and no padding needs no im2col in the other two passes: x
+// is already col.
 //
 // Channels-last activations (x (N, H, W, C_in), y (N, OH, OW, C_out); the weight stays
 // (C_out, C_in/g, KH, KW) row-major) take the transposed lowering: im2row lays one sample's
@@ -40,6 +42,9 @@ namespace {
 
 // Partial sums of the filter gradient: at most this many copies of dw are held at once.
 constexpr int64_t kFilterPartials = 8;
+// Bytes of windows (and gradients) laid out at once for a chunk of samples; a chunk holds at
+// least one.
+constexpr int64_t kChunkBytes = int64_t(8) << 20;
 
 struct Geometry {
   int64_t cg = 0, kg = 0;  // input and output channels per group
@@ -59,14 +64,14 @@ Geometry geometry(const Conv2dArgs& a) {
   return g;
 }
 
-// col (cg * KH * KW, OH * OW) from one group's input planes x (cg, H, W); zeros where a
-// window reads padding.
+// col (cg * KH * KW, OH * OW; row stride ld) from one group's input planes x (cg, H, W);
+// zeros where a window reads padding.
 template <class A>
-void im2col(const Conv2dArgs& a, const Geometry& g, const A* x, A* col) {
+void im2col(const Conv2dArgs& a, const Geometry& g, const A* x, A* col, int64_t ld) {
   for (int64_t c = 0; c < g.cg; ++c)
     for (int64_t i = 0; i < a.kh; ++i)
       for (int64_t j = 0; j < a.kw; ++j) {
-        A* row = col + ((c * a.kh + i) * a.kw + j) * g.ohw;
+        A* row = col + ((c * a.kh + i) * a.kw + j) * ld;
         for (int64_t oh = 0; oh < a.out_h; ++oh) {
           A* out = row + oh * a.out_w;
           const int64_t ih = oh * a.stride_h - a.pad_h + i * a.dilation_h;
@@ -83,13 +88,14 @@ void im2col(const Conv2dArgs& a, const Geometry& g, const A* x, A* col) {
       }
 }
 
-// The adjoint of im2col: x (cg, H, W) += every entry of col at the input it was read from.
+// The adjoint of im2col: x (cg, H, W) += every entry of col (row stride ld) at the input it
+// was read from.
 template <class A>
-void col2im(const Conv2dArgs& a, const Geometry& g, const A* col, A* x) {
+void col2im(const Conv2dArgs& a, const Geometry& g, const A* col, int64_t ld, A* x) {
   for (int64_t c = 0; c < g.cg; ++c)
     for (int64_t i = 0; i < a.kh; ++i)
       for (int64_t j = 0; j < a.kw; ++j) {
-        const A* row = col + ((c * a.kh + i) * a.kw + j) * g.ohw;
+        const A* row = col + ((c * a.kh + i) * a.kw + j) * ld;
         for (int64_t oh = 0; oh < a.out_h; ++oh) {
           const int64_t ih = oh * a.stride_h - a.pad_h + i * a.dilation_h;
           if (ih < 0 || ih >= a.h) continue;
@@ -172,39 +178,98 @@ void sum_partials(A* dw, const std::vector<A>& partial, int64_t tasks, int64_t w
   });
 }
 
+// Samples a product takes in the forward and backward-data passes. A sample's own product is
+// wide enough from kWidePlane output pixels on (one a thread, no copies); below that, a chunk
+// of samples goes side by side, within the chunk bytes shared by the threads and at most an
+// even share of the batch. The chunking does not change a result: each output sums over the
+// same k in the same order.
+constexpr int64_t kWidePlane = 256;
+
+int64_t chunk_for(const Conv2dArgs& a, const Geometry& g, int64_t per_sample) {
+  if (g.direct || g.ohw >= kWidePlane) return 1;
+  const int64_t threads = std::max(num_threads(), 1);
+  const int64_t share = std::max<int64_t>((a.n + threads - 1) / threads, 1);
+  return std::clamp<int64_t>(kChunkBytes / threads / std::max<int64_t>(per_sample, 1), 1, share);
+}
+
 template <class A>
 void forward_acc(const Conv2dArgs& a, A* y, const A* x, const A* w) {
   const Geometry g = geometry(a);
-  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
-    for (int64_t n = n0; n < n1; ++n)
+  const int64_t chunk = chunk_for(a, g, g.ohw * (g.rows + g.kg) * int64_t(sizeof(A)));
+  if (chunk == 1) {  // a sample a product, written in place
+    parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
+      std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t grp = 0; grp < a.groups; ++grp) {
+          const A* xg = x + (n * a.c_in + grp * g.cg) * g.hw;
+          if (!g.direct) im2col(a, g, xg, col.data(), g.ohw);
+          matmul<A>(false, false, g.kg, g.ohw, g.rows, w + grp * g.kg * g.rows, g.rows, g.direct ? xg : col.data(),
+                    g.ohw, y + (n * a.c_out + grp * g.kg) * g.ohw, g.ohw, 0.f);
+        }
+    });
+    return;
+  }
+  // A chunk's columns side by side, col (rows, S * OH * OW), give ys (C_out/g, S * OH * OW),
+  // whose sample blocks are then copied into y.
+  parallel_for((a.n + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<A> col(size_t(chunk * g.ohw * g.rows)), ys(size_t(chunk * g.ohw * g.kg));
+    for (int64_t n0 = c0 * chunk; n0 < std::min(a.n, c1 * chunk); n0 += chunk) {
+      const int64_t count = std::min(chunk, a.n - n0), width = count * g.ohw;
       for (int64_t grp = 0; grp < a.groups; ++grp) {
-        const A* xg = x + (n * a.c_in + grp * g.cg) * g.hw;
-        if (!g.direct) im2col(a, g, xg, col.data());
-        matmul<A>(false, false, g.kg, g.ohw, g.rows, w + grp * g.kg * g.rows, g.rows, g.direct ? xg : col.data(),
-                  g.ohw, y + (n * a.c_out + grp * g.kg) * g.ohw, g.ohw, 0.f);
+        for (int64_t s = 0; s < count; ++s)
+          im2col(a, g, x + ((n0 + s) * a.c_in + grp * g.cg) * g.hw, col.data() + s * g.ohw, width);
+        matmul<A>(false, false, g.kg, width, g.rows, w + grp * g.kg * g.rows, g.rows, col.data(), width, ys.data(),
+                  width, 0.f);
+        for (int64_t s = 0; s < count; ++s)
+          for (int64_t k = 0; k < g.kg; ++k)
+            std::copy_n(ys.data() + k * width + s * g.ohw, g.ohw, y + ((n0 + s) * a.c_out + grp * g.kg + k) * g.ohw);
       }
+    }
   });
 }
 
 template <class A>
 void backward_data_acc(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
   const Geometry g = geometry(a);
-  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t grp = 0; grp < a.groups; ++grp) {
-        A* dxg = dx + (n * a.c_in + grp * g.cg) * g.hw;
-        const A* dyg = dy + (n * a.c_out + grp * g.kg) * g.ohw;
-        const A* wg = w + grp * g.kg * g.rows;  // (kg, rows), read transposed
-        if (g.direct) {
-          matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, dxg, g.ohw, 0.f);
-          continue;
+  const int64_t chunk = chunk_for(a, g, g.ohw * (g.rows + g.kg) * int64_t(sizeof(A)));
+  if (chunk == 1) {  // a sample a product, read in place
+    parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
+      std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t grp = 0; grp < a.groups; ++grp) {
+          A* dxg = dx + (n * a.c_in + grp * g.cg) * g.hw;
+          const A* dyg = dy + (n * a.c_out + grp * g.kg) * g.ohw;
+          const A* wg = w + grp * g.kg * g.rows;  // (kg, rows), read transposed
+          if (g.direct) {
+            matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, dxg, g.ohw, 0.f);
+            continue;
+          }
+          matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, col.data(), g.ohw, 0.f);
+          std::fill_n(dxg, g.cg * g.hw, A(0));
+          col2im(a, g, col.data(), g.ohw, dxg);
         }
-        matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, col.data(), g.ohw, 0.f);
-        std::fill_n(dxg, g.cg * g.hw, A(0));
-        col2im(a, g, col.data(), dxg);
+    });
+    return;
+  }
+  // A chunk's gradients side by side, dys (C_out/g, S * OH * OW), give dcol (rows, S * OH * OW),
+  // which col2im adds back into each sample.
+  parallel_for((a.n + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<A> col(size_t(chunk * g.ohw * g.rows)), dys(size_t(chunk * g.ohw * g.kg));
+    for (int64_t n0 = c0 * chunk; n0 < std::min(a.n, c1 * chunk); n0 += chunk) {
+      const int64_t count = std::min(chunk, a.n - n0), width = count * g.ohw;
+      for (int64_t grp = 0; grp < a.groups; ++grp) {
+        for (int64_t s = 0; s < count; ++s)
+          for (int64_t k = 0; k < g.kg; ++k)
+            std::copy_n(dy + ((n0 + s) * a.c_out + grp * g.kg + k) * g.ohw, g.ohw, dys.data() + k * width + s * g.ohw);
+        matmul<A>(true, false, g.rows, width, g.kg, w + grp * g.kg * g.rows, g.rows, dys.data(), width, col.data(),
+                  width, 0.f);
+        for (int64_t s = 0; s < count; ++s) {
+          A* dxg = dx + ((n0 + s) * a.c_in + grp * g.cg) * g.hw;
+          std::fill_n(dxg, g.cg * g.hw, A(0));
+          col2im(a, g, col.data() + s * g.ohw, width, dxg);
+        }
       }
+    }
   });
 }
 
@@ -216,21 +281,32 @@ void backward_filter_acc(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
     std::fill_n(dw, w_size, A(0));
     return;
   }
-  // Task t sums samples [n * t / tasks, n * (t + 1) / tasks) into its partial (task 0 into dw).
+  // Task t sums samples [n * t / tasks, n * (t + 1) / tasks) into its partial (task 0 into dw),
+  // a chunk of samples a product: their columns side by side, col (rows, S * OH * OW), and
+  // their gradients likewise, dys (C_out/g, S * OH * OW), so k spans the chunk.
   const int64_t tasks = std::min(a.n, kFilterPartials);
+  const int64_t per_sample = std::max<int64_t>(g.ohw * (g.rows + g.kg) * int64_t(sizeof(A)), 1);
   std::vector<A> partial(size_t((tasks - 1) * w_size));
   parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
+    std::vector<A> col, dys;
     for (int64_t t = t0; t < t1; ++t) {
       A* acc = t == 0 ? dw : partial.data() + (t - 1) * w_size;
       const int64_t first = a.n * t / tasks, last = a.n * (t + 1) / tasks;
-      for (int64_t n = first; n < last; ++n)
+      const int64_t chunk = std::clamp<int64_t>(kChunkBytes / tasks / per_sample, 1, last - first);
+      col.resize(size_t(chunk * g.ohw * g.rows));
+      dys.resize(size_t(chunk * g.ohw * g.kg));
+      for (int64_t n0 = first; n0 < last; n0 += chunk) {
+        const int64_t count = std::min(chunk, last - n0), width = count * g.ohw;
         for (int64_t grp = 0; grp < a.groups; ++grp) {
-          const A* xg = x + (n * a.c_in + grp * g.cg) * g.hw;
-          if (!g.direct) im2col(a, g, xg, col.data());
-          matmul<A>(false, true, g.kg, g.rows, g.ohw, dy + (n * a.c_out + grp * g.kg) * g.ohw, g.ohw,
-                    g.direct ? xg : col.data(), g.ohw, acc + grp * g.kg * g.rows, g.rows, n == first ? 0.f : 1.f);
+          for (int64_t s = 0; s < count; ++s) {
+            im2col(a, g, x + ((n0 + s) * a.c_in + grp * g.cg) * g.hw, col.data() + s * g.ohw, width);
+            const A* dyn = dy + ((n0 + s) * a.c_out + grp * g.kg) * g.ohw;
+            for (int64_t k = 0; k < g.kg; ++k) std::copy_n(dyn + k * g.ohw, g.ohw, dys.data() + k * width + s * g.ohw);
+          }
+          matmul<A>(false, true, g.kg, g.rows, width, dys.data(), width, col.data(), width,
+                    acc + grp * g.kg * g.rows, g.rows, n0 == first ? 0.f : 1.f);
         }
+      }
     }
   });
   sum_partials(dw, partial, tasks, w_size);
@@ -242,9 +318,6 @@ void backward_filter_acc(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
 // products run over chunks of whole samples at once: each chunk's windows are laid out as
 // rows (a thread per sample), then one product covers the chunk, its threads splitting the
 // rows. The filter gradient sums over the chunk inside the product, chunks in order.
-
-// Bytes of windows laid out at once; a chunk holds at least one sample.
-constexpr int64_t kChunkBytes = int64_t(8) << 20;
 
 // Runs body(n0, count) over the chunks of samples [n0, n0 + count), in order, with `row`
 // sized for a chunk's windows of at most `bytes` (left empty for a direct convolution, whose

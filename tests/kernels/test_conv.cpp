@@ -38,6 +38,8 @@ const std::vector<ConvCase>& conv_cases() {
       {"stride_past_kernel", 2, 2, 9, 9, 3, 2, 2, 3, 3},
       {"one_sample_wide", 1, 16, 12, 12, 24, 3, 3, 1, 1, 1, 1},
       {"many_samples", 19, 3, 6, 6, 4, 3, 3, 1, 1, 1, 1},
+      // Small planes, many samples: the row-major passes put chunks of samples side by side.
+      {"many_samples_groups", 40, 4, 7, 7, 6, 3, 3, 2, 2, 1, 1, 1, 1, 2},
       {"7x7_stride2_pad3", 2, 3, 16, 16, 8, 7, 7, 2, 2, 3, 3},
       // 2.3 MB of f32 windows a sample: channels-last runs it in chunks of 3 samples (the
       // filter gradient's parts of two samples in chunks of one).
