@@ -51,6 +51,14 @@ inline Strided flat(const Tensor& t) {
 // Whether x is a channels-last tensor (MemoryFormat).
 inline bool channels_last(const Tensor& x) { return x.defined() && x.memory_format() == MemoryFormat::channels_last; }
 
+// The CNN kernels' ChannelLayout (kernels/table.h) of a MemoryFormat, and back.
+inline ChannelLayout channel_layout(MemoryFormat format) {
+  return format == MemoryFormat::channels_last ? ChannelLayout::channels_last : ChannelLayout::channels_first;
+}
+inline MemoryFormat memory_format(ChannelLayout layout) {
+  return layout == ChannelLayout::channels_last ? MemoryFormat::channels_last : MemoryFormat::contiguous;
+}
+
 // For an op whose kernels read and write row-major (NCHW) buffers, given a channels-last x:
 // runs op on x laid out row-major (a copy, or a view where both layouts describe the memory)
 // and lays the result out channels-last again, so that the layout carries on to the next op
