@@ -447,12 +447,15 @@ int run(int argc, char** argv) {
   // (parallel/memory_plan.h) before any wrapper shards the weights; on the rank that prints
   // the plan, and only when it does.
   const bool print_plan = main_rank && !o.quiet;
+  // --channels-last lays each batch out once, at the input; the CNN ops keep the layout.
+  auto laid_out = [&](const Tensor& batch) {
+    return o.channels_last ? batch.contiguous(MemoryFormat::channels_last) : batch;
+  };
   const size_t activations =
       !print_plan ? 0 : dist::activation_bytes(*model, device, o.batch_size, [&](int64_t rows) {
         AutocastGuard cast(autocast);
         Tensor images = randn({rows, d.train.channels, d.train.height, d.train.width}, DType::f32, device);
-        if (o.channels_last) images = images.contiguous(MemoryFormat::channels_last);
-        Tensor logits = model->forward(images);
+        Tensor logits = model->forward(laid_out(images));
         return cross_entropy(logits.to(DType::f32), zeros({rows}, DType::i64, device));
       });
   // Under data parallelism the step runs through DDP, which starts every rank from rank 0's
@@ -492,9 +495,8 @@ int run(int argc, char** argv) {
     trained = std::make_shared<dist::DistributedDataParallel>(model, ctx.group, ddp_options);
   }
   std::unique_ptr<optim::Optimizer> opt = make_optimizer(o, fsdp ? fsdp->parameters() : model->parameters());
-  // --channels-last lays each batch out once, at the input; the CNN ops keep the layout.
   auto forward = [&](const Tensor& batch) {
-    const Tensor x = o.channels_last ? batch.contiguous(MemoryFormat::channels_last) : batch;
+    const Tensor x = laid_out(batch);
     return fsdp ? fsdp->forward(x) : trained->forward(x);
   };
   const dist::MemoryPlan plan =

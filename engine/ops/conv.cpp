@@ -84,7 +84,7 @@ Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 
   const MemoryFormat format = x0.memory_format();
   Tensor x = x0.contiguous(format);
   Pool2dArgs a = pool_args(op, x, kernel, stride, padding);
-  a.layout = format == MemoryFormat::channels_last ? ChannelLayout::channels_last : ChannelLayout::channels_first;
+  a.layout = ops::channel_layout(format);
   const Device dev = x.device();
   Tensor y = Tensor::empty({a.n, a.c, a.out_h, a.out_w}, x.dtype(), dev, format);
   Tensor indices = is_max ? Tensor::empty(y.shape(), DType::i64, dev, format) : Tensor();
@@ -156,7 +156,7 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
   a.c_out = c_out, a.kh = w.size(2), a.kw = w.size(3);
   a.stride_h = stride[0], a.stride_w = stride[1], a.pad_h = padding[0], a.pad_w = padding[1];
   a.dilation_h = dilation[0], a.dilation_w = dilation[1], a.groups = groups;
-  a.layout = format == MemoryFormat::channels_last ? ChannelLayout::channels_last : ChannelLayout::channels_first;
+  a.layout = ops::channel_layout(format);
   a.out_h = conv_extent(op, "H", a.h, int(a.kh), stride[0], padding[0], dilation[0]);
   a.out_w = conv_extent(op, "W", a.w, int(a.kw), stride[1], padding[1], dilation[1]);
 

@@ -51,6 +51,14 @@ inline Strided flat(const Tensor& t) {
 // Whether x is a channels-last tensor (MemoryFormat).
 inline bool channels_last(const Tensor& x) { return x.defined() && x.memory_format() == MemoryFormat::channels_last; }
 
+// The CNN kernels' ChannelLayout (kernels/table.h) of a MemoryFormat, and back.
+inline ChannelLayout channel_layout(MemoryFormat format) {
+  return format == MemoryFormat::channels_last ? ChannelLayout::channels_last : ChannelLayout::channels_first;
+}
+inline MemoryFormat memory_format(ChannelLayout layout) {
+  return layout == ChannelLayout::channels_last ? MemoryFormat::channels_last : MemoryFormat::contiguous;
+}
+
 // A Strided view of `t` broadcast to `shape` (stride 0 on broadcast dimensions).
 Strided broadcast_strided(const Tensor& t, const Shape& shape);
 

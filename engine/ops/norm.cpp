@@ -25,9 +25,7 @@ namespace {
 DType accumulation_type(DType t) { return t == DType::f64 ? DType::f64 : DType::f32; }
 
 // The layout of the kernels' buffers (x, y, dy, dx) as a MemoryFormat.
-MemoryFormat format_of(const BatchNormArgs& a) {
-  return a.layout == ChannelLayout::channels_last ? MemoryFormat::channels_last : MemoryFormat::contiguous;
-}
+MemoryFormat format_of(const BatchNormArgs& a) { return ops::memory_format(a.layout); }
 
 void check_channels(const char* name, const Tensor& t, const Tensor& x) {
   LOOM_CHECK(t.dim() == 1 && t.size(0) == x.size(1), "batch_norm: ", name, " must have shape (", x.size(1),
@@ -167,7 +165,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
   for (int d = 2; d < input.dim(); ++d) a.s *= input.size(d);
   a.eps = eps;
   a.momentum = momentum;
-  if (ops::channels_last(input)) a.layout = ChannelLayout::channels_last;
+  a.layout = ops::channel_layout(input.memory_format());
   LOOM_CHECK(!training || a.n * a.s != 1, "batch_norm: Expected more than 1 value per channel when training, got input ",
              shape_str(input.shape()), ": use a batch of more than one sample, or eval mode");
 

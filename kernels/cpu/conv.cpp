@@ -167,14 +167,61 @@ void matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const A* a, int64
   gemm(g, nullptr);
 }
 
-// dw += partials 1 .. tasks - 1 of the filter gradient, in order.
-template <class A>
-void sum_partials(A* dw, const std::vector<A>& partial, int64_t tasks, int64_t w_size) {
+// The filter gradient summed over a fixed number of parts of the batch, threads taking the
+// parts: part(acc, first, last) writes the gradient of samples [first, last) into acc, part 0
+// into dw and the others into partial buffers then added to dw in order, so the bits do not
+// depend on the thread count.
+template <class A, class Part>
+void sum_over_parts(const Conv2dArgs& a, int64_t w_size, int64_t parts, A* dw, Part&& part) {
+  if (a.n == 0) {
+    std::fill_n(dw, w_size, A(0));
+    return;
+  }
+  std::vector<A> partial(size_t((parts - 1) * w_size));
+  parallel_for(parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      part(t == 0 ? dw : partial.data() + (t - 1) * w_size, a.n * t / parts, a.n * (t + 1) / parts);
+  });
   parallel_for(w_size, 1 << 14, [&](int64_t i0, int64_t i1) {
-    for (int64_t t = 1; t < tasks; ++t) {
+    for (int64_t t = 1; t < parts; ++t) {
       const A* p = partial.data() + (t - 1) * w_size;
       for (int64_t i = i0; i < i1; ++i) dw[i] += p[i];
     }
+  });
+}
+
+// Chunks of samples side by side (row-major): the planes of channels [c0, c0 + kc) of samples
+// [n0, n0 + count) of an NCHW buffer with `channels` a sample, as one (kc, count * plane)
+// matrix; scatter_planes puts such a matrix back.
+template <class A>
+void gather_planes(const A* t, int64_t channels, int64_t c0, int64_t kc, int64_t plane, int64_t n0, int64_t count,
+                   A* out) {
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t k = 0; k < kc; ++k)
+      std::copy_n(t + ((n0 + s) * channels + c0 + k) * plane, plane, out + (k * count + s) * plane);
+}
+
+template <class A>
+void scatter_planes(const A* in, int64_t channels, int64_t c0, int64_t kc, int64_t plane, int64_t n0, int64_t count,
+                    A* t) {
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t k = 0; k < kc; ++k)
+      std::copy_n(in + (k * count + s) * plane, plane, t + ((n0 + s) * channels + c0 + k) * plane);
+}
+
+// The columns of samples [n0, n0 + count) of group grp side by side: col (rows, count * OH * OW).
+template <class A>
+void im2col_chunk(const Conv2dArgs& a, const Geometry& g, const A* x, int64_t n0, int64_t count, int64_t grp,
+                  A* col) {
+  for (int64_t s = 0; s < count; ++s)
+    im2col(a, g, x + ((n0 + s) * a.c_in + grp * g.cg) * g.hw, col + s * g.ohw, count * g.ohw);
+}
+
+// Runs body(n0, count) over the chunks of `chunk` samples of n, threads taking chunks.
+template <class Body>
+void over_chunks(int64_t n, int64_t chunk, Body&& body) {
+  parallel_for((n + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) body(c * chunk, std::min(chunk, n - c * chunk));
   });
 }
 
@@ -185,17 +232,22 @@ void sum_partials(A* dw, const std::vector<A>& partial, int64_t tasks, int64_t w
 // same k in the same order.
 constexpr int64_t kWidePlane = 256;
 
-int64_t chunk_for(const Conv2dArgs& a, const Geometry& g, int64_t per_sample) {
+// Bytes a sample takes among a chunk's columns and gradients (of element size `bytes`).
+int64_t chunk_bytes_of(const Geometry& g, size_t bytes) {
+  return std::max<int64_t>(g.ohw * (g.rows + g.kg) * int64_t(bytes), 1);
+}
+
+int64_t chunk_for(const Conv2dArgs& a, const Geometry& g, size_t bytes) {
   if (g.direct || g.ohw >= kWidePlane) return 1;
   const int64_t threads = std::max(num_threads(), 1);
   const int64_t share = std::max<int64_t>((a.n + threads - 1) / threads, 1);
-  return std::clamp<int64_t>(kChunkBytes / threads / std::max<int64_t>(per_sample, 1), 1, share);
+  return std::clamp<int64_t>(kChunkBytes / threads / chunk_bytes_of(g, bytes), 1, share);
 }
 
 template <class A>
 void forward_acc(const Conv2dArgs& a, A* y, const A* x, const A* w) {
   const Geometry g = geometry(a);
-  const int64_t chunk = chunk_for(a, g, g.ohw * (g.rows + g.kg) * int64_t(sizeof(A)));
+  const int64_t chunk = chunk_for(a, g, sizeof(A));
   if (chunk == 1) {  // a sample a product, written in place
     parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
       std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
@@ -209,21 +261,15 @@ void forward_acc(const Conv2dArgs& a, A* y, const A* x, const A* w) {
     });
     return;
   }
-  // A chunk's columns side by side, col (rows, S * OH * OW), give ys (C_out/g, S * OH * OW),
-  // whose sample blocks are then copied into y.
-  parallel_for((a.n + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<A> col(size_t(chunk * g.ohw * g.rows)), ys(size_t(chunk * g.ohw * g.kg));
-    for (int64_t n0 = c0 * chunk; n0 < std::min(a.n, c1 * chunk); n0 += chunk) {
-      const int64_t count = std::min(chunk, a.n - n0), width = count * g.ohw;
-      for (int64_t grp = 0; grp < a.groups; ++grp) {
-        for (int64_t s = 0; s < count; ++s)
-          im2col(a, g, x + ((n0 + s) * a.c_in + grp * g.cg) * g.hw, col.data() + s * g.ohw, width);
-        matmul<A>(false, false, g.kg, width, g.rows, w + grp * g.kg * g.rows, g.rows, col.data(), width, ys.data(),
-                  width, 0.f);
-        for (int64_t s = 0; s < count; ++s)
-          for (int64_t k = 0; k < g.kg; ++k)
-            std::copy_n(ys.data() + k * width + s * g.ohw, g.ohw, y + ((n0 + s) * a.c_out + grp * g.kg + k) * g.ohw);
-      }
+  // A chunk's columns, col (rows, S * OH * OW), give ys (C_out/g, S * OH * OW), put back into y.
+  over_chunks(a.n, chunk, [&](int64_t n0, int64_t count) {
+    const int64_t width = count * g.ohw;
+    std::vector<A> col(size_t(width * g.rows)), ys(size_t(width * g.kg));
+    for (int64_t grp = 0; grp < a.groups; ++grp) {
+      im2col_chunk(a, g, x, n0, count, grp, col.data());
+      matmul<A>(false, false, g.kg, width, g.rows, w + grp * g.kg * g.rows, g.rows, col.data(), width, ys.data(),
+                width, 0.f);
+      scatter_planes(ys.data(), a.c_out, grp * g.kg, g.kg, g.ohw, n0, count, y);
     }
   });
 }
@@ -231,7 +277,7 @@ void forward_acc(const Conv2dArgs& a, A* y, const A* x, const A* w) {
 template <class A>
 void backward_data_acc(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
   const Geometry g = geometry(a);
-  const int64_t chunk = chunk_for(a, g, g.ohw * (g.rows + g.kg) * int64_t(sizeof(A)));
+  const int64_t chunk = chunk_for(a, g, sizeof(A));
   if (chunk == 1) {  // a sample a product, read in place
     parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
       std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
@@ -251,65 +297,44 @@ void backward_data_acc(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
     });
     return;
   }
-  // A chunk's gradients side by side, dys (C_out/g, S * OH * OW), give dcol (rows, S * OH * OW),
-  // which col2im adds back into each sample.
-  parallel_for((a.n + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<A> col(size_t(chunk * g.ohw * g.rows)), dys(size_t(chunk * g.ohw * g.kg));
-    for (int64_t n0 = c0 * chunk; n0 < std::min(a.n, c1 * chunk); n0 += chunk) {
-      const int64_t count = std::min(chunk, a.n - n0), width = count * g.ohw;
-      for (int64_t grp = 0; grp < a.groups; ++grp) {
-        for (int64_t s = 0; s < count; ++s)
-          for (int64_t k = 0; k < g.kg; ++k)
-            std::copy_n(dy + ((n0 + s) * a.c_out + grp * g.kg + k) * g.ohw, g.ohw, dys.data() + k * width + s * g.ohw);
-        matmul<A>(true, false, g.rows, width, g.kg, w + grp * g.kg * g.rows, g.rows, dys.data(), width, col.data(),
-                  width, 0.f);
-        for (int64_t s = 0; s < count; ++s) {
-          A* dxg = dx + ((n0 + s) * a.c_in + grp * g.cg) * g.hw;
-          std::fill_n(dxg, g.cg * g.hw, A(0));
-          col2im(a, g, col.data() + s * g.ohw, width, dxg);
-        }
+  // A chunk's gradients, dys (C_out/g, S * OH * OW), give dcol (rows, S * OH * OW), which
+  // col2im adds back into each sample.
+  over_chunks(a.n, chunk, [&](int64_t n0, int64_t count) {
+    const int64_t width = count * g.ohw;
+    std::vector<A> col(size_t(width * g.rows)), dys(size_t(width * g.kg));
+    for (int64_t grp = 0; grp < a.groups; ++grp) {
+      gather_planes(dy, a.c_out, grp * g.kg, g.kg, g.ohw, n0, count, dys.data());
+      matmul<A>(true, false, g.rows, width, g.kg, w + grp * g.kg * g.rows, g.rows, dys.data(), width, col.data(),
+                width, 0.f);
+      for (int64_t s = 0; s < count; ++s) {
+        A* dxg = dx + ((n0 + s) * a.c_in + grp * g.cg) * g.hw;
+        std::fill_n(dxg, g.cg * g.hw, A(0));
+        col2im(a, g, col.data() + s * g.ohw, width, dxg);
       }
     }
   });
 }
 
+// Each part of the batch goes a chunk of samples a product: their columns side by side, col
+// (rows, S * OH * OW), and their gradients likewise, dys (C_out/g, S * OH * OW), so k spans
+// the chunk.
 template <class A>
 void backward_filter_acc(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
   const Geometry g = geometry(a);
-  const int64_t w_size = a.c_out * g.rows;
-  if (a.n == 0) {
-    std::fill_n(dw, w_size, A(0));
-    return;
-  }
-  // Task t sums samples [n * t / tasks, n * (t + 1) / tasks) into its partial (task 0 into dw),
-  // a chunk of samples a product: their columns side by side, col (rows, S * OH * OW), and
-  // their gradients likewise, dys (C_out/g, S * OH * OW), so k spans the chunk.
-  const int64_t tasks = std::min(a.n, kFilterPartials);
-  const int64_t per_sample = std::max<int64_t>(g.ohw * (g.rows + g.kg) * int64_t(sizeof(A)), 1);
-  std::vector<A> partial(size_t((tasks - 1) * w_size));
-  parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<A> col, dys;
-    for (int64_t t = t0; t < t1; ++t) {
-      A* acc = t == 0 ? dw : partial.data() + (t - 1) * w_size;
-      const int64_t first = a.n * t / tasks, last = a.n * (t + 1) / tasks;
-      const int64_t chunk = std::clamp<int64_t>(kChunkBytes / tasks / per_sample, 1, last - first);
-      col.resize(size_t(chunk * g.ohw * g.rows));
-      dys.resize(size_t(chunk * g.ohw * g.kg));
-      for (int64_t n0 = first; n0 < last; n0 += chunk) {
-        const int64_t count = std::min(chunk, last - n0), width = count * g.ohw;
-        for (int64_t grp = 0; grp < a.groups; ++grp) {
-          for (int64_t s = 0; s < count; ++s) {
-            im2col(a, g, x + ((n0 + s) * a.c_in + grp * g.cg) * g.hw, col.data() + s * g.ohw, width);
-            const A* dyn = dy + ((n0 + s) * a.c_out + grp * g.kg) * g.ohw;
-            for (int64_t k = 0; k < g.kg; ++k) std::copy_n(dyn + k * g.ohw, g.ohw, dys.data() + k * width + s * g.ohw);
-          }
-          matmul<A>(false, true, g.kg, g.rows, width, dys.data(), width, col.data(), width,
-                    acc + grp * g.kg * g.rows, g.rows, n0 == first ? 0.f : 1.f);
-        }
+  const int64_t parts = std::min(a.n, kFilterPartials);
+  sum_over_parts(a, a.c_out * g.rows, parts, dw, [&](A* acc, int64_t first, int64_t last) {
+    const int64_t chunk = std::clamp<int64_t>(kChunkBytes / parts / chunk_bytes_of(g, sizeof(A)), 1, last - first);
+    std::vector<A> col(size_t(chunk * g.ohw * g.rows)), dys(size_t(chunk * g.ohw * g.kg));
+    for (int64_t n0 = first; n0 < last; n0 += chunk) {
+      const int64_t count = std::min(chunk, last - n0), width = count * g.ohw;
+      for (int64_t grp = 0; grp < a.groups; ++grp) {
+        im2col_chunk(a, g, x, n0, count, grp, col.data());
+        gather_planes(dy, a.c_out, grp * g.kg, g.kg, g.ohw, n0, count, dys.data());
+        matmul<A>(false, true, g.kg, g.rows, width, dys.data(), width, col.data(), width, acc + grp * g.kg * g.rows,
+                  g.rows, n0 == first ? 0.f : 1.f);
       }
     }
   });
-  sum_partials(dw, partial, tasks, w_size);
 }
 
 // ---- channels-last -------------------------------------------------------------------
@@ -393,32 +418,21 @@ constexpr int64_t kSplitBelow = int64_t(1) << 15;
 template <class A>
 void backward_filter_cl(const Conv2dArgs& a, A* dw, const A* x, const A* dy) {
   const Geometry g = geometry(a);
-  const int64_t w_size = a.c_out * g.rows;
-  if (a.n == 0) {
-    std::fill_n(dw, w_size, A(0));
-    return;
-  }
-  const int64_t tasks = g.kg * g.rows < kSplitBelow ? std::min(a.n, kFilterPartials) : 1;
-  std::vector<A> partial(size_t((tasks - 1) * w_size));
-  parallel_for(tasks, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t parts = g.kg * g.rows < kSplitBelow ? std::min(a.n, kFilterPartials) : std::min<int64_t>(a.n, 1);
+  sum_over_parts(a, a.c_out * g.rows, parts, dw, [&](A* acc, int64_t first, int64_t last) {
+    Conv2dArgs part = a;
+    part.n = last - first;
+    const A* xp = x + first * g.hw * a.c_in;
+    const A* dyp = dy + first * g.ohw * a.c_out;
     std::vector<A> row;
-    for (int64_t t = t0; t < t1; ++t) {
-      A* acc = t == 0 ? dw : partial.data() + (t - 1) * w_size;
-      const int64_t first = a.n * t / tasks;
-      Conv2dArgs part = a;
-      part.n = a.n * (t + 1) / tasks - first;
-      const A* xp = x + first * g.hw * a.c_in;
-      const A* dyp = dy + first * g.ohw * a.c_out;
-      for_each_chunk(part, g, row, [&](int64_t n0, int64_t count) {
-        for (int64_t grp = 0; grp < a.groups; ++grp) {
-          const auto [rows, ld] = windows(part, g, xp, n0, count, grp, row);
-          matmul<A>(true, false, g.kg, g.rows, count * g.ohw, dyp + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out, rows,
-                    ld, acc + grp * g.kg * g.rows, g.rows, n0 == 0 ? 0.f : 1.f);
-        }
-      }, kChunkBytes / tasks);
-    }
+    for_each_chunk(part, g, row, [&](int64_t n0, int64_t count) {
+      for (int64_t grp = 0; grp < a.groups; ++grp) {
+        const auto [rows, ld] = windows(part, g, xp, n0, count, grp, row);
+        matmul<A>(true, false, g.kg, g.rows, count * g.ohw, dyp + n0 * g.ohw * a.c_out + grp * g.kg, a.c_out, rows, ld,
+                  acc + grp * g.kg * g.rows, g.rows, n0 == 0 ? 0.f : 1.f);
+      }
+    }, kChunkBytes / parts);
   });
-  sum_partials(dw, partial, tasks, w_size);
 }
 
 // A buffer of T seen as A: the buffer itself when T is A, else a converted copy in `store`.
