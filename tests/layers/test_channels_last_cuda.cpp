@@ -14,6 +14,7 @@
 #include "engine/autocast.h"
 #include "engine/autograd.h"
 #include "engine/ops.h"
+#include "engine/options.h"
 #include "layers/models/resnet.h"
 #include "layers/models/simple_cnn.h"
 #include "tests/common/gpu.h"
@@ -84,6 +85,45 @@ TEST(ChannelsLastCuda, ResNet18StaysChannelsLastAndStepsLikeRowMajor) {
     h = stage->forward(h);
     EXPECT_EQ(h.memory_format(), MemoryFormat::channels_last) << shape_str(h.shape());
   }
+}
+
+// One convolution, its three gradients in both layouts, for the shapes of ResNet-18's stem
+// (3 input channels) and of a later layer (64), in f32 and bf16, through cuDNN's graph API
+// and its convolution API: the largest difference of each, relative to the largest value.
+TEST(ChannelsLastCuda, AConvolutionsGradientsMatchRowMajor) {
+  LOOM_REQUIRE_CUDA();
+  test::Tf32Off full_f32;
+  const Device dev = Device::cuda(0);
+  for (int64_t c_in : {3, 64})
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (bool graph_api : {true, false}) {
+        Options o = options();
+        o.cudnn_graph_api = graph_api;
+        OptionsGuard guard(o);
+        manual_seed(3);
+        Tensor x0 = randn({4, c_in, 16, 16}).to(dev).to(dtype), w0 = randn({64, c_in, 3, 3}).to(dev).to(dtype);
+        Tensor gy = randn({4, 64, 16, 16}).to(dev).to(dtype);
+        std::vector<double> got[2][3];
+        for (int layout = 0; layout < 2; ++layout) {
+          const MemoryFormat format = layout ? MemoryFormat::channels_last : MemoryFormat::contiguous;
+          Tensor x = x0.contiguous(format).detach().set_requires_grad(true);
+          Tensor w = w0.detach().set_requires_grad(true);
+          Tensor y = conv2d(x, w, Tensor(), {1, 1}, {1, 1});
+          y.backward(gy.contiguous(format));
+          got[layout][0] = y.contiguous().to(DType::f64).to_vector<double>();
+          got[layout][1] = x.grad().contiguous().to(DType::f64).to_vector<double>();
+          got[layout][2] = w.grad().contiguous().to(DType::f64).to_vector<double>();
+        }
+        const char* names[] = {"output", "input gradient", "filter gradient"};
+        const double tol = dtype == DType::f32 ? 1e-5 : 2e-2;
+        for (int k = 0; k < 3; ++k) {
+          double scale = 1e-6, worst = 0;
+          for (double v : got[0][k]) scale = std::max(scale, std::abs(v));
+          for (size_t j = 0; j < got[0][k].size(); ++j) worst = std::max(worst, std::abs(got[1][k][j] - got[0][k][j]));
+          EXPECT_LE(worst / scale, tol) << names[k] << ", " << c_in << " input channels, " << dtype_name(dtype)
+                                        << (graph_api ? ", graph API" : ", convolution API");
+        }
+      }
 }
 
 TEST(ChannelsLastCuda, SimpleCnnWithMaxPoolingStepsLikeRowMajor) {
