@@ -19,7 +19,8 @@
 // --no-cudnn-graph runs the convolutions through cuDNN's convolution API alone
 // (Options::cudnn_graph_api, engine/options.h).
 // Steps are bracketed by CUDA events and the median is reported. Prints one JSON object
-// (images/s, ms per step, peak memory; with --ddp the DDP step and the plain one beside it)
+// (images/s, ms per step, peak memory, the memory a step starts with and what its forward pass
+// adds; with --ddp the DDP step and the plain one beside it)
 // and appends it to --json.
 #include <algorithm>
 #include <chrono>
@@ -119,14 +120,24 @@ int main(int argc, char** argv) {
       marks.gpu.push_back(std::make_unique<Event>());
       marks.gpu.back()->record(compute_stream(dev));
     };
+    // Where the memory goes, read on the second eager step (momentum exists by then): what the
+    // step holds once the gradients are dropped (weights, momentum, the batch) and what the
+    // forward pass adds (the activations kept for backward, with the loss). The peak minus
+    // both is backward's: gradients, and workspace.
+    int64_t eager_steps = 0;
+    double start_mib = 0, forward_mib = 0;
+    auto allocated_mib = [&] { return double(memory::stats(dev).allocated) / (1 << 20); };
     auto step = [&](const std::shared_ptr<nn::Module>& net, Marks& marks) {
+      const bool probe = eager_steps++ == 1;
       mark(marks);
       opt.zero_grad();
+      if (probe) start_mib = allocated_mib();
       Tensor loss;
       {
         AutocastGuard guard(cast);
         loss = cross_entropy(net->forward(x).to(DType::f32), y);
       }
+      if (probe) forward_mib = allocated_mib() - start_mib;
       mark(marks);
       loss.backward();
       mark(marks);
@@ -203,7 +214,9 @@ int main(int argc, char** argv) {
                                  {"channels_last", int64_t(channels_last)},
                                  {"images_per_s", double(batch) / (step_ms * 1e-3)},
                                  {"ms_per_step", step_ms},
-                                 {"peak_mib", peak_mib}};
+                                 {"peak_mib", peak_mib},
+                                 {"start_mib", start_mib},
+                                 {"forward_mib", forward_mib}};
     if (ddp) record.push_back({"plain_ms_per_step", samples::median(plain_ms)});
     std::printf("%s\n", samples::to_json(record).c_str());
     if (!json.empty()) samples::MetricsLog(json).write(record);
