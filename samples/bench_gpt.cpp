@@ -7,7 +7,7 @@
 //   FLOPs per token = 6 N + 12 L d T   (N parameters, L layers, d width, T sequence)
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
 //   bench_gpt [--config gpt2-124m] [--batch 16] [--seq 1024] [--precision bf16|f32]
-//             [--warmup N] [--steps N] [--ddp | --fsdp | --pipeline] [--json FILE] [--profile-step]
+//             [--warmup N] [--steps N] [--ddp | --fsdp | --pipeline | --graph] [--json FILE] [--profile-step]
 //             [--deterministic] [--no-weight-copies] [--no-gradient-copies]
 // --ddp measures what data parallelism costs on one GPU: the same model is stepped plainly and
 // through DistributedDataParallel (NCCL, world size 1) in alternating rounds within one run,
@@ -18,7 +18,9 @@
 // copies and hooks cost when there is nobody to share with. --pipeline
 // does the same for the pipeline machinery (parallel/pipeline.h): the model built as one
 // GPTStage and stepped through a Pipeline of one stage and one micro-batch (NCCL, world size
-// 1), what a pipeline adds when it has nothing to overlap.
+// 1), what a pipeline adds when it has nothing to overlap. --graph compares the eager step
+// with the same step captured as one CUDA graph and replayed (layers/optim/captured_step.h),
+// on the same model and optimizer: what the kernel launches and the gaps between them cost.
 // --profile-step runs one more step between cudaProfilerStart and cudaProfilerStop, so that
 // `ncu --profile-from-start off` (or nsys's cudaProfilerApi capture range) sees exactly one
 // steady-state step.
@@ -29,6 +31,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -41,6 +44,7 @@
 #include "engine/ops.h"
 #include "engine/options.h"
 #include "layers/layers.h"
+#include "layers/optim/captured_step.h"
 #include "parallel/fsdp.h"
 #include "parallel/gpt_pipeline.h"
 #include "parallel/ddp.h"
@@ -55,7 +59,7 @@ using samples::median;
 int main(int argc, char** argv) {
   std::string config_name = "gpt2-124m", precision = "bf16", json;
   int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
-  bool ddp = false, fsdp = false, pipeline = false, components = false, profile_step = false;
+  bool ddp = false, fsdp = false, pipeline = false, graph = false, components = false, profile_step = false;
   Options run_options = options();
   samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
   flags.add("config", &config_name, "model size", {"gpt2-124m", "guide", "tiny"});
@@ -63,11 +67,12 @@ int main(int argc, char** argv) {
   flags.add("seq", &seq, "tokens per sequence (at most the config's context)", 1);
   flags.add("precision", &precision, "bf16 autocast over f32 weights, or f32 (TF32 products)", {"bf16", "f32"});
   flags.add("warmup", &warmup, "untimed steps first", 0);
-  flags.add("steps", &steps, "timed steps (with --ddp, --fsdp or --pipeline: per mode)", 2);
+  flags.add("steps", &steps, "timed steps (with --ddp, --fsdp, --pipeline or --graph: per mode)", 2);
   flags.add_switch("ddp", &ddp, "also step through DistributedDataParallel (NCCL, one rank) and compare");
   flags.add_switch("fsdp", &fsdp, "also step the model through FullyShardedDataParallel (NCCL, one rank) and compare");
   flags.add_switch("pipeline", &pipeline,
                    "also step the model as a one-stage pipeline (NCCL, one rank) and compare");
+  flags.add_switch("graph", &graph, "also step the model as one captured CUDA graph and compare");
   flags.add_switch("profile-step", &profile_step, "after the timed steps, one step inside cudaProfilerStart/Stop");
   flags.add_switch("components", &components, "also time each part of the model (forward, forward + backward)");
   flags.add("json", &json, "append the results here as JSON lines", {}, "FILE");
@@ -78,8 +83,12 @@ int main(int argc, char** argv) {
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
     flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
   set_options(run_options);
-  if (int(ddp) + int(fsdp) + int(pipeline) > 1)
-    flags.fail("--ddp, --fsdp and --pipeline each compare with plain steps: give one");
+  if (int(ddp) + int(fsdp) + int(pipeline) + int(graph) > 1)
+    flags.fail("--ddp, --fsdp, --pipeline and --graph each compare with plain steps: give one");
+  constexpr int kEagerFirst = 2;  // CapturedStep's eager steps before its capture
+  if (graph && warmup <= kEagerFirst)
+    flags.fail("--warmup " + std::to_string(warmup) + ": --graph needs at least " + std::to_string(kEagerFirst + 1) +
+               " untimed steps (" + std::to_string(kEagerFirst) + " eager, then the capture)");
   try {
     if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
     const Device dev = Device::cuda(0);
@@ -156,8 +165,14 @@ int main(int argc, char** argv) {
       loss.backward();
       if (marks) marks[1].record(compute_stream(dev));
       opt.step();
+      return loss;
     };
     std::function<void()> plain = [&] { step_with(false); }, data_parallel = [&] { step_with(true); };
+    // --graph: the plain step, captured after its eager steps and replayed from then on.
+    std::optional<optim::CapturedStep> captured;
+    if (graph)
+      captured.emplace(dev, std::vector<optim::Optimizer*>{&opt}, [&] { return step_with(false); }, kEagerFirst);
+    std::function<void()> replayed = [&] { captured->run(); };
     std::function<void()> fully_sharded = [&] {
       sharded_opt->zero_grad();
       Tensor loss;
@@ -182,11 +197,14 @@ int main(int argc, char** argv) {
       if (ddp) data_parallel();
       if (fsdp) fully_sharded();
       if (pipeline) pipelined();
+      if (graph) replayed();
     }
     synchronize(dev);
     memory::reset_peak(dev);
-    std::vector<double> plain_ms, ddp_ms, fsdp_ms, pipeline_ms;
-    if (pipeline) {
+    std::vector<double> plain_ms, ddp_ms, fsdp_ms, pipeline_ms, graph_ms;
+    if (graph) {
+      std::tie(plain_ms, graph_ms) = samples::alternating_steps(plain, replayed, 6, std::max<int64_t>(1, steps / 6), dev);
+    } else if (pipeline) {
       std::tie(plain_ms, pipeline_ms) =
           samples::alternating_steps(plain, pipelined, 6, std::max<int64_t>(1, steps / 6), dev);
     } else if (fsdp) {
@@ -319,6 +337,11 @@ int main(int argc, char** argv) {
       }
       std::printf("phases (median ms): forward+loss %.2f, backward %.2f, optimizer %.2f\n", median(fwd), median(bwd),
                   median(opt_ms));
+    }
+    if (graph) {
+      const double graph_step = report(graph_ms, "graph");
+      std::printf("the step captured as one CUDA graph over eager: %+.2f%% per step (medians %.2f vs %.2f ms)\n",
+                  100.0 * (graph_step / plain_step - 1.0), graph_step, plain_step);
     }
     if (pipeline) {
       const double pipeline_step = report(pipeline_ms, "pipeline");

@@ -1,12 +1,14 @@
 // Whole-step CUDA graphs (engine/cuda_graph.h, layers/optim/captured_step.h) on cuda:0: a
 // captured training step gives the eager step's losses and weights bit for bit over 20 steps
-// (SimpleCNN and ResNet-18, f32 and bf16 autocast, SGD; SimpleCNN with AdamW), with a new
+// (SimpleCNN and ResNet-18, f32 and bf16 autocast, SGD; SimpleCNN with AdamW; a small GPT in
+// bf16 with AdamW's two parameter groups), with a new
 // batch copied in and the learning rate changed before every step; the graph's memory is its own pool, handed back
 // when it goes; and what a capture cannot hold (a read on the host, a random op) is refused
 // with an error that names it.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,8 +35,30 @@ struct Trained {
   bool captured = false;
 };
 
-// 20 SGD steps (momentum, weight decay) over 4 batches in turn, lr falling each step; the
-// batches are copied into static tensors before each step, as a data loader's would be.
+// 20 steps over 4 batches in turn, lr falling each step; each batch is copied into the static
+// x and y before its step, as a data loader's would be. `step` is the whole training step.
+Trained run_steps(nn::Module& model, optim::Optimizer& opt, double lr, const std::function<Tensor()>& step,
+                  const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets, Tensor& x, Tensor& y,
+                  bool capture) {
+  std::optional<optim::CapturedStep> captured;
+  if (capture) captured.emplace(kGpu, std::vector<optim::Optimizer*>{&opt}, step);
+  Trained out;
+  for (int s = 0; s < 20; ++s) {
+    {
+      NoGradGuard no_grad;
+      copy_(x, inputs[size_t(s % 4)]);
+      copy_(y, targets[size_t(s % 4)]);
+    }
+    opt.set_lr(lr * (1.0 - s / 40.0));
+    Tensor loss = captured ? captured->run() : step();
+    out.losses.push_back(float(loss.to(Device::cpu()).item()));
+  }
+  out.captured = captured && captured->captured();
+  for (const Tensor& p : model.parameters()) out.weights.push_back(p.to(Device::cpu()).to_vector<float>());
+  return out;
+}
+
+// A CNN trained by SGD (momentum, weight decay) or AdamW.
 Trained train(const std::string& model_name, std::optional<DType> autocast, bool capture, bool adamw) {
   manual_seed(7);
   std::shared_ptr<nn::Module> model;
@@ -66,22 +90,48 @@ Trained train(const std::string& model_name, std::optional<DType> autocast, bool
     opt.step();
     return loss;
   };
-  std::optional<optim::CapturedStep> captured;
-  if (capture) captured.emplace(kGpu, std::vector<optim::Optimizer*>{&opt}, step);
-  Trained out;
-  for (int s = 0; s < 20; ++s) {
-    {
-      NoGradGuard no_grad;
-      copy_(x, images[size_t(s % 4)]);
-      copy_(y, labels[size_t(s % 4)]);
+  return run_steps(*model, opt, adamw ? 1e-3 : 0.05, step, images, labels, x, y, capture);
+}
+
+// A small GPT (2 blocks of width 64, heads of 32: the tensor-core attention in bf16) trained
+// as bench_gpt trains GPT-2: bf16 autocast, AdamW with weight decay on the matrices only. The
+// embeddings' gradients are summed with atomics; every batch's token ids are distinct and a
+// position recurs only once (two rows), so no address gets more than two adds and the sums
+// repeat from run to run.
+Trained train_gpt(bool capture) {
+  manual_seed(11);
+  nn::GPTConfig config;
+  config.vocab_size = 128, config.context = 32, config.layers = 2, config.heads = 2, config.width = 64;
+  auto model = std::make_shared<nn::GPT>(config);
+  model->to(kGpu);
+  model->train();
+  std::vector<Tensor> ids, targets;
+  for (int64_t i = 0; i < 4; ++i) {
+    std::vector<int64_t> a, b;
+    for (int64_t k = 0; k < 64; ++k) {
+      a.push_back((k * 37 + i * 11) % 128);  // 37 is prime to 128: 64 distinct ids
+      b.push_back((k * 5 + i) % 128);
     }
-    opt.set_lr((adamw ? 1e-3 : 0.05) * (1.0 - s / 40.0));
-    Tensor loss = captured ? captured->run() : step();
-    out.losses.push_back(float(loss.to(Device::cpu()).item()));
+    ids.push_back(from_vector(a, {2, 32}, kGpu));
+    targets.push_back(from_vector(b, {2, 32}, kGpu));
   }
-  out.captured = captured && captured->captured();
-  for (const Tensor& p : model->parameters()) out.weights.push_back(p.to(Device::cpu()).to_vector<float>());
-  return out;
+  Tensor x = empty_like(ids[0]), y = empty_like(targets[0]);
+  TensorList decay, no_decay;
+  for (const Tensor& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  optim::AdamW opt(decay, {.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1});
+  opt.add_param_group(no_decay, {.lr = 6e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.0});
+  auto step = [&] {
+    opt.zero_grad();
+    Tensor loss;
+    {
+      AutocastGuard cast(DType::bf16);
+      loss = model->loss(x, y);
+    }
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  return run_steps(*model, opt, 6e-4, step, ids, targets, x, y, capture);
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -90,16 +140,16 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 
 // Under Options::deterministic (convolutions on cuDNN engines whose results repeat): two
 // eager runs agree bit for bit first, so the comparison with the captured run means something.
-void expect_equal_runs(const std::string& model, std::optional<DType> autocast, bool adamw = false) {
+void expect_equal_runs(const std::string& model, const std::function<Trained(bool capture)>& train_with) {
   Options o = options();
   o.deterministic = true;
   OptionsGuard guard(o);
-  const Trained eager = train(model, autocast, false, adamw);
-  const Trained again = train(model, autocast, false, adamw);
+  const Trained eager = train_with(false);
+  const Trained again = train_with(false);
   for (size_t s = 0; s < eager.losses.size(); ++s)
     ASSERT_TRUE(same_bits({eager.losses[s]}, {again.losses[s]}))
         << model << " step " << s << ": two eager runs differ (" << eager.losses[s] << ", " << again.losses[s] << ")";
-  const Trained graph = train(model, autocast, true, adamw);
+  const Trained graph = train_with(true);
   ASSERT_TRUE(graph.captured) << model << ": the step was not captured";
   for (size_t s = 0; s < eager.losses.size(); ++s)
     EXPECT_TRUE(same_bits({eager.losses[s]}, {graph.losses[s]}))
@@ -107,6 +157,10 @@ void expect_equal_runs(const std::string& model, std::optional<DType> autocast, 
   ASSERT_EQ(eager.weights.size(), graph.weights.size());
   for (size_t i = 0; i < eager.weights.size(); ++i)
     EXPECT_TRUE(same_bits(eager.weights[i], graph.weights[i])) << model << ": parameter " << i << " differs";
+}
+
+void expect_equal_runs(const std::string& model, std::optional<DType> autocast, bool adamw = false) {
+  expect_equal_runs(model, [&](bool capture) { return train(model, autocast, capture, adamw); });
 }
 
 TEST(CapturedStepCuda, SimpleCnnF32EqualsEagerBitForBit) {
@@ -134,6 +188,11 @@ TEST(CapturedStepCuda, ResNet18F32EqualsEagerBitForBit) {
 TEST(CapturedStepCuda, ResNet18Bf16EqualsEagerBitForBit) {
   LOOM_REQUIRE_CUDA();
   expect_equal_runs("resnet18", DType::bf16);
+}
+
+TEST(CapturedStepCuda, GptBf16AdamWEqualsEagerBitForBit) {
+  LOOM_REQUIRE_CUDA();
+  expect_equal_runs("gpt", train_gpt);
 }
 
 // A graph's pool: what the capture allocates stays the graph's (a new tensor outside never
