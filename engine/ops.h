@@ -103,6 +103,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 // In-place updates (no autograd): a += b, a *= s, a = a * s + b * t ...
 void add_(const Tensor& a, const Tensor& b, double alpha = 1);  // a += alpha * b
 void mul_(const Tensor& a, double s);
+void mul_(const Tensor& a, const Tensor& b);  // a *= b, b broadcast to a's shape and cast to its dtype
 
 // ---- reductions (ops/reduce.cpp) -----------------------------------------------
 // Over `dims` (all dims when empty); keepdim keeps them as size 1.

@@ -5,7 +5,6 @@
 #include "parallel/fsdp.h"
 
 #include <algorithm>
-#include <cmath>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -693,9 +692,9 @@ double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
   const TensorList shards = parameters();
   Tensor total = optim::grad_squared_sum(shards, device);
   group_->all_reduce(total, ReduceOp::sum)->wait();
-  const double norm = std::sqrt(total.item());
+  const Tensor norm = sqrt(total);
   optim::scale_grads_to_norm(shards, norm, max_norm);
-  return norm;
+  return norm.item();
 }
 
 nn::NamedTensors FullyShardedDataParallel::full_state_dict() {

@@ -3,7 +3,6 @@
 #include "parallel/pipeline.h"
 
 #include <algorithm>
-#include <cmath>
 #include <map>
 #include <sstream>
 
@@ -218,9 +217,9 @@ double Pipeline::clip_grad_norm(double max_norm) {
   Tensor total = optim::grad_squared_sum(counted, options_.device);
   group_->all_reduce(total)->wait();
   if (shard_group && shard_group->size() > 1) shard_group->all_reduce(total)->wait();
-  const double norm = std::sqrt(total.item());
+  const Tensor norm = sqrt(total);
   optim::scale_grads_to_norm(params, norm, max_norm);
-  return norm;
+  return norm.item();
 }
 
 // ---- shapes ------------------------------------------------------------------------------

@@ -300,7 +300,7 @@ int run(int argc, char** argv) {
   flags.add_switch("quiet", &o.quiet, "print only the per-epoch summaries");
   flags.add_switch("graph", &o.graph,
                    "on one GPU, capture the training step as one CUDA graph after 2 eager steps and replay it "
-                   "(not under DDP or FSDP, nor with --clip or --trace; a smaller last batch runs eagerly)");
+                   "(not under DDP or FSDP, nor with --trace; a smaller last batch runs eagerly)");
   flags.add_switch("allow-nonfinite", &o.allow_nonfinite,
                    "train on even when the initial weights or the loss hold NaN or infinity (default: stop, naming "
                    "the parameter or the step)");
@@ -560,14 +560,15 @@ int run(int argc, char** argv) {
       loss.backward();
     }
     dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
-    if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
+    if (o.clip > 0 && fsdp) fsdp->clip_grad_norm_(o.clip);
+    else if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
     opt->step();
     return loss;
   };
   // The step as one CUDA graph (layers/optim/captured_step.h) where its shapes are static and
-  // everything in it can be captured: one GPU, one process, no clipping, no trace. Batches
-  // of the full size are copied into its static tensors; a smaller last batch runs eagerly.
-  const bool graphed = o.graph && device.is_cuda() && !ctx.active && o.clip == 0 && o.trace.empty();
+  // everything in it can be captured: one GPU, one process, no trace. Batches of the full
+  // size are copied into its static tensors; a smaller last batch runs eagerly.
+  const bool graphed = o.graph && device.is_cuda() && !ctx.active && o.trace.empty();
   Tensor static_inputs, static_targets;
   std::optional<optim::CapturedStep> captured;
   if (graphed)

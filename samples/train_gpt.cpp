@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -25,6 +26,7 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/layers.h"
+#include "layers/optim/captured_step.h"
 #include "parallel/ddp.h"
 #include "parallel/device_mesh.h"
 #include "parallel/fsdp.h"
@@ -191,6 +193,9 @@ int run(int argc, char** argv) {
   flags.add("clip", &o.clip, "clip the gradients' global norm (0: no clipping)", 0);
   flags.add("precision", &o.precision, "f32, or bf16 autocast (f32 master weights); auto: bf16 on a GPU",
             {"auto", "f32", "bf16"});
+  flags.add_switch("graph", &o.graph,
+                   "on one GPU, capture the training step as one CUDA graph after 2 eager steps and replay it "
+                   "(not under DDP, FSDP or --pp, nor with --trace; a smaller last batch runs eagerly)");
   flags.add_switch("recompute", &o.recompute,
                    "recompute each block's activations in backward: less memory, about a third more compute");
   flags.add("device", &o.device, "cpu, cuda or cuda:N (auto: the first GPU, else the CPU)", {}, "DEVICE");
@@ -468,8 +473,8 @@ int run(int argc, char** argv) {
   }
   // Under FSDP the model computes only inside fsdp->call (its parameters are gathered there,
   // in training and validation alike) and the optimizer steps this rank's shards.
-  auto model_loss = [&](const data::Batch& b) {
-    auto loss = [&] { return model->loss(b.inputs, b.targets); };
+  auto model_loss = [&](const Tensor& inputs, const Tensor& targets) {
+    auto loss = [&] { return model->loss(inputs, targets); };
     return fsdp ? fsdp->call(loss) : ddp ? ddp->call(loss) : loss();
   };
   optim::AdamW opt(fsdp ? fsdp->parameters() : model->parameters(),
@@ -492,6 +497,35 @@ int run(int argc, char** argv) {
                 device.str().c_str(), ctx.active ? (", " + std::to_string(ctx.size) + " ranks").c_str() : "");
   if (main_rank) std::printf("%s\n", plan.table().c_str());
 
+  auto train_step = [&](const Tensor& inputs, const Tensor& targets) {
+    opt.zero_grad();
+    Tensor loss;
+    {
+      dist::trace::Span forward_span("forward", dist::trace::Category::forward);
+      AutocastGuard cast(autocast);
+      loss = model_loss(inputs, targets);
+    }
+    {
+      dist::trace::Span backward_span("backward", dist::trace::Category::backward);
+      loss.backward();
+    }
+    dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
+    if (o.clip > 0 && fsdp) fsdp->clip_grad_norm_(o.clip);
+    else if (o.clip > 0) optim::clip_grad_norm_(model->parameters(), o.clip);
+    opt.step();
+    return loss;
+  };
+  // The step as one CUDA graph (layers/optim/captured_step.h) where its shapes are static and
+  // everything in it can be captured: one GPU, one process, no trace. Batches of the full
+  // size are copied into its static tensors; a smaller last batch runs eagerly.
+  const bool graphed = o.graph && device.is_cuda() && !ctx.active && o.trace.empty();
+  Tensor static_inputs, static_targets;
+  std::optional<optim::CapturedStep> captured;
+  if (graphed)
+    captured.emplace(device, std::vector<optim::Optimizer*>{&opt},
+                     [&] { return train_step(static_inputs, static_targets); });
+  if (main_rank && graphed) std::printf("  the step is captured as one CUDA graph (--no-graph: eager)\n");
+
   EpochLog log(o, main_rank);
   samples::start_step_trace(o.trace, ctx, device);
   memory::reset_peak(device);
@@ -505,25 +539,27 @@ int run(int argc, char** argv) {
     data::Epoch batches = train_loader.epoch(epoch, batch);
     for (data::Batch& b : batches) {
       dist::trace::Span step_span("step", dist::trace::Category::step);
-      opt.zero_grad();
       Tensor loss;
-      {
-        dist::trace::Span forward_span("forward", dist::trace::Category::forward);
-        AutocastGuard cast(autocast);
-        loss = model_loss(b);
+      if (captured && b.inputs.size(0) == o.batch_size) {
+        if (!static_inputs.defined()) {
+          static_inputs = empty_like(b.inputs);
+          static_targets = empty_like(b.targets);
+        }
+        {
+          NoGradGuard no_grad;
+          copy_(static_inputs, b.inputs);
+          copy_(static_targets, b.targets);
+        }
+        loss = captured->run();
+      } else {
+        loss = train_step(b.inputs, b.targets);
       }
-      {
-        dist::trace::Span backward_span("backward", dist::trace::Category::backward);
-        loss.backward();
-      }
-      dist::trace::Span optimizer_span("optimizer", dist::trace::Category::optimizer);
-      if (o.clip > 0) fsdp ? fsdp->clip_grad_norm_(o.clip) : optim::clip_grad_norm_(model->parameters(), o.clip);
-      opt.step();
-      optimizer_span.end();
       sched.step();
       ++step, ++batch, ++steps;
+      // A captured step's loss is the graph's, rewritten by the next replay: the sum starts
+      // from a copy.
       Tensor l = loss.detach();
-      loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
+      loss_sum = loss_sum.defined() ? add(loss_sum, l) : l.clone();
       // Reading the loss waits for the GPU: it is checked where the progress line reads it
       // (on the CPU, every step).
       if (!o.allow_nonfinite && (!device.is_cuda() || batch % 10 == 0 || batch == steps_per_epoch))

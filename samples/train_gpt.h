@@ -28,7 +28,7 @@ struct Options {
   int64_t epochs = 0, batch_size = 16, context = 128, seed = 0, workers = 2, max_steps = 0, gpus = 0;
   int64_t generate = 300, top_k = 40, timeout_s = 600, scaling = 0;
   double lr = 1e-3, weight_decay = 0.1, clip = 1.0, temperature = 0.8;
-  bool recompute = false, allow_nonfinite = false, fsdp = false;
+  bool recompute = false, allow_nonfinite = false, fsdp = false, graph = true;
 };
 
 // Samples `count` bytes after `prompt` (temperature, top-k) with the model on `device`.

@@ -225,6 +225,24 @@ void add_(const Tensor& a, const Tensor& b, double alpha) {
   copy_(a, add(a, rhs));
 }
 
+void mul_(const Tensor& a, const Tensor& b) {
+  LOOM_CHECK(!(grad_enabled() && a.requires_grad()),
+             "mul_ on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
+  ops::check_same_device(a, b, "mul_");
+  LOOM_CHECK(broadcast_shapes(a.shape(), b.shape()) == a.shape(), "mul_: b of shape ", shape_str(b.shape()),
+             " does not broadcast to a's shape ", shape_str(a.shape()));
+  a.bump_version();
+  NoGradGuard no_grad;
+  Tensor rhs = b.dtype() == a.dtype() ? b : b.to(a.dtype());
+  if (a.is_contiguous()) {
+    if (a.numel() > 0)
+      kernels(a.device()).binary(BinaryOp::mul, strided(a), strided(a), ops::broadcast_strided(rhs, a.shape()),
+                                 ops::stream(a));
+    return;
+  }
+  copy_(a, mul(a, rhs));
+}
+
 void mul_(const Tensor& a, double s) {
   LOOM_CHECK(!(grad_enabled() && a.requires_grad()),
              "mul_ on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");

@@ -1,8 +1,11 @@
 // clip_grad_norm_: one sum of squares per gradient (a tensor op on its device), summed on
-// the first gradient's device, one read of the total, then an in-place scale if needed.
+// the first gradient's device, then every gradient multiplied in place by the clamped scale
+// factor, a tensor on that device (copied once to any other device a gradient is on).
 #include "layers/optim/clip.h"
 
-#include <cmath>
+#include <algorithm>
+#include <tuple>
+#include <vector>
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
@@ -21,15 +24,27 @@ Tensor grad_squared_sum(const TensorList& params, Device device) {
   return squares.empty() ? zeros({1}, DType::f64, device) : sum(stack(squares, 0)).reshape({1});
 }
 
-void scale_grads_to_norm(const TensorList& params, double norm, double max_norm) {
+void scale_grads_to_norm(const TensorList& params, const Tensor& norm, double max_norm) {
   NoGradGuard no_grad;
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef >= 1) return;
-  for (const Tensor& p : params)
-    if (p.grad().defined()) mul_(p.grad(), coef);
+  LOOM_CHECK(norm.defined() && norm.numel() == 1 && norm.dtype() == DType::f64,
+             "scale_grads_to_norm: the norm must be a one-element f64 tensor");
+  // min(1, max_norm / (norm + 1e-6)) in f64; a NaN norm gives NaN, as torch's does.
+  const Tensor coef = minimum(rdiv(add(norm, 1e-6), max_norm), ones({1}, DType::f64, norm.device()));
+  // The factor as each gradient's device and dtype hold it (rounded to the gradient's dtype,
+  // as torch's clip_coef.to(g.dtype) is), made once per pair.
+  std::vector<std::tuple<Device, DType, Tensor>> coef_as;
+  for (const Tensor& p : params) {
+    const Tensor& g = p.grad();
+    if (!g.defined() || g.numel() == 0) continue;
+    auto it = std::find_if(coef_as.begin(), coef_as.end(), [&](const auto& c) {
+      return std::get<0>(c) == g.device() && std::get<1>(c) == g.dtype();
+    });
+    if (it == coef_as.end()) it = coef_as.insert(coef_as.end(), {g.device(), g.dtype(), coef.to(g.dtype()).to(g.device())});
+    mul_(g, std::get<2>(*it));
+  }
 }
 
-double clip_grad_norm_(const TensorList& params, double max_norm) {
+Tensor clip_grad_norm_(const TensorList& params, double max_norm) {
   LOOM_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must not be negative, got ", max_norm);
   Device home = Device::cpu();
   for (const Tensor& p : params)
@@ -37,9 +52,9 @@ double clip_grad_norm_(const TensorList& params, double max_norm) {
       home = p.grad().device();
       break;
     }
-  const double total = std::sqrt(grad_squared_sum(params, home).item());
-  scale_grads_to_norm(params, total, max_norm);
-  return total;
+  Tensor norm = sqrt(grad_squared_sum(params, home));
+  scale_grads_to_norm(params, norm, max_norm);
+  return norm;
 }
 
 }  // namespace loom::optim

@@ -1,7 +1,7 @@
 // Whole-step CUDA graphs (engine/cuda_graph.h, layers/optim/captured_step.h) on cuda:0: a
 // captured training step gives the eager step's losses and weights bit for bit over 20 steps
 // (SimpleCNN and ResNet-18, f32 and bf16 autocast, SGD; SimpleCNN with AdamW; a small GPT in
-// bf16 with AdamW's two parameter groups), with a new
+// bf16 with clipping and AdamW's two parameter groups), with a new
 // batch copied in and the learning rate changed before every step; the graph's memory is its own pool, handed back
 // when it goes; and what a capture cannot hold (a read on the host, a random op) is refused
 // with an error that names it.
@@ -94,7 +94,8 @@ Trained train(const std::string& model_name, std::optional<DType> autocast, bool
 }
 
 // A small GPT (2 blocks of width 64, heads of 32: the tensor-core attention in bf16) trained
-// as bench_gpt trains GPT-2: bf16 autocast, AdamW with weight decay on the matrices only. The
+// as train_gpt trains it: bf16 autocast, gradients clipped to norm 1 (on the device, nothing
+// read on the host), AdamW with weight decay on the matrices only. The
 // embeddings' gradients are summed with atomics; every batch's token ids are distinct and a
 // position recurs only once (two rows), so no address gets more than two adds and the sums
 // repeat from run to run.
@@ -128,6 +129,7 @@ Trained train_gpt(bool capture) {
       loss = model->loss(x, y);
     }
     loss.backward();
+    optim::clip_grad_norm_(model->parameters(), 1.0);
     opt.step();
     return loss;
   };

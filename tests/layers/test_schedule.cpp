@@ -92,16 +92,44 @@ TEST(OptimClipGradNorm, ScalesOnlyAboveMaxNorm) {
   a.set_grad(from_vector(std::vector<float>{3, 4}, {2}));
   b.set_grad(from_vector(std::vector<float>{12}, {1}));
   // c has no gradient: skipped.  Total norm sqrt(9 + 16 + 144) = 13.
-  EXPECT_NEAR(clip_grad_norm_({a, b, c}, 100.0), 13.0, 1e-6);
+  const Tensor norm = clip_grad_norm_({a, b, c}, 100.0);
+  EXPECT_EQ(norm.dtype(), DType::f64);
+  EXPECT_EQ(norm.numel(), 1);
+  EXPECT_NEAR(norm.item(), 13.0, 1e-6);
   EXPECT_EQ(a.grad().to_vector<float>(), (std::vector<float>{3, 4}));
-  EXPECT_NEAR(clip_grad_norm_({a, b, c}, 6.5), 13.0, 1e-6);
-  const double coef = 6.5 / (13.0 + 1e-6);
-  std::vector<float> ga = a.grad().to_vector<float>(), gb = b.grad().to_vector<float>();
-  EXPECT_NEAR(ga[0], 3 * coef, 1e-6);
-  EXPECT_NEAR(ga[1], 4 * coef, 1e-6);
-  EXPECT_NEAR(gb[0], 12 * coef, 1e-6);
-  EXPECT_NEAR(clip_grad_norm_({a, b}, 100.0), 6.5, 1e-5);
-  EXPECT_EQ(clip_grad_norm_({c}, 1.0), 0.0);
+  EXPECT_NEAR(clip_grad_norm_({a, b, c}, 6.5).item(), 13.0, 1e-6);
+  // The factor is computed in f64 and rounded to f32 once, as a scalar multiply rounds it.
+  const float coef = float(6.5 / (13.0 + 1e-6));
+  EXPECT_EQ(a.grad().to_vector<float>(), (std::vector<float>{3 * coef, 4 * coef}));
+  EXPECT_EQ(b.grad().to_vector<float>(), (std::vector<float>{12 * coef}));
+  EXPECT_NEAR(clip_grad_norm_({a, b}, 100.0).item(), 6.5, 1e-5);
+  EXPECT_EQ(clip_grad_norm_({c}, 1.0).item(), 0.0);
+}
+
+// bf16 and f64 gradients: each multiplied in its own dtype, by the factor rounded to it.
+TEST(OptimClipGradNorm, EachGradientIsScaledInItsOwnDtype) {
+  Tensor h = zeros({2}, DType::bf16).set_requires_grad(), d = zeros({2}, DType::f64).set_requires_grad();
+  h.set_grad(from_vector(std::vector<float>{3, 4}, {2}).to(DType::bf16));
+  d.set_grad(from_vector(std::vector<double>{12, 0}, {2}));
+  EXPECT_NEAR(clip_grad_norm_({h, d}, 1.0).item(), 13.0, 1e-6);
+  const double coef = 1.0 / (13.0 + 1e-6);
+  const Tensor coef_bf16 = from_vector(std::vector<double>{coef}, {1}).to(DType::bf16);
+  const std::vector<float> want = mul(from_vector(std::vector<float>{3, 4}, {2}).to(DType::bf16), coef_bf16)
+                                      .to(DType::f32)
+                                      .to_vector<float>();
+  EXPECT_EQ(h.grad().dtype(), DType::bf16);
+  EXPECT_EQ(h.grad().to(DType::f32).to_vector<float>(), want);
+  EXPECT_EQ(d.grad().to_vector<double>(), (std::vector<double>{12 * coef, 0}));
+}
+
+// A NaN norm (an overflowed gradient) makes every gradient NaN, as torch's clipping does,
+// so the step that follows shows it instead of hiding it.
+TEST(OptimClipGradNorm, ANanNormSpreadsToEveryGradient) {
+  Tensor a = zeros({2}).set_requires_grad(), b = zeros({1}).set_requires_grad();
+  a.set_grad(from_vector(std::vector<float>{NAN, 1}, {2}));
+  b.set_grad(from_vector(std::vector<float>{2}, {1}));
+  EXPECT_TRUE(std::isnan(clip_grad_norm_({a, b}, 1.0).item()));
+  EXPECT_TRUE(std::isnan(b.grad().to_vector<float>()[0]));
 }
 
 }  // namespace

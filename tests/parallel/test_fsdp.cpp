@@ -233,7 +233,7 @@ void train_reference(Model kind, const std::string& path, int steps, const std::
     Tensor loss = loss_of(*model, kind, global_batch(kind, step));
     loss.backward();
     losses.push_back(float(loss.item()));
-    norms.push_back(float(optim::clip_grad_norm_(model->parameters(), kMaxNorm)));
+    norms.push_back(float(optim::clip_grad_norm_(model->parameters(), kMaxNorm).item()));
     opt.step();
   }
   nn::NamedTensors out = model->state_dict();
@@ -814,7 +814,7 @@ void train_mixed_reference(const std::string& path, int steps) {
     losses.push_back(float(loss.item()));
     NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) master_list[i].set_grad(params[i].grad().to(DType::f32));
-    norms.push_back(float(optim::clip_grad_norm_(master_list, kMaxNorm)));
+    norms.push_back(float(optim::clip_grad_norm_(master_list, kMaxNorm).item()));
     opt.step();
     for (size_t i = 0; i < params.size(); ++i) copy_(params[i], master_list[i]);
   }

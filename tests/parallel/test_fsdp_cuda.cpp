@@ -108,7 +108,7 @@ Trained train_plain() {
     Tensor loss = model->loss(b.ids, b.targets);
     loss.backward();
     out.losses.push_back(loss.item());
-    out.norms.push_back(optim::clip_grad_norm_(model->parameters(), kMaxNorm));
+    out.norms.push_back(optim::clip_grad_norm_(model->parameters(), kMaxNorm).item());
     opt.step();
   }
   for (const auto& [name, t] : model->state_dict()) out.weights.emplace(name, t.detach().clone());
@@ -139,7 +139,7 @@ Trained train_mixed_plain() {
     out.losses.push_back(loss.to(DType::f32).item());
     NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) master_list[i].set_grad(params[i].grad().to(DType::f32));
-    out.norms.push_back(optim::clip_grad_norm_(master_list, kMaxNorm));
+    out.norms.push_back(optim::clip_grad_norm_(master_list, kMaxNorm).item());
     opt.step();
     for (size_t i = 0; i < params.size(); ++i) copy_(params[i], master_list[i]);
   }

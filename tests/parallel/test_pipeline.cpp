@@ -71,7 +71,7 @@ Reference train_alone(int64_t rows, double clip = 0) {
     opt.zero_grad();
     Tensor loss = gpt.loss(ids, targets);
     loss.backward();
-    if (clip > 0) ref.norms.push_back(optim::clip_grad_norm_(gpt.parameters(), clip));
+    if (clip > 0) ref.norms.push_back(optim::clip_grad_norm_(gpt.parameters(), clip).item());
     opt.step();
     ref.losses.push_back(loss.item());
   }
