@@ -515,15 +515,12 @@ int run(int argc, char** argv) {
     opt.step();
     return loss;
   };
-  // The step as one CUDA graph (layers/optim/captured_step.h) where its shapes are static and
-  // everything in it can be captured: one GPU, one process, no trace. Batches of the full
-  // size are copied into its static tensors; a smaller last batch runs eagerly.
+  // The step as one CUDA graph (layers/optim/captured_step.h) where everything in it can be
+  // captured: one GPU, one process, no trace. Full batches are copied into the graph's
+  // static tensors; a smaller last batch runs eagerly.
   const bool graphed = o.graph && device.is_cuda() && !ctx.active && o.trace.empty();
-  Tensor static_inputs, static_targets;
-  std::optional<optim::CapturedStep> captured;
-  if (graphed)
-    captured.emplace(device, std::vector<optim::Optimizer*>{&opt},
-                     [&] { return train_step(static_inputs, static_targets); });
+  std::optional<optim::CapturedBatchStep> captured;
+  if (graphed) captured.emplace(device, std::vector<optim::Optimizer*>{&opt}, train_step);
   if (main_rank && graphed) std::printf("  the step is captured as one CUDA graph (--no-graph: eager)\n");
 
   EpochLog log(o, main_rank);
@@ -539,21 +536,7 @@ int run(int argc, char** argv) {
     data::Epoch batches = train_loader.epoch(epoch, batch);
     for (data::Batch& b : batches) {
       dist::trace::Span step_span("step", dist::trace::Category::step);
-      Tensor loss;
-      if (captured && b.inputs.size(0) == o.batch_size) {
-        if (!static_inputs.defined()) {
-          static_inputs = empty_like(b.inputs);
-          static_targets = empty_like(b.targets);
-        }
-        {
-          NoGradGuard no_grad;
-          copy_(static_inputs, b.inputs);
-          copy_(static_targets, b.targets);
-        }
-        loss = captured->run();
-      } else {
-        loss = train_step(b.inputs, b.targets);
-      }
+      Tensor loss = captured ? captured->run(b.inputs, b.targets) : train_step(b.inputs, b.targets);
       sched.step();
       ++step, ++batch, ++steps;
       // A captured step's loss is the graph's, rewritten by the next replay: the sum starts

@@ -30,6 +30,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "engine/cuda_graph.h"
@@ -56,6 +57,43 @@ class CapturedStep {
   int warmup_left_;
   std::unique_ptr<CudaGraph> graph_;
   Tensor loss_;
+};
+
+// A training loop's step over (inputs, targets) batches, captured as above: the step is
+// written for any batch,
+//
+//   optim::CapturedBatchStep step(device, {&opt}, [&](const Tensor& x, const Tensor& y) {
+//     opt.zero_grad(); ... return loss; });
+//   for (batch : data) loss = step.run(batch.inputs, batch.targets);
+//
+// and the graph is made for the shapes of the batches it warms up on: a batch of those shapes
+// and dtypes is copied into the graph's static tensors and the graph replayed; a batch of any
+// other shape (an epoch's last, smaller one) runs the step eagerly on its own tensors, so a
+// changed shape never replays a graph made for another. Before the capture, a batch of new
+// shapes starts the warm-up again on them (a run resumed at an epoch's short last batch then
+// captures on the next full one). On the CPU every call runs the step eagerly on the batch
+// given.
+class CapturedBatchStep {
+ public:
+  using Step = std::function<Tensor(const Tensor& inputs, const Tensor& targets)>;
+  CapturedBatchStep(Device device, std::vector<Optimizer*> optimizers, Step step, int warmup = 2);
+  CapturedBatchStep(const CapturedBatchStep&) = delete;  // its graph's step refers to this object
+  CapturedBatchStep& operator=(const CapturedBatchStep&) = delete;
+
+  // One step on this batch; returns its loss (for a replay, the graph's tensor, which the next
+  // replay overwrites: read or copy it before then).
+  Tensor run(const Tensor& inputs, const Tensor& targets);
+  bool captured() const { return captured_ && captured_->captured(); }
+
+ private:
+  bool fits(const Tensor& inputs, const Tensor& targets) const;
+
+  Device device_;
+  std::vector<Optimizer*> optimizers_;
+  Step step_;
+  int warmup_;
+  Tensor inputs_, targets_;  // the graph's static batch
+  std::optional<CapturedStep> captured_;
 };
 
 }  // namespace loom::optim

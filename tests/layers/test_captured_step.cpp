@@ -25,6 +25,25 @@ TEST(CapturedStep, OnTheCpuEveryCallRunsTheStep) {
   EXPECT_EQ(step.pool_bytes(), size_t(0));
 }
 
+// On the CPU a batch step runs the step on each batch as given, whatever its shape.
+TEST(CapturedStep, OnTheCpuABatchStepRunsTheStepOnEachBatch) {
+  std::vector<int64_t> rows;
+  optim::CapturedBatchStep step(Device::cpu(), {}, [&](const Tensor& x, const Tensor& y) {
+    rows.push_back(x.size(0));
+    return add(sum(x), sum(y));
+  });
+  EXPECT_EQ(step.run(full({4, 2}, 1.0), full({4}, 2.0)).item(), 16.0);
+  EXPECT_EQ(step.run(full({3, 2}, 1.0), full({3}, 2.0)).item(), 12.0);
+  EXPECT_EQ(rows, (std::vector<int64_t>{4, 3}));
+  EXPECT_FALSE(step.captured());
+  try {
+    optim::CapturedBatchStep bad(Device::cpu(), {}, [](const Tensor& x, const Tensor&) { return x; }, 0);
+    FAIL() << "a warmup of 0 was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("warmup 0"), std::string::npos) << e.what();
+  }
+}
+
 // A capturable optimizer (values on the device, ParamGroup::hyper_at) updates exactly as the
 // host-valued one, through a schedule: SGD with and without momentum, Adam and AdamW.
 template <class Make>

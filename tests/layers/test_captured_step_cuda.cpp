@@ -1,7 +1,8 @@
 // Whole-step CUDA graphs (engine/cuda_graph.h, layers/optim/captured_step.h) on cuda:0: a
 // captured training step gives the eager step's losses and weights bit for bit over 20 steps
 // (SimpleCNN and ResNet-18, f32 and bf16 autocast, SGD; SimpleCNN with AdamW; a small GPT in
-// bf16 with clipping and AdamW's two parameter groups), with a new
+// bf16 with clipping and AdamW's two parameter groups; a batch step whose short batches run
+// eagerly), with a new
 // batch copied in and the learning rate changed before every step; the graph's memory is its own pool, handed back
 // when it goes; and what a capture cannot hold (a read on the host, a random op) is refused
 // with an error that names it.
@@ -195,6 +196,56 @@ TEST(CapturedStepCuda, ResNet18Bf16EqualsEagerBitForBit) {
 TEST(CapturedStepCuda, GptBf16AdamWEqualsEagerBitForBit) {
   LOOM_REQUIRE_CUDA();
   expect_equal_runs("gpt", train_gpt);
+}
+
+// CapturedBatchStep, as train_cnn and train_gpt use it: batches of 32 with a short one of 20
+// at each epoch's end. Full batches replay the graph, the short ones run eagerly, and the
+// losses and weights are the eager run's bit for bit. A run that starts on a short batch (one
+// resumed at an epoch's end) warms up again on the full batches and captures them.
+TEST(CapturedStepCuda, ABatchStepReplaysFullBatchesAndStepsShortOnesEagerly) {
+  LOOM_REQUIRE_CUDA();
+  Options o = options();
+  o.deterministic = true;
+  OptionsGuard guard(o);
+  auto run = [](bool capture, int first) {
+    manual_seed(7);
+    auto model = std::make_shared<nn::SimpleCNN>(3, 32, 10);
+    model->to(kGpu);
+    model->train();
+    optim::SGD opt(model->parameters(), {.lr = 0.05, .momentum = 0.9});
+    auto step = [&](const Tensor& x, const Tensor& y) {
+      opt.zero_grad();
+      Tensor loss = cross_entropy(model->forward(x), y);
+      loss.backward();
+      opt.step();
+      return loss;
+    };
+    std::optional<optim::CapturedBatchStep> captured;
+    if (capture) captured.emplace(kGpu, std::vector<optim::Optimizer*>{&opt}, step);
+    Trained out;
+    for (int s = first; s < 16; ++s) {
+      const int64_t rows = s % 4 == 3 ? 20 : 32;  // every fourth batch short
+      manual_seed(100 + s);
+      Tensor x = randn({rows, 3, 32, 32}, DType::f32, kGpu);
+      Tensor y = argmax(randn({rows, 10}, DType::f32, kGpu), 1);
+      Tensor loss = captured ? captured->run(x, y) : step(x, y);
+      out.losses.push_back(float(loss.to(Device::cpu()).item()));
+    }
+    out.captured = captured && captured->captured();
+    for (const Tensor& p : model->parameters()) out.weights.push_back(p.to(Device::cpu()).to_vector<float>());
+    return out;
+  };
+  for (int first : {0, 3}) {
+    const Trained eager = run(false, first), graph = run(true, first);
+    EXPECT_TRUE(graph.captured) << "starting at batch " << first;
+    ASSERT_EQ(eager.losses.size(), graph.losses.size());
+    for (size_t s = 0; s < eager.losses.size(); ++s)
+      EXPECT_TRUE(same_bits({eager.losses[s]}, {graph.losses[s]}))
+          << "starting at batch " << first << ", step " << s << ": eager " << eager.losses[s] << ", captured "
+          << graph.losses[s];
+    for (size_t i = 0; i < eager.weights.size(); ++i)
+      EXPECT_TRUE(same_bits(eager.weights[i], graph.weights[i])) << "parameter " << i << " differs";
+  }
 }
 
 // A graph's pool: what the capture allocates stays the graph's (a new tensor outside never
