@@ -124,11 +124,11 @@ int main(int argc, char** argv) {
     // step holds once the gradients are dropped (weights, momentum, the batch) and what the
     // forward pass adds (the activations kept for backward, with the loss). The peak minus
     // both is backward's: gradients, and workspace.
-    int64_t eager_steps = 0;
+    int64_t plain_steps = 0;
     double start_mib = 0, forward_mib = 0;
     auto allocated_mib = [&] { return double(memory::stats(dev).allocated) / (1 << 20); };
     auto step = [&](const std::shared_ptr<nn::Module>& net, Marks& marks) {
-      const bool probe = eager_steps++ == 1;
+      const bool probe = net == model && plain_steps++ == 1;  // not the --ddp steps
       mark(marks);
       opt.zero_grad();
       if (probe) start_mib = allocated_mib();

@@ -566,9 +566,10 @@ int run(int argc, char** argv) {
     return loss;
   };
   // The step as one CUDA graph (layers/optim/captured_step.h) where everything in it can be
-  // captured: one GPU, one process, no trace. Full batches are copied into the graph's
+  // captured: one GPU, one process (so no DDP), no FSDP (not even on one rank: its clipping
+  // reads the norm summed over the ranks), no trace. Full batches are copied into the graph's
   // static tensors; a smaller last batch runs eagerly.
-  const bool graphed = o.graph && device.is_cuda() && !ctx.active && o.trace.empty();
+  const bool graphed = o.graph && device.is_cuda() && !ctx.active && !fsdp && o.trace.empty();
   std::optional<optim::CapturedBatchStep> captured;
   if (graphed) captured.emplace(device, std::vector<optim::Optimizer*>{opt.get()}, train_step);
   if (main_rank && graphed && !o.quiet) std::printf("  the step is captured as one CUDA graph (--no-graph: eager)\n");

@@ -516,9 +516,10 @@ int run(int argc, char** argv) {
     return loss;
   };
   // The step as one CUDA graph (layers/optim/captured_step.h) where everything in it can be
-  // captured: one GPU, one process, no trace. Full batches are copied into the graph's
-  // static tensors; a smaller last batch runs eagerly.
-  const bool graphed = o.graph && device.is_cuda() && !ctx.active && o.trace.empty();
+  // captured: one GPU, one process, neither DDP nor FSDP (whose clipping reads the norm
+  // summed over the ranks), no trace. Full batches are copied into the graph's static
+  // tensors; a smaller last batch runs eagerly.
+  const bool graphed = o.graph && device.is_cuda() && !ctx.active && !fsdp && !ddp && o.trace.empty();
   std::optional<optim::CapturedBatchStep> captured;
   if (graphed) captured.emplace(device, std::vector<optim::Optimizer*>{&opt}, train_step);
   if (main_rank && graphed) std::printf("  the step is captured as one CUDA graph (--no-graph: eager)\n");

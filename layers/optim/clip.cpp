@@ -28,19 +28,25 @@ void scale_grads_to_norm(const TensorList& params, const Tensor& norm, double ma
   NoGradGuard no_grad;
   LOOM_CHECK(norm.defined() && norm.numel() == 1 && norm.dtype() == DType::f64,
              "scale_grads_to_norm: the norm must be a one-element f64 tensor");
-  // min(1, max_norm / (norm + 1e-6)) in f64; a NaN norm gives NaN, as torch's does.
-  const Tensor coef = minimum(rdiv(add(norm, 1e-6), max_norm), ones({1}, DType::f64, norm.device()));
-  // The factor as each gradient's device and dtype hold it (rounded to the gradient's dtype,
-  // as torch's clip_coef.to(g.dtype) is), made once per pair.
+  // min(1, max_norm / (norm + 1e-6)) in f64, 0-dim so that it broadcasts to any gradient (a
+  // scalar parameter's too); a NaN norm gives NaN, as torch's does.
+  const Tensor coef =
+      minimum(rdiv(add(norm.reshape({}), 1e-6), max_norm), ones({}, DType::f64, norm.device()));
+  // The factor on each gradient's device, in f64 for f64 gradients and in f32 for the rest: a
+  // 16-bit gradient is multiplied in f32 and rounded once, so a tiny factor (a blown-up
+  // norm) does not underflow in the gradient's own precision.
   std::vector<std::tuple<Device, DType, Tensor>> coef_as;
   for (const Tensor& p : params) {
     const Tensor& g = p.grad();
     if (!g.defined() || g.numel() == 0) continue;
+    const DType wide = g.dtype() == DType::f64 ? DType::f64 : DType::f32;
     auto it = std::find_if(coef_as.begin(), coef_as.end(), [&](const auto& c) {
-      return std::get<0>(c) == g.device() && std::get<1>(c) == g.dtype();
+      return std::get<0>(c) == g.device() && std::get<1>(c) == wide;
     });
-    if (it == coef_as.end()) it = coef_as.insert(coef_as.end(), {g.device(), g.dtype(), coef.to(g.dtype()).to(g.device())});
-    mul_(g, std::get<2>(*it));
+    if (it == coef_as.end()) it = coef_as.insert(coef_as.end(), {g.device(), wide, coef.to(wide).to(g.device())});
+    const Tensor& c = std::get<2>(*it);
+    if (g.dtype() == wide) mul_(g, c);
+    else copy_(g, mul(g.to(wide), c).to(g.dtype()));
   }
 }
 

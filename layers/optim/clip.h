@@ -4,8 +4,9 @@
 //
 // Everything happens on the gradients' device and nothing is read on the host: the norm is
 // returned as a tensor, and the scale factor, min(1, max_norm / (norm + 1e-6)), is a tensor
-// every gradient is multiplied by in place, rounded to the gradient's dtype as torch rounds
-// it (by exactly 1 when the norm is within max_norm, which changes no value). So clipping costs a training step no host synchronisation, and a step
+// every gradient is multiplied by in place, in f32 (f64 for f64 gradients) and rounded once
+// to the gradient's dtype, as a multiply by a host scalar computes it (by exactly 1 when the
+// norm is within max_norm, which changes no value). So clipping costs a training step no host synchronisation, and a step
 // that clips can be captured as a CUDA graph (layers/optim/captured_step.h).
 #pragma once
 

@@ -106,20 +106,41 @@ TEST(OptimClipGradNorm, ScalesOnlyAboveMaxNorm) {
   EXPECT_EQ(clip_grad_norm_({c}, 1.0).item(), 0.0);
 }
 
-// bf16 and f64 gradients: each multiplied in its own dtype, by the factor rounded to it.
-TEST(OptimClipGradNorm, EachGradientIsScaledInItsOwnDtype) {
+// bf16 and f64 gradients: a 16-bit one multiplied in f32 by the factor and rounded once, as a
+// multiply by a host scalar computes it; an f64 one in f64.
+TEST(OptimClipGradNorm, EachGradientIsScaledAsAScalarMultiplyWould) {
   Tensor h = zeros({2}, DType::bf16).set_requires_grad(), d = zeros({2}, DType::f64).set_requires_grad();
   h.set_grad(from_vector(std::vector<float>{3, 4}, {2}).to(DType::bf16));
   d.set_grad(from_vector(std::vector<double>{12, 0}, {2}));
   EXPECT_NEAR(clip_grad_norm_({h, d}, 1.0).item(), 13.0, 1e-6);
   const double coef = 1.0 / (13.0 + 1e-6);
-  const Tensor coef_bf16 = from_vector(std::vector<double>{coef}, {1}).to(DType::bf16);
-  const std::vector<float> want = mul(from_vector(std::vector<float>{3, 4}, {2}).to(DType::bf16), coef_bf16)
-                                      .to(DType::f32)
-                                      .to_vector<float>();
+  const std::vector<float> want =
+      mul(from_vector(std::vector<float>{3, 4}, {2}).to(DType::bf16), coef).to(DType::f32).to_vector<float>();
   EXPECT_EQ(h.grad().dtype(), DType::bf16);
   EXPECT_EQ(h.grad().to(DType::f32).to_vector<float>(), want);
   EXPECT_EQ(d.grad().to_vector<double>(), (std::vector<double>{12 * coef, 0}));
+}
+
+// A blown-up norm: f16 gradients of 60000 over 100,000 elements (norm 1.9e7) scaled to norm 1
+// keep their values (about 3.2e-3 each), though the factor (5e-8) is below f16's range.
+TEST(OptimClipGradNorm, AFactorBelowHalfPrecisionStillScalesHalfGradients) {
+  Tensor h = zeros({100000}, DType::f16).set_requires_grad();
+  h.set_grad(full({100000}, 60000.0, DType::f16));
+  clip_grad_norm_({h}, 1.0);
+  const std::vector<float> g = h.grad().to(DType::f32).to_vector<float>();
+  EXPECT_NEAR(g[0], 1.0 / std::sqrt(1e5), 1e-5);
+  EXPECT_NEAR(g[99999], 1.0 / std::sqrt(1e5), 1e-5);
+}
+
+// A scalar (0-dim) parameter's gradient is clipped like any other.
+TEST(OptimClipGradNorm, AScalarParameterIsClippedToo) {
+  Tensor s = zeros({}).set_requires_grad(), v = zeros({1}).set_requires_grad();
+  s.set_grad(full({}, 3.0, DType::f32));
+  v.set_grad(from_vector(std::vector<float>{4}, {1}));
+  EXPECT_NEAR(clip_grad_norm_({s, v}, 1.0).item(), 5.0, 1e-6);
+  EXPECT_EQ(s.grad().dim(), 0);
+  EXPECT_NEAR(s.grad().item(), 3.0 / 5.0, 1e-6);
+  EXPECT_NEAR(v.grad().item(), 4.0 / 5.0, 1e-6);
 }
 
 // A NaN norm (an overflowed gradient) makes every gradient NaN, as torch's clipping does,
