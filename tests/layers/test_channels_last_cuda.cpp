@@ -3,7 +3,7 @@
 // SimpleCNN step on a channels-last batch keep every stage's output channels-last and give
 // the row-major step's loss and gradients, and the CPU's, to the rounding of cuDNN's other
 // algorithms: SimpleCNN parameter by parameter, ResNet-18 (whose gradients a ReLU kink can
-// move element by element) as a whole, over three batches. A single convolution at each of
+// move element by element) as a whole in f32 and by its loss in bf16, over three batches. A single convolution at each of
 // ResNet-18's stage shapes gives the row-major output and gradients in both cuDNN APIs.
 #include <gtest/gtest.h>
 
@@ -83,10 +83,13 @@ void expect_close_overall(const Step& got, const Step& want, double tol, const c
   EXPECT_LE(relative, tol) << what;
 }
 
+// What a check compares: every parameter's gradient, the gradient as a whole, or the loss.
+enum class Compare { each_parameter, whole_gradient, loss };
+
 // One step of a fresh model (seed 9) on a batch (seed `seed`) in each layout on the GPU and,
 // in f32, row-major on the CPU: each GPU layout against the CPU and against each other.
 void check(const std::function<std::shared_ptr<Module>()>& make, const Shape& image, std::optional<DType> cast,
-           double tol, bool overall, uint64_t seed = 5) {
+           double tol, Compare what, uint64_t seed = 5) {
   const Device dev = Device::cuda(0);
   manual_seed(seed);
   Tensor images = randn(image).to(dev);
@@ -99,9 +102,10 @@ void check(const std::function<std::shared_ptr<Module>()>& make, const Shape& im
     const MemoryFormat format = layout ? MemoryFormat::channels_last : MemoryFormat::contiguous;
     steps[layout] = step(*model, images.contiguous(format), labels, cast);
   }
-  auto compare = [&](const Step& got, const Step& want, const char* what) {
-    if (overall) expect_close_overall(got, want, tol, what);
-    else expect_alike(got, want, tol);
+  auto compare = [&](const Step& got, const Step& want, const char* name) {
+    if (what == Compare::whole_gradient) expect_close_overall(got, want, tol, name);
+    else if (what == Compare::each_parameter) expect_alike(got, want, tol);
+    else EXPECT_NEAR(got.loss, want.loss, tol * std::abs(want.loss)) << name;
   };
   if (!cast) {
     manual_seed(9);
@@ -116,10 +120,15 @@ void check(const std::function<std::shared_ptr<Module>()>& make, const Shape& im
 TEST(ChannelsLastCuda, ResNet18StaysChannelsLastAndStepsLikeRowMajor) {
   LOOM_REQUIRE_CUDA();
   test::Tf32Off full_f32;
+  // On the CPU alone, this step's gradient moves by 0.19% in relative L2 (3.3% on one
+  // parameter) for the batch of seed 5 perturbed by 1e-7, and by 0.08% for seed 7: f32
+  // rounding that puts an activation on the other side of a ReLU kink. Under bf16 autocast it
+  // moves by 25% for seed 6, so there only the loss is compared; the convolution and
+  // BatchNorm tests check their bf16 gradients op by op.
   for (uint64_t seed : {5, 6, 7}) {
     std::printf("batch seed %llu\n", (unsigned long long)seed);
-    check([] { return resnet18(10, 3); }, {4, 3, 16, 16}, std::nullopt, 1e-2, true, seed);
-    check([] { return resnet18(10, 3); }, {4, 3, 16, 16}, DType::bf16, 1e-1, true, seed);
+    check([] { return resnet18(10, 3); }, {4, 3, 16, 16}, std::nullopt, 1e-2, Compare::whole_gradient, seed);
+    check([] { return resnet18(10, 3); }, {4, 3, 16, 16}, DType::bf16, 5e-2, Compare::loss, seed);
   }
   // Every stage's output keeps the layout.
   const Device dev = Device::cuda(0);
@@ -186,10 +195,12 @@ TEST(ChannelsLastCuda, AConvolutionsGradientsMatchRowMajor) {
 TEST(ChannelsLastCuda, SimpleCnnWithMaxPoolingStepsLikeRowMajor) {
   LOOM_REQUIRE_CUDA();
   test::Tf32Off full_f32;
-  check([] { return std::make_shared<SimpleCNN>(3, 32, 10); }, {4, 3, 32, 32}, std::nullopt, 1e-3, false);
+  check([] { return std::make_shared<SimpleCNN>(3, 32, 10); }, {4, 3, 32, 32}, std::nullopt, 1e-3,
+        Compare::each_parameter);
   // One channel (Fashion-MNIST): the batch is re-strided, not copied, and the first
   // convolution reads a (N, 1, H, W) NHWC tensor.
-  check([] { return std::make_shared<SimpleCNN>(1, 28, 10); }, {4, 1, 28, 28}, std::nullopt, 1e-3, false);
+  check([] { return std::make_shared<SimpleCNN>(1, 28, 10); }, {4, 1, 28, 28}, std::nullopt, 1e-3,
+        Compare::each_parameter);
 }
 
 }  // namespace
