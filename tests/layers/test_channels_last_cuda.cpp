@@ -3,8 +3,9 @@
 // SimpleCNN step on a channels-last batch keep every stage's output channels-last and give
 // the row-major step's loss and gradients, and the CPU's, to the rounding of cuDNN's other
 // algorithms: SimpleCNN parameter by parameter, ResNet-18 (whose gradients a ReLU kink can
-// move element by element) as a whole in f32 and by its loss in bf16, over three batches. A single convolution at each of
-// ResNet-18's stage shapes gives the row-major output and gradients in both cuDNN APIs.
+// move element by element) as a whole in f32 and by its loss in bf16, over three batches. A
+// single convolution at each of ResNet-18's stage shapes gives the row-major output and
+// gradients in both cuDNN APIs.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -50,7 +51,8 @@ void expect_alike(const Step& got, const Step& want, double tol) {
   for (size_t i = 0; i < want.grads.size(); ++i) {
     double scale = 1e-6, worst = 0;
     for (double v : want.grads[i]) scale = std::max(scale, std::abs(v));
-    for (size_t j = 0; j < want.grads[i].size(); ++j) worst = std::max(worst, std::abs(got.grads[i][j] - want.grads[i][j]));
+    for (size_t j = 0; j < want.grads[i].size(); ++j)
+      worst = std::max(worst, std::abs(got.grads[i][j] - want.grads[i][j]));
     EXPECT_LE(worst / scale, tol) << "parameter " << i << " of " << want.grads.size();
   }
 }
@@ -154,8 +156,9 @@ TEST(ChannelsLastCuda, AConvolutionsGradientsMatchRowMajor) {
   struct Shape_ {
     int64_t c_in, c_out, side, kernel, stride;
   };
-  for (Shape_ sh : {Shape_{3, 64, 16, 3, 1}, Shape_{64, 64, 16, 3, 1}, Shape_{64, 128, 16, 3, 2}, Shape_{64, 128, 16, 1, 2},
-                    Shape_{128, 128, 8, 3, 1}, Shape_{256, 256, 4, 3, 1}, Shape_{512, 512, 2, 3, 1}})
+  for (Shape_ sh : {Shape_{3, 64, 16, 3, 1}, Shape_{64, 64, 16, 3, 1}, Shape_{64, 128, 16, 3, 2},
+                    Shape_{64, 128, 16, 1, 2}, Shape_{128, 128, 8, 3, 1}, Shape_{256, 256, 4, 3, 1},
+                    Shape_{512, 512, 2, 3, 1}})
     for (DType dtype : {DType::f32, DType::bf16})
       for (bool graph_api : {true, false}) {
         const int64_t c_in = sh.c_in, out_side = sh.side / sh.stride;
@@ -184,9 +187,9 @@ TEST(ChannelsLastCuda, AConvolutionsGradientsMatchRowMajor) {
           double scale = 1e-6, worst = 0;
           for (double v : got[0][k]) scale = std::max(scale, std::abs(v));
           for (size_t j = 0; j < got[0][k].size(); ++j) worst = std::max(worst, std::abs(got[1][k][j] - got[0][k][j]));
-          EXPECT_LE(worst / scale, tol) << names[k] << ", " << c_in << " to " << sh.c_out << " channels of " << sh.side
-                                        << "x" << sh.side << ", kernel " << sh.kernel << ", stride " << sh.stride << ", "
-                                        << dtype_name(dtype)
+          EXPECT_LE(worst / scale, tol)
+              << names[k] << ", " << c_in << " to " << sh.c_out << " channels of " << sh.side << "x" << sh.side
+              << ", kernel " << sh.kernel << ", stride " << sh.stride << ", " << dtype_name(dtype)
                                         << (graph_api ? ", graph API" : ", convolution API");
         }
       }
