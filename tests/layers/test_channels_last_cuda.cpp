@@ -153,12 +153,12 @@ TEST(ChannelsLastCuda, AConvolutionsGradientsMatchRowMajor) {
   LOOM_REQUIRE_CUDA();
   test::Tf32Off full_f32;
   const Device dev = Device::cuda(0);
-  struct Shape_ {
+  struct ConvShape {
     int64_t c_in, c_out, side, kernel, stride;
   };
-  for (Shape_ sh : {Shape_{3, 64, 16, 3, 1}, Shape_{64, 64, 16, 3, 1}, Shape_{64, 128, 16, 3, 2},
-                    Shape_{64, 128, 16, 1, 2}, Shape_{128, 128, 8, 3, 1}, Shape_{256, 256, 4, 3, 1},
-                    Shape_{512, 512, 2, 3, 1}})
+  for (ConvShape sh : {ConvShape{3, 64, 16, 3, 1}, ConvShape{64, 64, 16, 3, 1}, ConvShape{64, 128, 16, 3, 2},
+                    ConvShape{64, 128, 16, 1, 2}, ConvShape{128, 128, 8, 3, 1}, ConvShape{256, 256, 4, 3, 1},
+                    ConvShape{512, 512, 2, 3, 1}})
     for (DType dtype : {DType::f32, DType::bf16})
       for (bool graph_api : {true, false}) {
         const int64_t c_in = sh.c_in, out_side = sh.side / sh.stride;
