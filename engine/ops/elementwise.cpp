@@ -150,6 +150,26 @@ Tensor unary(UnaryOp op, const Tensor& x, double param = 0) {
 
 Tensor scalar_like(const Tensor& t, double v) { return scalar_tensor(v, t.dtype(), t.device()); }
 
+// a = a op (alpha * rhs) in place (no autograd): rhs cast to a's dtype and broadcast to a's
+// shape.
+void update_in_place(BinaryOp op, const char* name, const Tensor& a, const Tensor& rhs0, double alpha = 1) {
+  LOOM_CHECK(!(grad_enabled() && a.requires_grad()), name,
+             " on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
+  ops::check_same_device(a, rhs0, name);
+  LOOM_CHECK(broadcast_shapes(a.shape(), rhs0.shape()) == a.shape(), name, ": b of shape ", shape_str(rhs0.shape()),
+             " does not broadcast to a's shape ", shape_str(a.shape()));
+  a.bump_version();
+  NoGradGuard no_grad;
+  Tensor rhs = rhs0.dtype() == a.dtype() ? rhs0 : rhs0.to(a.dtype());
+  if (alpha != 1) rhs = mul(rhs, alpha);
+  if (!a.is_contiguous()) {
+    copy_(a, binary(op, a, rhs));
+    return;
+  }
+  if (a.numel() > 0)
+    kernels(a.device()).binary(op, strided(a), strided(a), ops::broadcast_strided(rhs, a.shape()), ops::stream(a));
+}
+
 }  // namespace
 
 Tensor add(const Tensor& a, const Tensor& b) { return binary(BinaryOp::add, a, b); }
@@ -208,40 +228,9 @@ Tensor where(const Tensor& cond, const Tensor& a0, const Tensor& b0) {
   return out;
 }
 
-void add_(const Tensor& a, const Tensor& b, double alpha) {
-  LOOM_CHECK(!(grad_enabled() && a.requires_grad()),
-             "add_ on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
-  ops::check_same_device(a, b, "add_");
-  a.bump_version();
-  NoGradGuard no_grad;
-  Tensor rhs = b.dtype() == a.dtype() ? b : b.to(a.dtype());
-  if (alpha != 1) rhs = mul(rhs, alpha);
-  if (a.is_contiguous() && broadcast_shapes(a.shape(), rhs.shape()) == a.shape()) {
-    if (a.numel() > 0)
-      kernels(a.device()).binary(BinaryOp::add, strided(a), strided(a), ops::broadcast_strided(rhs, a.shape()),
-                                 ops::stream(a));
-    return;
-  }
-  copy_(a, add(a, rhs));
-}
+void add_(const Tensor& a, const Tensor& b, double alpha) { update_in_place(BinaryOp::add, "add_", a, b, alpha); }
 
-void mul_(const Tensor& a, const Tensor& b) {
-  LOOM_CHECK(!(grad_enabled() && a.requires_grad()),
-             "mul_ on a tensor that requires a gradient: in-place updates of parameters go under NoGradGuard");
-  ops::check_same_device(a, b, "mul_");
-  LOOM_CHECK(broadcast_shapes(a.shape(), b.shape()) == a.shape(), "mul_: b of shape ", shape_str(b.shape()),
-             " does not broadcast to a's shape ", shape_str(a.shape()));
-  a.bump_version();
-  NoGradGuard no_grad;
-  Tensor rhs = b.dtype() == a.dtype() ? b : b.to(a.dtype());
-  if (a.is_contiguous()) {
-    if (a.numel() > 0)
-      kernels(a.device()).binary(BinaryOp::mul, strided(a), strided(a), ops::broadcast_strided(rhs, a.shape()),
-                                 ops::stream(a));
-    return;
-  }
-  copy_(a, mul(a, rhs));
-}
+void mul_(const Tensor& a, const Tensor& b) { update_in_place(BinaryOp::mul, "mul_", a, b); }
 
 void mul_(const Tensor& a, double s) {
   LOOM_CHECK(!(grad_enabled() && a.requires_grad()),

@@ -244,20 +244,27 @@ int64_t chunk_for(const Conv2dArgs& a, const Geometry& g, size_t bytes) {
   return std::clamp<int64_t>(kChunkBytes / threads / chunk_bytes_of(g, bytes), 1, share);
 }
 
+// fn(n, grp, col) for every sample n and group grp, a sample at a time over the threads, each
+// thread's samples sharing one column buffer (rows x OH*OW; none for a direct product).
+template <class A, class Fn>
+void over_samples(const Conv2dArgs& a, const Geometry& g, Fn fn) {
+  parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t grp = 0; grp < a.groups; ++grp) fn(n, grp, col.data());
+  });
+}
+
 template <class A>
 void forward_acc(const Conv2dArgs& a, A* y, const A* x, const A* w) {
   const Geometry g = geometry(a);
   const int64_t chunk = chunk_for(a, g, sizeof(A));
   if (chunk == 1) {  // a sample a product, written in place
-    parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
-      std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t grp = 0; grp < a.groups; ++grp) {
-          const A* xg = x + (n * a.c_in + grp * g.cg) * g.hw;
-          if (!g.direct) im2col(a, g, xg, col.data(), g.ohw);
-          matmul<A>(false, false, g.kg, g.ohw, g.rows, w + grp * g.kg * g.rows, g.rows, g.direct ? xg : col.data(),
-                    g.ohw, y + (n * a.c_out + grp * g.kg) * g.ohw, g.ohw, 0.f);
-        }
+    over_samples<A>(a, g, [&](int64_t n, int64_t grp, A* col) {
+      const A* xg = x + (n * a.c_in + grp * g.cg) * g.hw;
+      if (!g.direct) im2col(a, g, xg, col, g.ohw);
+      matmul<A>(false, false, g.kg, g.ohw, g.rows, w + grp * g.kg * g.rows, g.rows, g.direct ? xg : col, g.ohw,
+                y + (n * a.c_out + grp * g.kg) * g.ohw, g.ohw, 0.f);
     });
     return;
   }
@@ -279,21 +286,17 @@ void backward_data_acc(const Conv2dArgs& a, A* dx, const A* dy, const A* w) {
   const Geometry g = geometry(a);
   const int64_t chunk = chunk_for(a, g, sizeof(A));
   if (chunk == 1) {  // a sample a product, read in place
-    parallel_for(a.n, 1, [&](int64_t n0, int64_t n1) {
-      std::vector<A> col(size_t(g.direct ? 0 : g.rows * g.ohw));
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t grp = 0; grp < a.groups; ++grp) {
-          A* dxg = dx + (n * a.c_in + grp * g.cg) * g.hw;
-          const A* dyg = dy + (n * a.c_out + grp * g.kg) * g.ohw;
-          const A* wg = w + grp * g.kg * g.rows;  // (kg, rows), read transposed
-          if (g.direct) {
-            matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, dxg, g.ohw, 0.f);
-            continue;
-          }
-          matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, col.data(), g.ohw, 0.f);
-          std::fill_n(dxg, g.cg * g.hw, A(0));
-          col2im(a, g, col.data(), g.ohw, dxg);
-        }
+    over_samples<A>(a, g, [&](int64_t n, int64_t grp, A* col) {
+      A* dxg = dx + (n * a.c_in + grp * g.cg) * g.hw;
+      const A* dyg = dy + (n * a.c_out + grp * g.kg) * g.ohw;
+      const A* wg = w + grp * g.kg * g.rows;  // (kg, rows), read transposed
+      if (g.direct) {
+        matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, dxg, g.ohw, 0.f);
+        return;
+      }
+      matmul<A>(true, false, g.rows, g.ohw, g.kg, wg, g.rows, dyg, g.ohw, col, g.ohw, 0.f);
+      std::fill_n(dxg, g.cg * g.hw, A(0));
+      col2im(a, g, col, g.ohw, dxg);
     });
     return;
   }
