@@ -44,17 +44,22 @@ Step step(Module& model, const Tensor& x, const Tensor& labels, std::optional<DT
   return s;
 }
 
+// The largest difference between got and want, over want's largest magnitude.
+double worst_relative(const std::vector<double>& got, const std::vector<double>& want) {
+  double scale = 1e-6, worst = 0;
+  for (size_t j = 0; j < want.size(); ++j) {
+    scale = std::max(scale, std::abs(want[j]));
+    worst = std::max(worst, std::abs(got[j] - want[j]));
+  }
+  return worst / scale;
+}
+
 // Each gradient within tol of the largest magnitude of its row-major counterpart.
 void expect_alike(const Step& got, const Step& want, double tol) {
   EXPECT_NEAR(got.loss, want.loss, tol * std::abs(want.loss));
   ASSERT_EQ(got.grads.size(), want.grads.size());
-  for (size_t i = 0; i < want.grads.size(); ++i) {
-    double scale = 1e-6, worst = 0;
-    for (double v : want.grads[i]) scale = std::max(scale, std::abs(v));
-    for (size_t j = 0; j < want.grads[i].size(); ++j)
-      worst = std::max(worst, std::abs(got.grads[i][j] - want.grads[i][j]));
-    EXPECT_LE(worst / scale, tol) << "parameter " << i << " of " << want.grads.size();
-  }
+  for (size_t i = 0; i < want.grads.size(); ++i)
+    EXPECT_LE(worst_relative(got.grads[i], want.grads[i]), tol) << "parameter " << i << " of " << want.grads.size();
 }
 
 // The whole gradient (every parameter's, end to end) within tol of `want`'s in relative L2,
@@ -69,15 +74,12 @@ void expect_close_overall(const Step& got, const Step& want, double tol, const c
   double diff = 0, norm = 0, worst = 0;
   size_t worst_at = 0;
   for (size_t i = 0; i < want.grads.size(); ++i) {
-    double scale = 1e-12, d = 0;
     for (size_t j = 0; j < want.grads[i].size(); ++j) {
       const double e = got.grads[i][j] - want.grads[i][j];
       diff += e * e;
       norm += want.grads[i][j] * want.grads[i][j];
-      scale = std::max(scale, std::abs(want.grads[i][j]));
-      d = std::max(d, std::abs(e));
     }
-    if (d / scale > worst) worst = d / scale, worst_at = i;
+    if (const double w = worst_relative(got.grads[i], want.grads[i]); w > worst) worst = w, worst_at = i;
   }
   const double relative = std::sqrt(diff / std::max(norm, 1e-300));
   std::printf("%s: relative L2 %.3g; worst parameter %zu at %.3g of its largest value\n", what, relative, worst_at,
@@ -183,15 +185,11 @@ TEST(ChannelsLastCuda, AConvolutionsGradientsMatchRowMajor) {
         }
         const char* names[] = {"output", "input gradient", "filter gradient"};
         const double tol = dtype == DType::f32 ? 1e-5 : 2e-2;
-        for (int k = 0; k < 3; ++k) {
-          double scale = 1e-6, worst = 0;
-          for (double v : got[0][k]) scale = std::max(scale, std::abs(v));
-          for (size_t j = 0; j < got[0][k].size(); ++j) worst = std::max(worst, std::abs(got[1][k][j] - got[0][k][j]));
-          EXPECT_LE(worst / scale, tol)
+        for (int k = 0; k < 3; ++k)
+          EXPECT_LE(worst_relative(got[1][k], got[0][k]), tol)
               << names[k] << ", " << c_in << " to " << sh.c_out << " channels of " << sh.side << "x" << sh.side
               << ", kernel " << sh.kernel << ", stride " << sh.stride << ", " << dtype_name(dtype)
-                                        << (graph_api ? ", graph API" : ", convolution API");
-        }
+              << (graph_api ? ", graph API" : ", convolution API");
       }
 }
 
