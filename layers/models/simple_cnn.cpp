@@ -18,11 +18,11 @@ SimpleCNN::SimpleCNN(int64_t in_channels, int64_t image_size, int64_t num_classe
              image_size);
   features = register_module("features", std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
                                              std::make_shared<Conv2d>(in_channels, 32, 3),
-                                             std::make_shared<ReLU>(),
                                              std::make_shared<MaxPool2d>(2),
+                                             std::make_shared<ReLU>(),  // after the pool: simple_cnn.h
                                              std::make_shared<Conv2d>(32, 64, 3),
-                                             std::make_shared<ReLU>(),
                                              std::make_shared<MaxPool2d>(2),
+                                             std::make_shared<ReLU>(),
                                          }));
   classifier = register_module("classifier", std::make_shared<Sequential>(std::vector<std::shared_ptr<Module>>{
                                                  std::make_shared<Flatten>(),

@@ -1,9 +1,19 @@
-// SimpleCNN: the guide's CIFAR-10 network, layer for layer, with PyTorch's module names:
-//   features   = Conv2d(C, 32, 3), ReLU, MaxPool2d(2), Conv2d(32, 64, 3), ReLU, MaxPool2d(2)
+// SimpleCNN: the guide's CIFAR-10 network with PyTorch's module names:
+//   features   = Conv2d(C, 32, 3), MaxPool2d(2), ReLU, Conv2d(32, 64, 3), MaxPool2d(2), ReLU
 //   classifier = Flatten, Linear(64 * s * s, 128), ReLU, Linear(128, classes)
 // where s is the side left after the features: 6 for 3x32x32 (CIFAR-10), 5 for 1x28x28
 // (Fashion-MNIST). Its state dict ("features.0.weight", ..., "classifier.3.bias") loads
 // into the guide's PyTorch class unchanged, and back.
+//
+// The guide applies each ReLU before its pool; here it comes after. That computes the same
+// function: ReLU is monotone, so the largest of a window's ReLUs is the ReLU of its largest
+// value, and the gradient reaches the same element (the window's first maximum when that
+// maximum is positive, no element otherwise). The only difference is the sign of a zero (a
+// window of -1 and -0 gives +0 in the guide's order, -0 here), which changes no later value
+// unless every term of a sum is zero; tests/layers/test_models.cpp compares both orders'
+// outputs and gradients bit for bit. What it saves: the ReLU passes, forward and backward,
+// run over the pooled maps, a quarter of the values, and backward keeps the pooled ReLU
+// output instead of the full one.
 #pragma once
 
 #include <memory>

@@ -50,6 +50,46 @@ TEST(SimpleCnn, HasTheGuidesModuleNamesAndSizes) {
   EXPECT_EQ(cifar.forward(randn({3, 3, 32, 32})).shape(), (Shape{3, 10}));
 }
 
+// SimpleCNN pools before its ReLUs (simple_cnn.h); the guide's order, ReLU then pool, must
+// give the same logits and gradients. Half the batch is blank, so each of its windows holds
+// equal values (the bias), negative in some channels: ties the pool must break alike.
+TEST(SimpleCnn, PoolingBeforeReluGivesTheGuidesOrderBitForBit) {
+  for (DType dtype : {DType::f32, DType::f64}) {
+    for (MemoryFormat format : {MemoryFormat::contiguous, MemoryFormat::channels_last}) {
+      manual_seed(11);
+      SimpleCNN model(3, 32, 10);
+      model.to(dtype);
+      for (const auto& [name, p] : model.named_parameters())
+        if (name.find("bias") != std::string::npos) {
+          NoGradGuard no_grad;
+          copy_(p, mul(randn(p.shape(), dtype), 0.5));
+        }
+      Tensor x = cat({randn({3, 3, 32, 32}, dtype), zeros({3, 3, 32, 32}, dtype)}, 0).contiguous(format);
+      Tensor labels = from_vector(std::vector<int64_t>{0, 1, 2, 3, 4, 5}, {6});
+      auto grads = [&](auto&& forward) {
+        model.zero_grad();
+        Tensor logits = forward();
+        cross_entropy(logits, labels).backward();
+        std::vector<Tensor> out{logits.detach()};
+        for (const Tensor& p : model.parameters()) out.push_back(p.grad().clone());
+        return out;
+      };
+      auto mine = grads([&] { return model.forward(x); });
+      auto guide = grads([&] {
+        auto layer = [&](int i) { return model.features->named_children()[size_t(i)].second; };
+        Tensor h = max_pool2d(relu(layer(0)->forward(x)), {2, 2});
+        h = max_pool2d(relu(layer(3)->forward(h)), {2, 2});
+        return model.classifier->forward(h);
+      });
+      ASSERT_EQ(mine.size(), guide.size());
+      for (size_t i = 0; i < mine.size(); ++i)
+        EXPECT_EQ(mine[i].to(DType::f64).to_vector<double>(), guide[i].to(DType::f64).to_vector<double>())
+            << dtype_name(dtype) << (format == MemoryFormat::contiguous ? "" : " channels-last")
+            << (i == 0 ? ": logits" : ": gradient of parameter ") << i;
+    }
+  }
+}
+
 TEST(SimpleCnn, RejectsImagesOfTheWrongShapeNamingBoth) {
   SimpleCNN model(1, 28, 10);
   try {
