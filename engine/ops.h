@@ -213,6 +213,14 @@ Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int, 2> output_size);
 // x), so bf16 activations keep f32 parameters.
 Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
+// relu(batch_norm(x, ...) + residual), residual undefined for none: the values and gradients
+// of the three ops, bit for bit, with the add and the ReLU fused into the normalisation's
+// kernels in training (one pass fewer over the activations each, two with a residual, and
+// the ReLU's mask applied inside the backward's). residual must have x's shape; one of
+// another dtype, or evaluation, runs the three ops.
+Tensor batch_norm_relu(const Tensor& x, const Tensor& residual, const Tensor& running_mean, const Tensor& running_var,
+                       const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
+                       double eps = 1e-5);
 
 // ---- layer normalisation (ops/layer_norm.cpp) -----------------------------------
 // PyTorch's F.layer_norm over the last dim: x (..., D) normalised per row with the row's

@@ -164,6 +164,12 @@ struct BatchNormArgs {
   double eps = 1e-5;
   double momentum = 0.1;  // running = (1 - momentum) * running + momentum * batch statistic
   ChannelLayout layout = ChannelLayout::channels_first;
+  // A ReLU fused after the training forward's normalisation (and after the residual, when
+  // one is given): y = relu(bn(x) + residual), each step rounded to `dtype` as the separate
+  // ops round it (the normalised value, then the sum in the accumulation type), so the result
+  // is the bits of batch_norm, add and relu run one after another. The backward then reads y
+  // and takes dy where y > 0, zero elsewhere, as ReLU's own backward does.
+  bool relu = false;
 };
 
 // Layer normalisation over the last axis of a contiguous (rows, dim) buffer, PyTorch's
@@ -424,10 +430,11 @@ struct KernelTable {
   // Training: per channel, mean and biased variance over (N, S); invstd = 1 / sqrt(var + eps);
   // y = (x - mean) * invstd * gamma + beta; save_mean and save_invstd written; the running
   // statistics (when not null) updated with the unbiased variance (var * M / (M - 1), M = N S).
-  // gamma/beta null mean 1 and 0 (affine = false).
+  // gamma/beta null mean 1 and 0 (affine = false). With args.relu, y = relu(that + residual),
+  // residual (x's dtype and layout) null for none; without it residual must be null.
   void (*batch_norm_forward_train)(const BatchNormArgs& args, void* y, void* save_mean, void* save_invstd,
                                    void* running_mean, void* running_var, const void* x, const void* gamma,
-                                   const void* beta, StreamHandle stream);
+                                   const void* beta, const void* residual, StreamHandle stream);
   // Inference: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta.
   void (*batch_norm_forward_eval)(const BatchNormArgs& args, void* y, const void* x, const void* gamma,
                                   const void* beta, const void* running_mean, const void* running_var,
@@ -435,9 +442,12 @@ struct KernelTable {
   // Backward of the training forward, xhat = (x - save_mean) * save_invstd:
   //   dbeta = sum dy, dgamma = sum dy * xhat (over N, S; both written, never null);
   //   dx = gamma * invstd / M * (M dy - dbeta - xhat * dgamma)   (gamma null means 1).
+  // With args.relu, dy is first masked by the forward's output y (dy where y > 0, else 0),
+  // and dresidual (when not null) gets the masked dy: the residual's gradient. Without it y
+  // and dresidual must be null.
   void (*batch_norm_backward)(const BatchNormArgs& args, void* dx, void* dgamma, void* dbeta, const void* dy,
                               const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
-                              StreamHandle stream);
+                              const void* y, void* dresidual, StreamHandle stream);
 
   // ---- layer normalisation (LayerNormArgs) ---------------------------------------------
   // Per row: mean and biased variance (correction 0) over dim, rstd = 1 / sqrt(var + eps),

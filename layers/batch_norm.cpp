@@ -27,7 +27,11 @@ BatchNorm::BatchNorm(int64_t num_features, double eps, double momentum, Affine a
   }
 }
 
-Tensor BatchNorm::forward(const Tensor& input) {
+Tensor BatchNorm::forward(const Tensor& input) { return run(input, nullptr); }
+
+Tensor BatchNorm::forward_relu(const Tensor& input, const Tensor& residual) { return run(input, &residual); }
+
+Tensor BatchNorm::run(const Tensor& input, const Tensor* residual) {
   LOOM_CHECK(input.defined(), type_name(), ": the input is an undefined tensor");
   const bool rank_ok = std::find(ranks_.begin(), ranks_.end(), input.dim()) != ranks_.end();
   LOOM_CHECK(rank_ok, type_name(), "(", num_features_, ") expects input ", layout_, ", got ",
@@ -52,7 +56,9 @@ Tensor BatchNorm::forward(const Tensor& input) {
     rv = running_var.to(acc);
   }
   Tensor w = weight.defined() ? weight.to(acc) : weight, b = bias.defined() ? bias.to(acc) : bias;
-  Tensor y = batch_norm(input, rm, rv, w, b, is_training() || !tracking, momentum_, eps_);
+  const bool batch_stats = is_training() || !tracking;
+  Tensor y = residual ? batch_norm_relu(input, *residual, rm, rv, w, b, batch_stats, momentum_, eps_)
+                      : batch_norm(input, rm, rv, w, b, batch_stats, momentum_, eps_);
   if (update) {
     NoGradGuard no_grad;
     if (!rm.same(running_mean)) {

@@ -27,6 +27,9 @@ enum class TrackRunningStats : bool { no = false, yes = true };
 class BatchNorm : public Module {
  public:
   Tensor forward(const Tensor& input) override;
+  // relu(forward(input) + residual), residual undefined for none, in one kernel each way while
+  // training (the engine's batch_norm_relu): what a ResNet block does after each BatchNorm.
+  Tensor forward_relu(const Tensor& input, const Tensor& residual = Tensor());
 
   int64_t num_features() const { return num_features_; }
   double eps() const { return eps_; }
@@ -44,6 +47,8 @@ class BatchNorm : public Module {
             std::vector<int> ranks, const char* layout);
 
  private:
+  Tensor run(const Tensor& input, const Tensor* residual);  // residual null: no ReLU
+
   int64_t num_features_;
   double eps_, momentum_;
   std::vector<int> ranks_;

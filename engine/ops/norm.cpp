@@ -13,6 +13,10 @@
 // y = x * scale + shift per channel, and the backward is a few broadcast ops; it keeps its
 // own copy of the running statistics, which a later training step may update in place.
 // An empty batch gives an empty output and leaves the running statistics alone, as PyTorch.
+//
+// batch_norm_relu is the same training node with a residual add and a ReLU fused into the
+// kernels (BatchNormArgs::relu): its backward keeps the output, whose sign is the ReLU's mask,
+// and returns the residual's gradient beside the others.
 #include "engine/ops/dispatch.h"
 
 namespace loom {
@@ -64,8 +68,9 @@ Shape channel_shape(int ndim, int64_t c) {
   return s;
 }
 
+// a.relu: y = relu(batch_norm + residual), residual undefined for none (batch_norm_relu).
 Tensor train_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
-                     const Tensor& weight, const Tensor& bias) {
+                     const Tensor& weight, const Tensor& bias, const Tensor& residual = Tensor()) {
   const Device dev = x.device();
   const DType acc = accumulation_type(a.dtype);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), dev, format_of(a));
@@ -77,24 +82,28 @@ Tensor train_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runn
   kernels(dev).batch_norm_forward_train(a, y.data_ptr(), save_mean.data_ptr(), save_invstd.data_ptr(),
                                         rm.defined() ? rm.data_ptr() : nullptr,
                                         rv.defined() ? rv.data_ptr() : nullptr, x.data_ptr(), ptr_or_null(weight),
-                                        ptr_or_null(bias), ops::stream(x));
+                                        ptr_or_null(bias), ptr_or_null(residual), ops::stream(x));
   if (copy_back) {
     NoGradGuard no_grad;
     copy_(running_mean, rm);
     copy_(running_var, rv);
   }
-  if (any_requires_grad({x, weight, bias})) {
+  if (any_requires_grad({x, weight, bias, residual})) {
     const bool need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad();
-    Tensor sx = x.detach(), sw = weight.defined() ? weight.detach() : Tensor();
-    record("batch_norm", {x, weight, bias}, {y},
-           [a, acc, dev, sx, sw, save_mean, save_invstd, need_w, need_b](const TensorList& g) {
+    const bool need_r = residual.defined() && residual.requires_grad();
+    // The fused ReLU's mask is its output, which the next layer keeps anyway.
+    Tensor sx = x.detach(), sw = weight.defined() ? weight.detach() : Tensor(), sy = a.relu ? y.detach() : Tensor();
+    record(a.relu ? "batch_norm_relu" : "batch_norm", {x, weight, bias, residual}, {y},
+           [a, acc, dev, sx, sw, sy, save_mean, save_invstd, need_w, need_b, need_r](const TensorList& g) {
              Tensor gy = g[0].to(a.dtype).contiguous(format_of(a));
              Tensor gx = Tensor::empty(sx.shape(), a.dtype, dev, format_of(a));
+             Tensor gr = need_r ? Tensor::empty(sx.shape(), a.dtype, dev, format_of(a)) : Tensor();
              Tensor gw = Tensor::empty({a.c}, acc, dev), gb = Tensor::empty({a.c}, acc, dev);
              kernels(dev).batch_norm_backward(a, gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), gy.data_ptr(),
                                               sx.data_ptr(), ptr_or_null(sw), save_mean.data_ptr(),
-                                              save_invstd.data_ptr(), ops::stream(gy));
-             return TensorList{gx, need_w ? gw : Tensor(), need_b ? gb : Tensor()};
+                                              save_invstd.data_ptr(), ptr_or_null(sy), ptr_or_null(gr),
+                                              ops::stream(gy));
+             return TensorList{gx, need_w ? gw : Tensor(), need_b ? gb : Tensor(), gr};
            });
   }
   return y;
@@ -137,10 +146,9 @@ Tensor eval_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runni
   return y;
 }
 
-}  // namespace
-
-Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                  const Tensor& bias, bool training, double momentum, double eps) {
+// The checks of F.batch_norm's arguments, and the kernels' arguments for them.
+BatchNormArgs checked_args(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, bool training,
+                           double momentum, double eps) {
   ops::check_defined(input, "batch_norm", "input");
   ops::check_floating(input, "batch_norm");
   LOOM_CHECK(input.dim() >= 2, "batch_norm expects input (N, C, *) with at least 2 dims, got ",
@@ -168,12 +176,43 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
   a.layout = ops::channel_layout(input.memory_format());
   LOOM_CHECK(!training || a.n * a.s != 1, "batch_norm: Expected more than 1 value per channel when training, got input ",
              shape_str(input.shape()), ": use a batch of more than one sample, or eval mode");
+  return a;
+}
 
+}  // namespace
+
+Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum, double eps) {
+  const BatchNormArgs a = checked_args(input, running_mean, running_var, training, momentum, eps);
+  const DType acc = accumulation_type(input.dtype());
   Tensor w = affine_param("weight", weight, input, acc), b = affine_param("bias", bias, input, acc);
   if (input.numel() == 0) return input.clone();
   Tensor x = input.contiguous(format_of(a));
   return training ? train_forward(a, x, running_mean, running_var, w, b)
                   : eval_forward(a, x, running_mean, running_var, w, b);
+}
+
+Tensor batch_norm_relu(const Tensor& input, const Tensor& residual, const Tensor& running_mean,
+                       const Tensor& running_var, const Tensor& weight, const Tensor& bias, bool training,
+                       double momentum, double eps) {
+  BatchNormArgs a = checked_args(input, running_mean, running_var, training, momentum, eps);
+  if (residual.defined()) {
+    ops::check_same_device(input, residual, "batch_norm_relu");
+    LOOM_CHECK(residual.shape() == input.shape(), "batch_norm_relu: the residual must have the input's shape ",
+               shape_str(input.shape()), ", got ", shape_str(residual.shape()));
+  }
+  // One kernel each way where it applies: a training step, a residual of x's dtype. Anything
+  // else runs the three ops, which give the same values.
+  const bool fused = training && input.numel() > 0 && (!residual.defined() || residual.dtype() == input.dtype());
+  if (!fused) {
+    Tensor y = batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps);
+    return relu(residual.defined() ? add(y, residual) : y);
+  }
+  const DType acc = accumulation_type(input.dtype());
+  Tensor w = affine_param("weight", weight, input, acc), b = affine_param("bias", bias, input, acc);
+  a.relu = true;
+  return train_forward(a, input.contiguous(format_of(a)), running_mean, running_var, w, b,
+                       residual.defined() ? residual.contiguous(format_of(a)) : Tensor());
 }
 
 }  // namespace loom

@@ -13,6 +13,9 @@
 // one channel: N rows of S contiguous values. Channels-last, a channel's values are C apart,
 // so a tile is K neighbouring channels (16 or 4), read as short contiguous runs of each of
 // the N * S rows, with one running sum per channel of the tile.
+//
+// BatchNormArgs::relu fuses a residual add and a ReLU into the forward's last pass and the
+// ReLU's mask into the backward's two, rounding as the separate ops do (add_relu, masked).
 #include <algorithm>
 #include <cmath>
 
@@ -126,11 +129,26 @@ void for_each_tile(const BatchNormArgs& a, const char* what, Body&& body) {
 
 template <class T> double as_double(T v) { return double(acc_t<T>(v)); }
 
+// BatchNormArgs::relu's epilogue on a normalised value: the residual added as add() adds two
+// tensors (in the accumulation type, rounded once), then ReLU as relu() takes it.
+template <class T> T add_relu(T v, const T* residual) {
+  using A = acc_t<T>;
+  if (residual) v = T(A(v) + A(*residual));
+  return A(v) < A(0) ? T(A(0)) : v;
+}
+
+// The gradient that reaches the normalisation: dy, masked by the fused ReLU's output.
+template <class T> T masked(const BatchNormArgs& a, const T* dy, const T* y, int64_t i) {
+  using A = acc_t<T>;
+  return !a.relu || A(y[i]) > A(0) ? dy[i] : T(A(0));
+}
+
 }  // namespace
 
 void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, void* save_invstd,
                               void* running_mean, void* running_var, const void* x, const void* gamma,
-                              const void* beta, StreamHandle) {
+                              const void* beta, const void* residual, StreamHandle) {
+  LOOM_ASSERT(a.relu || !residual, "batch_norm: a residual is added only before a fused ReLU");
   const int64_t m = a.n * a.s;
   if (m == 0) return;
   const Walk w = walk_of(a);
@@ -139,6 +157,7 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
     using A = acc_t<T>;
     constexpr int K = decltype(width)::value;
     const T* in = static_cast<const T*>(x);
+    const T* res = static_cast<const T*>(residual);
     T* out = static_cast<T*>(y);
     Lanes<double, K> mean = tile_sum<K, double>(a, w, c0, [&](int64_t i, int) { return as_double(in[i]); });
     for (double& v : mean.v) v /= double(m);
@@ -165,7 +184,8 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
       shift[j] = beta ? double(static_cast<const A*>(beta)[c]) : 0.0;
     }
     for_each_in_tile<K>(a, w, c0, [&](int64_t i, int j) {
-      out[i] = T((as_double(in[i]) - mean.v[j]) * scale[j] + shift[j]);
+      const T v = T((as_double(in[i]) - mean.v[j]) * scale[j] + shift[j]);
+      out[i] = a.relu ? add_relu(v, res ? res + i : nullptr) : v;
     });
   });
 }
@@ -196,7 +216,9 @@ void batch_norm_forward_eval(const BatchNormArgs& a, void* y, const void* x, con
 
 void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* dbeta, const void* dy,
                          const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
-                         StreamHandle) {
+                         const void* y, void* dresidual, StreamHandle) {
+  LOOM_ASSERT(a.relu == (y != nullptr) && (a.relu || !dresidual),
+              "batch_norm backward: the fused ReLU's output is given exactly when args.relu is set");
   const int64_t m = a.n * a.s;
   const Walk w = walk_of(a);
   for_each_tile(a, "batch_norm backward", [&](auto tag, auto width, int64_t c0) {
@@ -205,11 +227,13 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
     constexpr int K = decltype(width)::value;
     const T* in = static_cast<const T*>(x);
     const T* go = static_cast<const T*>(dy);
+    const T* out = static_cast<const T*>(y);
     T* gi = static_cast<T*>(dx);
+    T* gr = static_cast<T*>(dresidual);
     double mean[K], k_dy[K], k_x[K], k_0[K];
     for (int j = 0; j < K; ++j) mean[j] = double(static_cast<const A*>(save_mean)[c0 + j]);
     const Lanes<Sums, K> sums = tile_sum<K, Sums>(a, w, c0, [&](int64_t i, int j) {
-      const double g = as_double(go[i]);
+      const double g = as_double(masked(a, go, out, i));
       return Sums{g, g * (as_double(in[i]) - mean[j])};
     });
     double invstd[K];
@@ -228,7 +252,9 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
       k_0[j] = k_dy[j] * sum_dy / double(m);
     }
     for_each_in_tile<K>(a, w, c0, [&](int64_t i, int j) {
-      gi[i] = T(k_dy[j] * as_double(go[i]) - k_x[j] * (as_double(in[i]) - mean[j]) - k_0[j]);
+      const T g = masked(a, go, out, i);
+      gi[i] = T(k_dy[j] * as_double(g) - k_x[j] * (as_double(in[i]) - mean[j]) - k_0[j]);
+      if (gr) gr[i] = g;
     });
   });
 }

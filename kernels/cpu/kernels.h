@@ -68,12 +68,12 @@ void avg_pool2d_backward(const Pool2dArgs& args, void* dx, const void* dy, Strea
 // batch_norm.cpp
 void batch_norm_forward_train(const BatchNormArgs& args, void* y, void* save_mean, void* save_invstd,
                               void* running_mean, void* running_var, const void* x, const void* gamma,
-                              const void* beta, StreamHandle stream);
+                              const void* beta, const void* residual, StreamHandle stream);
 void batch_norm_forward_eval(const BatchNormArgs& args, void* y, const void* x, const void* gamma, const void* beta,
                              const void* running_mean, const void* running_var, StreamHandle stream);
 void batch_norm_backward(const BatchNormArgs& args, void* dx, void* dgamma, void* dbeta, const void* dy,
                          const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
-                         StreamHandle stream);
+                         const void* y, void* dresidual, StreamHandle stream);
 
 // layer_norm.cpp
 void layer_norm_forward(const LayerNormArgs& args, void* y, void* mean, void* rstd, const void* x, const void* weight,

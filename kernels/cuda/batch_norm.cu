@@ -115,11 +115,13 @@ __global__ void __launch_bounds__(kThreads)
   else partials[blockIdx.x] = st;
 }
 
-// y = (x - mean) * invstd * gamma + beta.
-template <class T, int V, Source kSource>
+// y = (x - mean) * invstd * gamma + beta; with kRelu, y = relu(that + residual) (residual
+// may be null), rounded as the separate ops round (batch_norm.cuh, add_relu).
+template <class T, int V, Source kSource, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    normalize_kernel(T* __restrict__ y, const T* __restrict__ x, Geom g, const acc_t<T>* mean,
-                     const acc_t<T>* spread, const acc_t<T>* gamma, const acc_t<T>* beta, Hyper h) {
+    normalize_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ residual, Geom g,
+                     const acc_t<T>* mean, const acc_t<T>* spread, const acc_t<T>* gamma, const acc_t<T>* beta,
+                     Hyper h) {
   using A = acc_t<T>;
   const int64_t c = block_channel(g);
   const A mu = mean[c];
@@ -129,6 +131,11 @@ __global__ void __launch_bounds__(kThreads)
     Pack<T, V> p = load<T, V>(x + off);
 #pragma unroll
     for (int j = 0; j < V; ++j) p.v[j] = from_acc<T>((to_acc(p.v[j]) - mu) * scale + shift);
+    if constexpr (kRelu) {
+      Pack<T, V> r;
+      if (residual) r = load<T, V>(residual + off);
+      p = add_relu<T, V>(p, residual ? &r : nullptr);
+    }
     store<T, V>(y + off, p);
   });
 }
@@ -136,16 +143,16 @@ __global__ void __launch_bounds__(kThreads)
 // ---- backward --------------------------------------------------------------------------
 
 // A block's sums over its slice; groups == 1: the channel's dbeta and dgamma.
-template <class T, int V>
+template <class T, int V, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x, Geom g, GradChannel<acc_t<T>> ch,
-                     GradSums<acc_t<T>>* partials) {
+    grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ y, Geom g,
+                     GradChannel<acc_t<T>> ch, GradSums<acc_t<T>>* partials) {
   using A = acc_t<T>;
   const int64_t c = block_channel(g);
   const A mu = ch.save_mean[c];
   GradSums<A> acc{A(0), A(0)};
   for_each_vector<V>(g, c, block_group(g), [&](int64_t off) {
-    const Pack<T, V> pg = load<T, V>(dy + off), px = load<T, V>(x + off);
+    const Pack<T, V> pg = masked_grad<T, V, kRelu>(dy, y, off), px = load<T, V>(x + off);
     A s = A(0), sx = A(0);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -162,18 +169,20 @@ __global__ void __launch_bounds__(kThreads)
   else partials[blockIdx.x] = acc;
 }
 
-// dx = gamma invstd / M (M dy - dbeta - xhat dgamma), arranged as k_dy dy - k_x (x - mean) - k_0.
-template <class T, int V>
+// dx = gamma invstd / M (M dy - dbeta - xhat dgamma), arranged as k_dy dy - k_x (x - mean) - k_0;
+// with kRelu, dy masked by y, and the masked dy written to dres when that is not null.
+template <class T, int V, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    grad_input_kernel(T* __restrict__ dx, const T* __restrict__ dy, const T* __restrict__ x, Geom g,
-                      GradChannel<acc_t<T>> ch, Hyper h) {
+    grad_input_kernel(T* __restrict__ dx, T* __restrict__ dres, const T* __restrict__ dy, const T* __restrict__ x,
+                      const T* __restrict__ y, Geom g, GradChannel<acc_t<T>> ch, Hyper h) {
   using A = acc_t<T>;
   const int64_t c = block_channel(g);
   const A m = A(h.m), mu = ch.save_mean[c], invstd = ch.save_invstd[c];
   const A k_dy = invstd * (ch.gamma ? ch.gamma[c] : A(1));
   const A k_x = k_dy * invstd * ch.dgamma[c] / m, k_0 = k_dy * ch.dbeta[c] / m;
   for_each_vector<V>(g, c, block_group(g), [&](int64_t off) {
-    const Pack<T, V> pg = load<T, V>(dy + off), px = load<T, V>(x + off);
+    const Pack<T, V> pg = masked_grad<T, V, kRelu>(dy, y, off), px = load<T, V>(x + off);
+    if (kRelu && dres) store<T, V>(dres + off, pg);
     Pack<T, V> out;
 #pragma unroll
     for (int j = 0; j < V; ++j)
@@ -210,15 +219,16 @@ Geom plan(const BatchNormArgs& a, int v, int64_t max_groups) {
 
 void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, void* save_invstd,
                               void* running_mean, void* running_var, const void* x, const void* gamma,
-                              const void* beta, StreamHandle stream) {
+                              const void* beta, const void* residual, StreamHandle stream) {
+  LOOM_ASSERT(a.relu || !residual, "batch_norm: a residual is added only before a fused ReLU");
   if (a.c == 0 || a.n * a.s == 0) return;
   if (a.layout == ChannelLayout::channels_last)
     return forward_train_channels_last(a, y, save_mean, save_invstd, running_mean, running_var, x, gamma, beta,
-                                       stream);
+                                       residual, stream);
   dispatch_floating(a.dtype, "batch_norm", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    with_width<T>(can_vectorise<T>(a.s, {x, y}), [&](auto width) {
+    with_width<T>(can_vectorise<T>(a.s, {x, y, residual}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Geom g = plan(a, V, scratch_groups(a, y, sizeof(Welford<A>), alignof(Welford<A>)));
       const Hyper h{a.eps, a.momentum, double(a.n * a.s)};
@@ -234,10 +244,12 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
             <<<unsigned(ceil_div(a.c, kCombineChannels)), kCombineThreads, 0, s>>>(partials, a.c, g.groups, out, h);
         LOOM_CUDA_LAUNCH();
       }
-      normalize_kernel<T, V, Source::batch><<<blocks, kThreads, 0, s>>>(
-          static_cast<T*>(y), static_cast<const T*>(x), g, out.save_mean, out.save_invstd,
-          static_cast<const A*>(gamma), static_cast<const A*>(beta), h);
-      LOOM_CUDA_LAUNCH();
+      with_relu(a.relu, [&](auto relu) {
+        normalize_kernel<T, V, Source::batch, decltype(relu)::value><<<blocks, kThreads, 0, s>>>(
+            static_cast<T*>(y), static_cast<const T*>(x), static_cast<const T*>(residual), g, out.save_mean,
+            out.save_invstd, static_cast<const A*>(gamma), static_cast<const A*>(beta), h);
+        LOOM_CUDA_LAUNCH();
+      });
     });
   });
 }
@@ -253,8 +265,8 @@ void batch_norm_forward_eval(const BatchNormArgs& a, void* y, const void* x, con
     with_width<T>(can_vectorise<T>(a.s, {x, y}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Geom g = plan(a, V, kTargetBlocks);  // no partials: any split
-      normalize_kernel<T, V, Source::running><<<unsigned(a.c * g.groups), kThreads, 0, as_cuda(stream)>>>(
-          static_cast<T*>(y), static_cast<const T*>(x), g, static_cast<const A*>(running_mean),
+      normalize_kernel<T, V, Source::running, false><<<unsigned(a.c * g.groups), kThreads, 0, as_cuda(stream)>>>(
+          static_cast<T*>(y), static_cast<const T*>(x), nullptr, g, static_cast<const A*>(running_mean),
           static_cast<const A*>(running_var), static_cast<const A*>(gamma), static_cast<const A*>(beta),
           Hyper{a.eps, a.momentum, double(a.n * a.s)});
       LOOM_CUDA_LAUNCH();
@@ -264,10 +276,13 @@ void batch_norm_forward_eval(const BatchNormArgs& a, void* y, const void* x, con
 
 void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* dbeta, const void* dy,
                          const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
-                         StreamHandle stream) {
+                         const void* y, void* dresidual, StreamHandle stream) {
+  LOOM_ASSERT(a.relu == (y != nullptr) && (a.relu || !dresidual),
+              "batch_norm backward: the fused ReLU's output is given exactly when args.relu is set");
   if (a.c == 0) return;
   if (a.layout == ChannelLayout::channels_last && a.n * a.s != 0)  // an empty batch: the zeroing below
-    return backward_channels_last(a, dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, stream);
+    return backward_channels_last(a, dx, dgamma, dbeta, dy, x, gamma, save_mean, save_invstd, y, dresidual,
+                                  stream);
   dispatch_floating(a.dtype, "batch_norm backward", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -277,25 +292,29 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
       LOOM_CUDA(cudaMemsetAsync(dbeta, 0, size_t(a.c) * sizeof(A), s));
       return;
     }
-    with_width<T>(can_vectorise<T>(a.s, {dx, dy, x}), [&](auto width) {
+    with_width<T>(can_vectorise<T>(a.s, {dx, dy, x, y, dresidual}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Geom g = plan(a, V, scratch_groups(a, dx, sizeof(GradSums<A>), alignof(GradSums<A>)));
       const GradChannel<A> ch{static_cast<const A*>(gamma), static_cast<const A*>(save_mean),
                               static_cast<const A*>(save_invstd), static_cast<A*>(dgamma), static_cast<A*>(dbeta)};
       auto* partials = static_cast<GradSums<A>*>(dx);
       const unsigned blocks = unsigned(a.c * g.groups);
-      grad_sums_kernel<T, V>
-          <<<blocks, kThreads, 0, s>>>(static_cast<const T*>(dy), static_cast<const T*>(x), g, ch, partials);
-      LOOM_CUDA_LAUNCH();
-      if (g.groups > 1) {
-        grad_combine_kernel<A>
-            <<<unsigned(ceil_div(a.c, kCombineChannels)), kCombineThreads, 0, s>>>(partials, a.c, g.groups, ch);
+      const T* out = static_cast<const T*>(y);
+      with_relu(a.relu, [&](auto relu) {
+        constexpr bool kRelu = decltype(relu)::value;
+        grad_sums_kernel<T, V, kRelu><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+                                                                  out, g, ch, partials);
         LOOM_CUDA_LAUNCH();
-      }
-      grad_input_kernel<T, V><<<blocks, kThreads, 0, s>>>(static_cast<T*>(dx), static_cast<const T*>(dy),
-                                                          static_cast<const T*>(x), g, ch,
-                                                          Hyper{a.eps, a.momentum, double(a.n * a.s)});
-      LOOM_CUDA_LAUNCH();
+        if (g.groups > 1) {
+          grad_combine_kernel<A>
+              <<<unsigned(ceil_div(a.c, kCombineChannels)), kCombineThreads, 0, s>>>(partials, a.c, g.groups, ch);
+          LOOM_CUDA_LAUNCH();
+        }
+        grad_input_kernel<T, V, kRelu><<<blocks, kThreads, 0, s>>>(
+            static_cast<T*>(dx), static_cast<T*>(dresidual), static_cast<const T*>(dy), static_cast<const T*>(x), out,
+            g, ch, Hyper{a.eps, a.momentum, double(a.n * a.s)});
+        LOOM_CUDA_LAUNCH();
+      });
     });
   });
 }

@@ -74,6 +74,37 @@ __global__ void __launch_bounds__(kCombineThreads) stats_combine_kernel(const We
 // running statistics (running_mean, running_var).
 enum class Source { batch, running };
 
+// ---- the fused ReLU (BatchNormArgs::relu) ----------------------------------------------
+
+// The residual (null: none) added as add() adds two tensors, in the accumulation type and
+// rounded once, then ReLU as relu() takes it: the bits of the three ops run apart.
+template <class T, int V>
+__device__ __forceinline__ Pack<T, V> add_relu(Pack<T, V> p, const Pack<T, V>* residual) {
+  using A = acc_t<T>;
+  if (residual) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p.v[j] = from_acc<T>(to_acc(p.v[j]) + to_acc(residual->v[j]));
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    if (to_acc(p.v[j]) < A(0)) p.v[j] = from_acc<T>(A(0));
+  return p;
+}
+
+// The gradient that reaches the normalisation: dy, and with kRelu dy where y > 0, else 0.
+template <class T, int V, bool kRelu>
+__device__ __forceinline__ Pack<T, V> masked_grad(const T* __restrict__ dy, const T* __restrict__ y, int64_t off) {
+  using A = acc_t<T>;
+  Pack<T, V> g = load<T, V>(dy + off);
+  if constexpr (kRelu) {
+    const Pack<T, V> out = load<T, V>(y + off);
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      if (!(to_acc(out.v[j]) > A(0))) g.v[j] = from_acc<T>(A(0));
+  }
+  return g;
+}
+
 // ---- backward --------------------------------------------------------------------------
 
 template <class A> struct GradSums {
@@ -125,12 +156,18 @@ template <class T, class F> void with_width(bool vectors, F&& f) {
   else f(std::integral_constant<int, 1>{});
 }
 
+// Calls f(std::bool_constant<relu>): the kernels' fused-ReLU variant or the plain one.
+template <class F> void with_relu(bool relu, F&& f) {
+  if (relu) f(std::true_type{});
+  else f(std::false_type{});
+}
+
 // Whether the buffers can move whole 16-byte vectors: rows of `run` contiguous values that
 // hold a whole number of them, and every buffer 16-byte aligned.
 template <class T> bool can_vectorise(int64_t run, std::initializer_list<const void*> buffers) {
   if (run % int64_t(16 / sizeof(T)) != 0) return false;
-  for (const void* p : buffers)
-    if (!aligned(p, 16)) return false;
+  for (const void* p : buffers)  // null: a buffer the call does not use
+    if (p && !aligned(p, 16)) return false;
   return true;
 }
 
@@ -139,12 +176,12 @@ template <class T> bool can_vectorise(int64_t run, std::initializer_list<const v
 // once they have dealt with empty shapes (C == 0, N * S == 0).
 void forward_train_channels_last(const BatchNormArgs& args, void* y, void* save_mean, void* save_invstd,
                                  void* running_mean, void* running_var, const void* x, const void* gamma,
-                                 const void* beta, StreamHandle stream);
+                                 const void* beta, const void* residual, StreamHandle stream);
 void forward_eval_channels_last(const BatchNormArgs& args, void* y, const void* x, const void* gamma,
                                 const void* beta, const void* running_mean, const void* running_var,
                                 StreamHandle stream);
 void backward_channels_last(const BatchNormArgs& args, void* dx, void* dgamma, void* dbeta, const void* dy,
                             const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
-                            StreamHandle stream);
+                            const void* y, void* dresidual, StreamHandle stream);
 
 }  // namespace loom::cuda::batch_norm

@@ -99,6 +99,10 @@ template <class T, int V> struct PackPair {
   Pack<T, V> dy, x;
 };
 
+template <class T, int V> struct WithResidual {
+  Pack<T, V> x, residual;  // residual: unset where there is none
+};
+
 // ---- statistics ------------------------------------------------------------------------
 
 // Welford states of V channels that have seen the same rows.
@@ -191,11 +195,13 @@ __global__ void __launch_bounds__(kThreads)
   else partials[c * g.groups + l.group] = channel;
 }
 
-// y = (x - mean) * invstd * gamma + beta.
-template <class T, int V, Source kSource>
+// y = (x - mean) * invstd * gamma + beta; with kRelu, y = relu(that + residual) (residual
+// may be null), rounded as the separate ops round (batch_norm.cuh, add_relu).
+template <class T, int V, Source kSource, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    normalize_kernel(T* __restrict__ y, const T* __restrict__ x, Geom g, const acc_t<T>* mean,
-                     const acc_t<T>* spread, const acc_t<T>* gamma, const acc_t<T>* beta, Hyper h) {
+    normalize_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ residual, Geom g,
+                     const acc_t<T>* mean, const acc_t<T>* spread, const acc_t<T>* gamma, const acc_t<T>* beta,
+                     Hyper h) {
   using A = acc_t<T>;
   const Lane l = lane_of<V>(g);
   if (l.row >= l.end) return;
@@ -209,10 +215,18 @@ __global__ void __launch_bounds__(kThreads)
     shift[j] = beta ? beta[c] : A(0);
   }
   for_each_row(
-      g, l, [&](int64_t off) { return load<T, V>(x + off); },
-      [&](Pack<T, V> p, int64_t off) {
+      g, l,
+      [&](int64_t off) {
+        WithResidual<T, V> in;
+        in.x = load<T, V>(x + off);
+        if (kRelu && residual) in.residual = load<T, V>(residual + off);
+        return in;
+      },
+      [&](const WithResidual<T, V>& in, int64_t off) {
+        Pack<T, V> p;
 #pragma unroll
-        for (int j = 0; j < V; ++j) p.v[j] = from_acc<T>((to_acc(p.v[j]) - mu[j]) * scale[j] + shift[j]);
+        for (int j = 0; j < V; ++j) p.v[j] = from_acc<T>((to_acc(in.x.v[j]) - mu[j]) * scale[j] + shift[j]);
+        if constexpr (kRelu) p = add_relu<T, V>(p, residual ? &in.residual : nullptr);
         store<T, V>(y + off, p);
       });
 }
@@ -220,10 +234,10 @@ __global__ void __launch_bounds__(kThreads)
 // ---- backward --------------------------------------------------------------------------
 
 // A block's sums over its tile and rows; groups == 1: the channels' dbeta and dgamma.
-template <class T, int V>
+template <class T, int V, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x, Geom g, GradChannel<acc_t<T>> ch,
-                     GradSums<acc_t<T>>* partials) {
+    grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ y, Geom g,
+                     GradChannel<acc_t<T>> ch, GradSums<acc_t<T>>* partials) {
   using A = acc_t<T>;
   __shared__ GradSums<A> warps[kWarps][32 * V];
   const Lane l = lane_of<V>(g);
@@ -232,7 +246,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < V; ++j) mu[j] = l.row < l.end ? ch.save_mean[l.col + j] : A(0);
   SumsVec<A, V> acc{};
   for_each_row(
-      g, l, [&](int64_t off) { return PackPair<T, V>{load<T, V>(dy + off), load<T, V>(x + off)}; },
+      g, l, [&](int64_t off) { return PackPair<T, V>{masked_grad<T, V, kRelu>(dy, y, off), load<T, V>(x + off)}; },
       [&](const PackPair<T, V>& p, int64_t) {
 #pragma unroll
         for (int j = 0; j < V; ++j) {
@@ -249,11 +263,12 @@ __global__ void __launch_bounds__(kThreads)
   else partials[c * g.groups + l.group] = channel;
 }
 
-// dx = gamma invstd / M (M dy - dbeta - xhat dgamma), arranged as k_dy dy - k_x (x - mean) - k_0.
-template <class T, int V>
+// dx = gamma invstd / M (M dy - dbeta - xhat dgamma), arranged as k_dy dy - k_x (x - mean) - k_0;
+// with kRelu, dy masked by y, and the masked dy written to dres when that is not null.
+template <class T, int V, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    grad_input_kernel(T* __restrict__ dx, const T* __restrict__ dy, const T* __restrict__ x, Geom g,
-                      GradChannel<acc_t<T>> ch, Hyper h) {
+    grad_input_kernel(T* __restrict__ dx, T* __restrict__ dres, const T* __restrict__ dy, const T* __restrict__ x,
+                      const T* __restrict__ y, Geom g, GradChannel<acc_t<T>> ch, Hyper h) {
   using A = acc_t<T>;
   const Lane l = lane_of<V>(g);
   if (l.row >= l.end) return;
@@ -269,8 +284,9 @@ __global__ void __launch_bounds__(kThreads)
     k_0[j] = k_dy[j] * ch.dbeta[c] / m;
   }
   for_each_row(
-      g, l, [&](int64_t off) { return PackPair<T, V>{load<T, V>(dy + off), load<T, V>(x + off)}; },
+      g, l, [&](int64_t off) { return PackPair<T, V>{masked_grad<T, V, kRelu>(dy, y, off), load<T, V>(x + off)}; },
       [&](const PackPair<T, V>& p, int64_t off) {
+        if (kRelu && dres) store<T, V>(dres + off, p.dy);
         Pack<T, V> out;
 #pragma unroll
         for (int j = 0; j < V; ++j)
@@ -324,11 +340,11 @@ unsigned combine_blocks(const BatchNormArgs& a) { return unsigned(ceil_div(a.c, 
 
 void forward_train_channels_last(const BatchNormArgs& a, void* y, void* save_mean, void* save_invstd,
                                  void* running_mean, void* running_var, const void* x, const void* gamma,
-                                 const void* beta, StreamHandle stream) {
+                                 const void* beta, const void* residual, StreamHandle stream) {
   dispatch_floating(a.dtype, "batch_norm", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    with_width<T>(can_vectorise<T>(a.c, {x, y}), [&](auto width) {
+    with_width<T>(can_vectorise<T>(a.c, {x, y, residual}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Scratch<Welford<A>> scratch = scratch_in<Welford<A>>(y, a);
       const Geom g = plan(a, V, scratch.max_groups);
@@ -342,10 +358,12 @@ void forward_train_channels_last(const BatchNormArgs& a, void* y, void* save_mea
         stats_combine_kernel<A><<<combine_blocks(a), kCombineThreads, 0, s>>>(scratch.partials, a.c, g.groups, out, h);
         LOOM_CUDA_LAUNCH();
       }
-      normalize_kernel<T, V, Source::batch><<<blocks_of(g), kThreads, 0, s>>>(
-          static_cast<T*>(y), static_cast<const T*>(x), g, out.save_mean, out.save_invstd,
-          static_cast<const A*>(gamma), static_cast<const A*>(beta), h);
-      LOOM_CUDA_LAUNCH();
+      with_relu(a.relu, [&](auto relu) {
+        normalize_kernel<T, V, Source::batch, decltype(relu)::value><<<blocks_of(g), kThreads, 0, s>>>(
+            static_cast<T*>(y), static_cast<const T*>(x), static_cast<const T*>(residual), g, out.save_mean,
+            out.save_invstd, static_cast<const A*>(gamma), static_cast<const A*>(beta), h);
+        LOOM_CUDA_LAUNCH();
+      });
     });
   });
 }
@@ -359,8 +377,8 @@ void forward_eval_channels_last(const BatchNormArgs& a, void* y, const void* x, 
     with_width<T>(can_vectorise<T>(a.c, {x, y}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Geom g = plan(a, V, kTargetBlocks);  // no partials: any split
-      normalize_kernel<T, V, Source::running><<<blocks_of(g), kThreads, 0, as_cuda(stream)>>>(
-          static_cast<T*>(y), static_cast<const T*>(x), g, static_cast<const A*>(running_mean),
+      normalize_kernel<T, V, Source::running, false><<<blocks_of(g), kThreads, 0, as_cuda(stream)>>>(
+          static_cast<T*>(y), static_cast<const T*>(x), nullptr, g, static_cast<const A*>(running_mean),
           static_cast<const A*>(running_var), static_cast<const A*>(gamma), static_cast<const A*>(beta),
           Hyper{a.eps, a.momentum, double(a.n * a.s)});
       LOOM_CUDA_LAUNCH();
@@ -370,28 +388,32 @@ void forward_eval_channels_last(const BatchNormArgs& a, void* y, const void* x, 
 
 void backward_channels_last(const BatchNormArgs& a, void* dx, void* dgamma, void* dbeta, const void* dy,
                             const void* x, const void* gamma, const void* save_mean, const void* save_invstd,
-                            StreamHandle stream) {
+                            const void* y, void* dresidual, StreamHandle stream) {
   dispatch_floating(a.dtype, "batch_norm backward", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    with_width<T>(can_vectorise<T>(a.c, {dx, dy, x}), [&](auto width) {
+    with_width<T>(can_vectorise<T>(a.c, {dx, dy, x, y, dresidual}), [&](auto width) {
       constexpr int V = decltype(width)::value;
       const Scratch<GradSums<A>> scratch = scratch_in<GradSums<A>>(dx, a);
       const Geom g = plan(a, V, scratch.max_groups);
       const GradChannel<A> ch{static_cast<const A*>(gamma), static_cast<const A*>(save_mean),
                               static_cast<const A*>(save_invstd), static_cast<A*>(dgamma), static_cast<A*>(dbeta)};
       cudaStream_t s = as_cuda(stream);
-      grad_sums_kernel<T, V><<<blocks_of(g), kThreads, 0, s>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
-                                                                g, ch, scratch.partials);
-      LOOM_CUDA_LAUNCH();
-      if (g.groups > 1) {
-        grad_combine_kernel<A><<<combine_blocks(a), kCombineThreads, 0, s>>>(scratch.partials, a.c, g.groups, ch);
+      const T* out = static_cast<const T*>(y);
+      with_relu(a.relu, [&](auto relu) {
+        constexpr bool kRelu = decltype(relu)::value;
+        grad_sums_kernel<T, V, kRelu><<<blocks_of(g), kThreads, 0, s>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), out, g, ch, scratch.partials);
         LOOM_CUDA_LAUNCH();
-      }
-      grad_input_kernel<T, V><<<blocks_of(g), kThreads, 0, s>>>(static_cast<T*>(dx), static_cast<const T*>(dy),
-                                                                 static_cast<const T*>(x), g, ch,
-                                                                 Hyper{a.eps, a.momentum, double(a.n * a.s)});
-      LOOM_CUDA_LAUNCH();
+        if (g.groups > 1) {
+          grad_combine_kernel<A><<<combine_blocks(a), kCombineThreads, 0, s>>>(scratch.partials, a.c, g.groups, ch);
+          LOOM_CUDA_LAUNCH();
+        }
+        grad_input_kernel<T, V, kRelu><<<blocks_of(g), kThreads, 0, s>>>(
+            static_cast<T*>(dx), static_cast<T*>(dresidual), static_cast<const T*>(dy), static_cast<const T*>(x), out,
+            g, ch, Hyper{a.eps, a.momentum, double(a.n * a.s)});
+        LOOM_CUDA_LAUNCH();
+      });
     });
   });
 }

@@ -36,9 +36,8 @@ BasicBlock::BasicBlock(int64_t in_channels, int64_t out_channels, int stride) {
 }
 
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = relu(bn1->forward(conv1->forward(x)));
-  out = bn2->forward(conv2->forward(out));
-  return relu(add(out, downsample ? downsample->forward(x) : x));
+  Tensor out = bn1->forward_relu(conv1->forward(x));
+  return bn2->forward_relu(conv2->forward(out), downsample ? downsample->forward(x) : x);
 }
 
 ResNet::ResNet(std::array<int, 4> blocks_per_stage, int64_t num_classes, int64_t in_channels)
@@ -65,7 +64,7 @@ ResNet::ResNet(std::array<int, 4> blocks_per_stage, int64_t num_classes, int64_t
 Tensor ResNet::forward(const Tensor& input) {
   LOOM_CHECK(input.dim() == 4 && input.size(1) == in_channels_, "ResNet: expected images (N, ", in_channels_,
              ", H, W), got ", shape_str(input.shape()));
-  Tensor x = relu(bn1->forward(conv1->forward(input)));
+  Tensor x = bn1->forward_relu(conv1->forward(input));
   for (const auto& stage : stages) x = stage->forward(x);
   x = adaptive_avg_pool2d(x, {1, 1}).flatten(1);
   return fc->forward(x);

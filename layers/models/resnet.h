@@ -18,6 +18,8 @@ namespace loom::nn {
 
 // Two 3x3 convolutions with BatchNorm and a shortcut (a 1x1 strided convolution with
 // BatchNorm where the shape changes): relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)).
+// Each ReLU, and the add before the second, runs inside its BatchNorm's kernels
+// (BatchNorm::forward_relu), with the values and gradients of the separate ops.
 class BasicBlock : public Module {
  public:
   BasicBlock(int64_t in_channels, int64_t out_channels, int stride);

@@ -220,6 +220,23 @@ const std::vector<OpCase>& op_cases() {
        [](L x) { return batch_norm(x[0], Tensor(), Tensor(), x[1], x[2], true); }},
       {"batch_norm_train_channels_last", {{{3, 2, 2, 3}}, {{2}}, {{2}}},
        [](L x) { return batch_norm(nhwc(x[0]), Tensor(), Tensor(), x[1], x[2], true); }},
+      {"batch_norm_relu_residual", {{{3, 2, 2, 3}}, {{2}}, {{2}}, {{3, 2, 2, 3}}},
+       [](L x) { return batch_norm_relu(x[0], x[3], Tensor(), Tensor(), x[1], x[2], true); }, false},
+      {"batch_norm_relu_channels_last", {{{3, 2, 2, 3}}, {{2}}, {{2}}, {{3, 2, 2, 3}}},
+       [](L x) { return batch_norm_relu(nhwc(x[0]), nhwc(x[3]), Tensor(), Tensor(), x[1], x[2], true); },
+       false},
+      {"batch_norm_relu_no_residual", {{{4, 3, 5}}, {{3}}},
+       [](L x) {
+         return batch_norm_relu(x[0], Tensor(), channel_values(x[0], {0.5, -1, 0}), channel_values(x[0], {1, 2, 0.5}),
+                                x[1], Tensor(), true, 0.3, 1e-3);
+       },
+       false},
+      {"batch_norm_relu_eval", {{{2, 3, 2, 2}}, {{3}}, {{2, 3, 2, 2}}},
+       [](L x) {
+         return batch_norm_relu(x[0], x[2], channel_values(x[0], {0.5, -1, 0.25}), channel_values(x[0], {1.5, 0.5, 2}),
+                                x[1], Tensor(), false);
+       },
+       false},
       {"batch_norm_train_2d", {{{5, 3}}},
        [](L x) { return batch_norm(x[0], Tensor(), Tensor(), Tensor(), Tensor(), true); }},
       {"batch_norm_train_3d_running_stats", {{{4, 3, 5}}, {{3}}},

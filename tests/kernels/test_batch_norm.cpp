@@ -133,7 +133,7 @@ void check_training(const Shape3& sh, WithAffine affine) {
   const bool with = affine == WithAffine::yes;
   cpu::batch_norm_forward_train(a, y.data(), save_mean.data(), save_invstd.data(), running_mean.data(),
                                 running_var.data(), x.data(), with ? gamma.data() : nullptr,
-                                with ? beta.data() : nullptr, nullptr);
+                                with ? beta.data() : nullptr, nullptr, nullptr);
 
   const RefStats r = reference_stats(sh, xe, a.eps);
   const double m = double(sh.n * sh.s);
@@ -201,7 +201,8 @@ void check_backward(const Shape3& sh, WithAffine affine) {
   std::vector<T> dx(x.size());
   std::vector<A> dgamma(size_t(sh.c)), dbeta(size_t(sh.c));
   cpu::batch_norm_backward(a, dx.data(), dgamma.data(), dbeta.data(), dy.data(), x.data(),
-                           with ? gamma.data() : nullptr, save_mean.data(), save_invstd.data(), nullptr);
+                           with ? gamma.data() : nullptr, save_mean.data(), save_invstd.data(), nullptr, nullptr,
+                           nullptr);
 
   // The reference works from the statistics as saved (rounded to A), as the kernel does.
   const double m = double(sh.n * sh.s);
@@ -290,10 +291,10 @@ void check_channels_last(const Shape3& sh, WithAffine affine) {
     Run r{std::vector<T>(xs.size()), std::vector<T>(xs.size()), std::vector<T>(xs.size()), std::vector<A>(c),
           std::vector<A>(c), rm0, rv0, std::vector<A>(c), std::vector<A>(c)};
     cpu::batch_norm_forward_train(a, r.y.data(), r.mean.data(), r.invstd.data(), r.rm.data(), r.rv.data(), xs.data(),
-                                  g, b, nullptr);
+                                  g, b, nullptr, nullptr);
     cpu::batch_norm_forward_eval(a, r.y_eval.data(), xs.data(), g, b, rm0.data(), rv0.data(), nullptr);
     cpu::batch_norm_backward(a, r.dx.data(), r.dgamma.data(), r.dbeta.data(), dys.data(), xs.data(), g,
-                             r.mean.data(), r.invstd.data(), nullptr);
+                             r.mean.data(), r.invstd.data(), nullptr, nullptr, nullptr);
     return r;
   };
   const Run rows = run(ChannelLayout::channels_first, x, dy);
@@ -330,7 +331,7 @@ TEST(BatchNormKernel, NullRunningStatisticsAreLeftAlone) {
   a.n = sh.n, a.c = sh.c, a.s = sh.s;
   std::vector<float> y(x.size()), mean(2), invstd(2);
   cpu::batch_norm_forward_train(a, y.data(), mean.data(), invstd.data(), nullptr, nullptr, x.data(), nullptr, nullptr,
-                                nullptr);
+                                nullptr, nullptr);
   const RefStats r = reference_stats(sh, xe, a.eps);
   expect_close(mean, r.mean, 1e-6, "save_mean");
   expect_close(invstd, r.invstd, 1e-6, "save_invstd");
@@ -350,7 +351,7 @@ TEST(BatchNormKernel, LargeMeanKeepsTheVariance) {
   a.n = sh.n, a.c = sh.c, a.s = sh.s;
   std::vector<float> y(x.size()), mean(2), invstd(2);
   cpu::batch_norm_forward_train(a, y.data(), mean.data(), invstd.data(), nullptr, nullptr, x.data(), nullptr, nullptr,
-                                nullptr);
+                                nullptr, nullptr);
   expect_close(invstd, reference_stats(sh, xe, a.eps).invstd, 1e-6, "save_invstd");
 }
 
@@ -360,7 +361,7 @@ TEST(BatchNormKernel, EmptyBatchBackwardGivesZeroSums) {
     a.n = 0, a.c = 3, a.s = 4, a.layout = layout;
     std::vector<float> dgamma(3, 7.f), dbeta(3, 7.f), mean(3, 0.f), invstd(3, 1.f);
     cpu::batch_norm_backward(a, nullptr, dgamma.data(), dbeta.data(), nullptr, nullptr, nullptr, mean.data(),
-                             invstd.data(), nullptr);
+                             invstd.data(), nullptr, nullptr, nullptr);
     EXPECT_EQ(dgamma, std::vector<float>(3, 0.f));
     EXPECT_EQ(dbeta, std::vector<float>(3, 0.f));
   }

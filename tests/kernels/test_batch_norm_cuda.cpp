@@ -6,7 +6,8 @@
 // not 16-byte aligned. The channels-last (N, S, C) kernels are checked the same way against
 // the CPU's channels-last kernels, over ResNet-18's four stages at batch 256 and over channel
 // counts that do and do not fill whole vectors and tiles. Also: repeated runs give identical
-// bits, and a large common offset leaves the variance intact.
+// bits, a large common offset leaves the variance intact, and the fused ReLU (with and without
+// a residual) is the plain kernels followed by the add and the ReLU, to the bit.
 //
 // Tolerances: per-channel statistics are f32 sums on the GPU and pairwise f64 on the CPU,
 // so they agree to a few f32 roundings of the sum of magnitudes; outputs may differ by an
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -158,11 +160,11 @@ void check_case(const Case& k, ChannelLayout layout, WithAffine affine, int misa
   std::vector<T> y(numel), y_eval(numel), dx(numel);
   std::vector<A> mean(c), invstd(c), rm = rm0, rv = rv0, dgamma(c), dbeta(c);
   cpu::batch_norm_forward_train(a, y.data(), mean.data(), invstd.data(), rm.data(), rv.data(), x.data(),
-                                with ? gamma.data() : nullptr, with ? beta.data() : nullptr, nullptr);
+                                with ? gamma.data() : nullptr, with ? beta.data() : nullptr, nullptr, nullptr);
   cpu::batch_norm_forward_eval(a, y_eval.data(), x.data(), with ? gamma.data() : nullptr,
                                with ? beta.data() : nullptr, rm0.data(), rv0.data(), nullptr);
   cpu::batch_norm_backward(a, dx.data(), dgamma.data(), dbeta.data(), dy.data(), x.data(),
-                           with ? gamma.data() : nullptr, mean.data(), invstd.data(), nullptr);
+                           with ? gamma.data() : nullptr, mean.data(), invstd.data(), nullptr, nullptr, nullptr);
 
   // GPU, with buffers `misalign` elements into their allocations.
   auto padded = [&](const std::vector<T>& v) {
@@ -176,11 +178,11 @@ void check_case(const Case& k, ChannelLayout layout, WithAffine affine, int misa
   const A* gg = with ? ggamma.get() : nullptr;
   const A* gb = with ? gbeta.get() : nullptr;
   cuda::batch_norm_forward_train(a, gy.get() + misalign, gmean.get(), ginvstd.get(), grm.get(), grv.get(),
-                                 gx.get() + misalign, gg, gb, nullptr);
+                                 gx.get() + misalign, gg, gb, nullptr, nullptr);
   cuda::batch_norm_forward_eval(a, gye.get() + misalign, gx.get() + misalign, gg, gb, grm0.get(), grv0.get(), nullptr);
   // The backward takes the CPU's saved statistics, so it is compared on its own.
   cuda::batch_norm_backward(a, gdx.get() + misalign, gdgamma.get(), gdbeta.get(), gdy.get() + misalign,
-                            gx.get() + misalign, gg, gsave_mean.get(), gsave_invstd.get(), nullptr);
+                            gx.get() + misalign, gg, gsave_mean.get(), gsave_invstd.get(), nullptr, nullptr, nullptr);
   auto unpad = [&](const DeviceBuffer<T>& b) {
     std::vector<T> h = b.to_host();
     return std::vector<T>(h.begin() + misalign, h.end());
@@ -293,9 +295,9 @@ template <class T> void check_repeatable(const Case& k, ChannelLayout layout) {
   };
   for (auto& bytes : runs) {
     cuda::batch_norm_forward_train(a, gy.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), nullptr,
-                                   nullptr, nullptr);
+                                   nullptr, nullptr, nullptr);
     cuda::batch_norm_backward(a, gdx.get(), gdg.get(), gdb.get(), gdy.get(), gx.get(), nullptr, gmean.get(),
-                              ginvstd.get(), nullptr);
+                              ginvstd.get(), nullptr, nullptr, nullptr);
     append(bytes, gy.to_host());
     append(bytes, gdx.to_host());
     for (const auto& part : {gmean.to_host(), ginvstd.to_host(), gdg.to_host(), gdb.to_host()}) append(bytes, part);
@@ -328,10 +330,10 @@ TEST(BatchNormCuda, LargeMeanKeepsTheVariance) {
       const size_t c = size_t(k.c);
       std::vector<float> y(x.size()), mean(c), invstd(c);
       cpu::batch_norm_forward_train(a, y.data(), mean.data(), invstd.data(), nullptr, nullptr, x.data(), nullptr,
-                                    nullptr, nullptr);
+                                    nullptr, nullptr, nullptr);
       DeviceBuffer<float> gx(x), gy(x.size()), gmean(c), ginvstd(c);
       cuda::batch_norm_forward_train(a, gy.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), nullptr,
-                                     nullptr, nullptr);
+                                     nullptr, nullptr, nullptr);
       std::vector<double> rel(c);
       for (size_t i = 0; i < c; ++i) rel[i] = std::abs(double(invstd[i]));
       expect_close(ginvstd.to_host(), invstd, rel, 1e-4, "save_invstd");
@@ -346,10 +348,89 @@ TEST(BatchNormCuda, EmptyBatchBackwardGivesZeroSums) {
     a.n = 0, a.c = 3, a.s = 4, a.layout = layout;
     DeviceBuffer<float> dg(std::vector<float>(3, 7.f)), db(std::vector<float>(3, 7.f)), mean(3), invstd(3);
     cuda::batch_norm_backward(a, nullptr, dg.get(), db.get(), nullptr, nullptr, nullptr, mean.get(), invstd.get(),
-                              nullptr);
+                              nullptr, nullptr, nullptr);
     EXPECT_EQ(dg.to_host(), std::vector<float>(3, 0.f));
     EXPECT_EQ(db.to_host(), std::vector<float>(3, 0.f));
   }
+}
+
+// The fused ReLU (BatchNormArgs::relu) against the plain kernels with the epilogue done on the
+// host: y = relu(plain y + residual) and, backward, the plain kernels fed dy masked by that y,
+// to the bit; the residual's gradient is the masked dy. Residual values of the outputs' size
+// make many sums cross zero.
+template <class T> T host_add_relu(T v, const T* residual) {
+  using A = acc_of<T>;
+  if (residual) v = T(A(v) + A(*residual));
+  return A(v) < A(0) ? T(A(0)) : v;
+}
+
+template <class V> void expect_same_bits(const std::vector<V>& got, const std::vector<V>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_EQ(std::memcmp(&got[i], &want[i], sizeof(V)), 0)
+        << what << " element " << i << ": " << to_double(got[i]) << " against " << to_double(want[i]);
+}
+
+template <class T> void check_fused(const Case& k, ChannelLayout layout, bool with_residual) {
+  using A = acc_of<T>;
+  SCOPED_TRACE(std::string(k.name) + (layout == kLast ? " channels-last" : "") +
+               (with_residual ? " with a residual" : ""));
+  std::mt19937 rng(31);
+  const auto x = channel_values<T>(k, 2.0, 0.3, -1.0, rng, layout), dy = channel_values<T>(k, 1.0, 0.0, 0.0, rng, layout),
+             residual = channel_values<T>(k, 1.0, 0.0, 0.0, rng, layout);
+  const auto gamma = per_channel<A>(k.c, 0.5, 1.5, rng), beta = per_channel<A>(k.c, -1, 1, rng);
+  BatchNormArgs a;
+  a.dtype = dtype_of<T>();
+  a.n = k.n, a.c = k.c, a.s = k.s, a.layout = layout;
+  const size_t numel = x.size(), c = size_t(k.c);
+  DeviceBuffer<T> gx(x), gdy(dy), gres(residual), gy(numel), gyf(numel), gdx(numel), gdxf(numel), gdres(numel);
+  DeviceBuffer<A> ggamma(gamma), gbeta(beta), gmean(c), ginvstd(c), gdg(c), gdb(c), gdgf(c), gdbf(c);
+  const T* r = with_residual ? gres.get() : nullptr;
+
+  cuda::batch_norm_forward_train(a, gy.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), ggamma.get(),
+                                 gbeta.get(), nullptr, nullptr);
+  BatchNormArgs f = a;
+  f.relu = true;
+  cuda::batch_norm_forward_train(f, gyf.get(), gmean.get(), ginvstd.get(), nullptr, nullptr, gx.get(), ggamma.get(),
+                                 gbeta.get(), r, nullptr);
+  std::vector<T> want = gy.to_host();
+  for (size_t i = 0; i < numel; ++i) want[i] = host_add_relu(want[i], with_residual ? &residual[i] : nullptr);
+  const std::vector<T> yf = gyf.to_host();
+  expect_same_bits(yf, want, "y");
+
+  std::vector<T> masked = dy;
+  for (size_t i = 0; i < numel; ++i)
+    if (!(A(yf[i]) > A(0))) masked[i] = T(A(0));
+  DeviceBuffer<T> gmasked(masked);
+  cuda::batch_norm_backward(a, gdx.get(), gdg.get(), gdb.get(), gmasked.get(), gx.get(), ggamma.get(), gmean.get(),
+                            ginvstd.get(), nullptr, nullptr, nullptr);
+  cuda::batch_norm_backward(f, gdxf.get(), gdgf.get(), gdbf.get(), gdy.get(), gx.get(), ggamma.get(), gmean.get(),
+                            ginvstd.get(), gyf.get(), with_residual ? gdres.get() : nullptr, nullptr);
+  expect_same_bits(gdxf.to_host(), gdx.to_host(), "dx");
+  expect_same_bits(gdgf.to_host(), gdg.to_host(), "dgamma");
+  expect_same_bits(gdbf.to_host(), gdb.to_host(), "dbeta");
+  if (with_residual) expect_same_bits(gdres.to_host(), masked, "dresidual");
+}
+
+template <class T> void check_fused_all() {
+  for (bool with_residual : {false, true}) {
+    for (const Case& k : cases()) check_fused<T>(k, kFirst, with_residual);
+    for (const Case& k : channels_last_cases()) check_fused<T>(k, kLast, with_residual);
+  }
+}
+
+TEST(BatchNormCuda, FusedReluIsThePlainKernelsThenTheEpilogueF32) {
+  LOOM_REQUIRE_CUDA();
+  check_fused_all<float>();
+}
+TEST(BatchNormCuda, FusedReluIsThePlainKernelsThenTheEpilogueBf16) {
+  LOOM_REQUIRE_CUDA();
+  check_fused_all<bf16>();
+}
+TEST(BatchNormCuda, FusedReluIsThePlainKernelsThenTheEpilogueF64) {
+  LOOM_REQUIRE_CUDA();
+  check_fused<double>({"resnet_stage3", 128, 256, 64}, kFirst, true);
+  check_fused<double>({"resnet_stage3", 256, 256, 64}, kLast, true);
 }
 
 }  // namespace

@@ -2,12 +2,15 @@
 // statistics after two training forwards against the update formula written out, eval
 // mode normalising with them, num_batches_tracked, switching between modes, layers
 // without affine parameters or running statistics, a bf16 module, float64
-// finite-difference gradients, and the messages for wrong input.
+// finite-difference gradients, the fused forward_relu against the ops it fuses, and the
+// messages for wrong input.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
@@ -180,6 +183,75 @@ TEST(BatchNormLayer, GradientsMatchFiniteDifferencesInFloat64) {
     test::expect_gradients_match_finite_differences([&] { return bn.forward(x); }, {x, bn.weight, bn.bias},
                                                     {"input", "weight", "bias"});
   }
+}
+
+// forward_relu(x, r) against forward, add and relu run one after another: the same output,
+// running statistics and gradients (input, residual, weight, bias), bit for bit, in every
+// dtype and layout, training and eval. The residual's scale makes many sums cross zero.
+TEST(BatchNormLayer, ForwardReluIsForwardAddAndReluBitForBit) {
+  for (DType dtype : {DType::f32, DType::bf16, DType::f64})
+    for (MemoryFormat format : {MemoryFormat::contiguous, MemoryFormat::channels_last})
+      for (bool with_residual : {false, true})
+        for (bool training : {true, false}) {
+          SCOPED_TRACE(std::string(dtype_name(dtype)) + (format == MemoryFormat::contiguous ? "" : " channels-last") +
+                       (with_residual ? " with a residual" : "") + (training ? " training" : " eval"));
+          manual_seed(17);
+          BatchNorm2d fused(3), apart(3);
+          if (dtype == DType::f64) {
+            fused.to(DType::f64);
+            apart.to(DType::f64);
+          }
+          {
+            NoGradGuard no_grad;
+            normal_(fused.weight, 1.0, 0.5);
+            normal_(fused.bias, 0.0, 0.5);
+            uniform_(fused.running_var, 0.5, 2.0);
+            for (auto [to, from] : {std::pair{apart.weight, fused.weight}, std::pair{apart.bias, fused.bias},
+                                    std::pair{apart.running_var, fused.running_var}})
+              copy_(to, from);
+          }
+          fused.train(training);
+          apart.train(training);
+          Tensor x0 = randn({4, 3, 5, 5}).to(dtype).contiguous(format);
+          Tensor r0 = randn({4, 3, 5, 5}).to(dtype).contiguous(format);
+          Tensor g = randn({4, 3, 5, 5}).to(dtype);
+          auto run = [&](BatchNorm2d& bn, bool fuse) {
+            Tensor x = x0.detach().set_requires_grad(), r = r0.detach().set_requires_grad();
+            Tensor y = fuse ? bn.forward_relu(x, with_residual ? r : Tensor())
+                            : relu(with_residual ? add(bn.forward(x), r) : bn.forward(x));
+            sum(mul(y, g)).backward();
+            std::vector<Tensor> out{y.detach(), bn.running_mean, bn.running_var, x.grad(), bn.weight.grad(),
+                                    bn.bias.grad()};
+            if (with_residual) out.push_back(r.grad());
+            return out;
+          };
+          const std::vector<Tensor> a = run(fused, true), b = run(apart, false);
+          const char* names[] = {"output", "running_mean", "running_var", "input gradient", "weight gradient",
+                                 "bias gradient", "residual gradient"};
+          for (size_t i = 0; i < a.size(); ++i) {
+            ASSERT_TRUE(a[i].defined() && b[i].defined()) << names[i];
+            EXPECT_EQ(a[i].memory_format(), b[i].memory_format()) << names[i];
+            EXPECT_EQ(a[i].to(DType::f64).to_vector<double>(), b[i].to(DType::f64).to_vector<double>()) << names[i];
+          }
+        }
+}
+
+// Its gradients against finite differences, with and without a residual.
+TEST(BatchNormLayer, ForwardReluGradientsMatchFiniteDifferencesInFloat64) {
+  manual_seed(18);
+  BatchNorm2d bn(3);
+  bn.to(DType::f64);
+  {
+    NoGradGuard no_grad;
+    normal_(bn.weight, 1.0, 0.5);
+    normal_(bn.bias, 0.0, 0.5);
+  }
+  Tensor x = randn({2, 3, 2, 3}, DType::f64).set_requires_grad();
+  Tensor r = randn({2, 3, 2, 3}, DType::f64).set_requires_grad();
+  test::expect_gradients_match_finite_differences([&] { return bn.forward_relu(x, r); }, {x, r, bn.weight, bn.bias},
+                                                  {"input", "residual", "weight", "bias"});
+  test::expect_gradients_match_finite_differences([&] { return bn.forward_relu(x); }, {x, bn.weight, bn.bias},
+                                                  {"input", "weight", "bias"});
 }
 
 TEST(BatchNormLayer, Bf16ModuleComputesInF32AndKeepsItsDtypes) {
