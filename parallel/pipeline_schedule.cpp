@@ -305,6 +305,25 @@ double Simulation::bubble() const {
   return idle / (makespan * double(busy.size()));
 }
 
+double bubble_floor(const Schedule& s, const std::vector<Costs>& stage_costs) {
+  LOOM_CHECK(int(stage_costs.size()) == s.stages, "bubble_floor: ", stage_costs.size(), " stage costs for ", s.stages,
+             " stages");
+  const bool split = s.split_backward();
+  auto work = [&](const Costs& c) {
+    if (s.forward_only) return c.forward;
+    return c.forward + (split ? c.backward_input + c.backward_weight : c.backward);
+  };
+  double total = 0, floor = 0, head = 0;  // head: the first micro-batch's forwards before rank r's first stage
+  for (int r = 0; r < s.ranks; ++r) {
+    double share = 0;
+    for (int stage : s.stages_of(r)) share += double(s.microbatches) * work(stage_costs[size_t(stage)]);
+    total += share;
+    floor = std::max(floor, head + share);
+    head += stage_costs[size_t(r)].forward;
+  }
+  return floor > 0 ? 1 - total / (floor * double(s.ranks)) : 0;
+}
+
 double formula_bubble(ScheduleKind kind, int ranks, int microbatches, int stages_per_rank) {
   const double p = ranks, m = microbatches;
   const double v = kind == ScheduleKind::interleaved ? stages_per_rank : 1;

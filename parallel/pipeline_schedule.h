@@ -145,6 +145,16 @@ Simulation check_schedule(const Schedule& schedule, const Costs& costs = {});
 // differ, as stage 0's empty input half and the last stage's loss make them.
 Simulation check_schedule(const Schedule& schedule, const std::vector<Costs>& stage_costs);
 
+// A floor under the bubble of every schedule of these stages on these ranks, the way
+// check_schedule counts it (transfers free): rank r can compute nothing before the first
+// micro-batch's forward has been through the stages before its first (stage r), and then has
+// its whole share to do, so no step is shorter than the longest of those sums. Not tight (it
+// ignores the wait at the end for the last micro-batch's gradient), but no order reaches
+// below it: a target under it needs other stages, not another schedule. stage_costs as for
+// check_schedule; the work counted is each schedule's own (F + B, or F + I + W when split;
+// forwards alone for an evaluation).
+double bubble_floor(const Schedule& schedule, const std::vector<Costs>& stage_costs);
+
 // The bubble fraction of GPipe and 1F1B with equal stages, (p - 1) / (m + p - 1); for the
 // interleaved schedule (p - 1) / (v m + p - 1).
 double formula_bubble(ScheduleKind kind, int ranks, int microbatches, int stages_per_rank = 1);

@@ -12,7 +12,9 @@
 // simulation), then at each stage's own mean spans ("per stage"): stage 0's input half is
 // empty, the last stage's forward holds the loss, and an input half can cost more than its
 // weight half. What the measured bubble has above the per-stage figure is the executor's:
-// transfers and bookkeeping.
+// transfers and bookkeeping. Last, the floor no schedule of stages with those spans can go
+// below (bubble_floor: the last rank waits for the first micro-batch's forwards, then has all
+// its work to do).
 //
 //   loomrun --nproc-per-node 4 bench_pipeline --device cpu --microbatches 4,16
 //
@@ -104,10 +106,10 @@ int run(int argc, char** argv) {
   if (main_rank)
     std::printf("bench_pipeline: %d stages of %lld blocks (width %lld, %lld heads), micro-batches of %lld x %lld "
                 "tokens, on %s; %lld measured steps after %lld\n"
-                "%-12s %4s %10s %10s %10s %10s %14s %14s %12s %20s\n",
+                "%-12s %4s %10s %10s %10s %10s %10s %14s %14s %12s %20s\n",
                 p, (long long)o.blocks, (long long)o.width, (long long)o.heads, (long long)o.rows,
                 (long long)o.tokens, ctx.device.str().c_str(), (long long)o.steps, (long long)o.warmup, "schedule",
-                "m", "bubble", "formula", "at costs", "per stage", "peak rank 0", "peak max", "step ms", "F / B (I) / W ms");
+                "m", "bubble", "formula", "at costs", "per stage", "floor", "peak rank 0", "peak max", "step ms", "F / B (I) / W ms");
   if (main_rank && !o.trace.empty()) dist::trace::write_chrome_trace(o.trace, {});  // fails now, not at the end
   dist::trace::set_enabled(false);
   for (ScheduleKind kind : kinds)
@@ -212,14 +214,16 @@ int run(int argc, char** argv) {
       const bool timed = f > 0 && b + w > 0;
       const double at_costs = timed ? check_schedule(pipe.schedule(), costs_of(0, stage_count)).bubble() : 0.0;
       const double at_stage_costs = timed ? check_schedule(pipe.schedule(), stage_costs).bubble() : 0.0;
+      const double floor = timed ? bubble_floor(pipe.schedule(), stage_costs) : 0.0;
       if (main_rank) {
         char costs_text[64];
         std::snprintf(costs_text, sizeof costs_text, split ? "%.2f / %.2f / %.2f" : "%.2f / %.2f", f, b, w);
-        std::printf("%-12s %4d %9.1f%% %9.1f%% %9.1f%% %9.1f%% %14.0f %14.0f %12.1f %20s\n", schedule_name(kind), m,
-                    100 * bubble, 100 * formula, 100 * at_costs, 100 * at_stage_costs, all[0], peak_max, ms, costs_text);
+        std::printf("%-12s %4d %9.1f%% %9.1f%% %9.1f%% %9.1f%% %9.1f%% %14.0f %14.0f %12.1f %20s\n",
+                    schedule_name(kind), m, 100 * bubble, 100 * formula, 100 * at_costs, 100 * at_stage_costs,
+                    100 * floor, all[0], peak_max, ms, costs_text);
         std::fflush(stdout);
         log.write({{"schedule", schedule_name(kind)}, {"microbatches", m}, {"ranks", p}, {"bubble", bubble},
-                   {"formula", formula}, {"bubble_at_costs", at_costs}, {"bubble_at_stage_costs", at_stage_costs}, {"forward_ms", f}, {"backward_ms", b},
+                   {"formula", formula}, {"bubble_at_costs", at_costs}, {"bubble_at_stage_costs", at_stage_costs}, {"bubble_floor", floor}, {"forward_ms", f}, {"backward_ms", b},
                    {"weight_ms", w}, {"peak_bytes_rank0", all[0]}, {"peak_bytes_max", peak_max}, {"step_ms", ms},
                    {"device", ctx.device.str()}});
       }
@@ -228,7 +232,7 @@ int run(int argc, char** argv) {
     std::printf("(formula: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, zb1 its unit-cost "
                 "simulation with F = I = W; at costs: the schedule simulated at the mean measured spans, F forward, "
                 "B backward (zb1: its input half I), W zb1's weight half; per stage: simulated at each stage's own "
-                "mean spans)\n");
+                "mean spans; floor: no schedule of stages with those spans goes below it)\n");
   return 0;
 }
 

@@ -1,10 +1,13 @@
 // Pipeline schedules as data: every built-in schedule passes the checker on 1 to 8 ranks and
 // 1 to 16 micro-batches, with the bubble of the formula at unit costs; hand-made tables that
 // would hang, that pair the wrong micro-batches or that compute before their input are
-// rejected naming what is wrong; ZB-H1 keeps 1F1B's memory and at most half its bubble.
+// rejected naming what is wrong; ZB-H1 keeps 1F1B's memory and at most half its bubble; no
+// schedule falls below bubble_floor.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
 
 #include "kernels/core/error.h"
 #include "parallel/pipeline_schedule.h"
@@ -130,6 +133,43 @@ TEST(PipelineSchedule, EachStageCanHaveItsOwnCosts) {
   first_only[0] = skewed[0];
   EXPECT_DOUBLE_EQ(check_schedule(zb, first_only).bubble(), check_schedule(zb, unit).bubble());
   EXPECT_THROW(check_schedule(zb, std::vector<Costs>(3, unit)), loom::Error);
+}
+
+// bubble_floor lies under every built-in schedule's simulated bubble, at equal and at
+// uneven stage costs, and is exact where the step is the last rank's wait plus its work.
+TEST(PipelineSchedule, NoScheduleFallsBelowTheBubbleFloor) {
+  const Schedule gpipe = build_schedule(ScheduleKind::gpipe, 2, 1);
+  // Rank 1 waits F0 = 1, then works 3: a step of at least 4, 6 units of work on 2 ranks.
+  EXPECT_DOUBLE_EQ(bubble_floor(gpipe, std::vector<Costs>(2, Costs{.forward = 1, .backward = 2})), 1 - 6.0 / 8);
+  // One rank: no wait, no bubble.
+  EXPECT_DOUBLE_EQ(bubble_floor(build_schedule(ScheduleKind::one_f_one_b, 1, 4), {Costs{}}), 0.0);
+  uint64_t seed = 7;
+  auto draw = [&seed] {  // a uniform value in [0.2, 2.2)
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return 0.2 + 2.0 * double(seed >> 11) / double(1ull << 53);
+  };
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved,
+                    ScheduleKind::zero_bubble_h1})
+    for (int p = 2; p <= 5; ++p)
+      for (int m : {1, 2, 4, 8, 16}) {
+        if (kind == ScheduleKind::interleaved && m % p != 0) continue;
+        const Schedule s = build_schedule(kind, p, m);
+        SCOPED_TRACE(std::string(schedule_name(kind)) + " p=" + std::to_string(p) + " m=" + std::to_string(m));
+        for (int trial = 0; trial < 4; ++trial) {
+          std::vector<Costs> costs;
+          for (int st = 0; st < s.stages; ++st) {
+            const double f = draw(), i = trial == 0 ? 1.0 : draw(), w = trial == 0 ? 1.0 : draw();
+            costs.push_back({.forward = trial == 0 ? 1.0 : f, .backward = i + w, .backward_input = i,
+                             .backward_weight = w});
+          }
+          const double floor = bubble_floor(s, costs);
+          EXPECT_GE(floor, 0.0);
+          EXPECT_LE(floor, check_schedule(s, costs).bubble() + 1e-12) << "trial " << trial;
+        }
+      }
+  const Schedule evaluation = build_forward_schedule(build_schedule(ScheduleKind::one_f_one_b, 3, 4), 5);
+  EXPECT_LE(bubble_floor(evaluation, std::vector<Costs>(3, Costs{})), check_schedule(evaluation).bubble() + 1e-12);
+  EXPECT_THROW(bubble_floor(gpipe, {Costs{}}), loom::Error);
 }
 
 TEST(PipelineSchedule, TransfersAreDerivedAndBatched) {
