@@ -2,8 +2,11 @@
 output layer as Loom's GPT), AdamW with fused=True (lr 6e-4, betas 0.9/0.95, weight decay 0.1 on
 the matrices only), bf16 autocast over f32 weights, random tokens on the GPU, TF32 allowed.
 Attention is F.scaled_dot_product_attention (causal), PyTorch's flash attention.
-  python3 bench_gpt_torch.py MODE [--batch 16] [--seq 1024] [--warmup 10] [--steps 50]
-MODE is eager or compile (torch.compile of the model). Each step is bracketed by CUDA events;
+  python3 bench_gpt_torch.py MODE [--config gpt2-124m|gpt2-350m] [--batch 16] [--seq 1024]
+                             [--context N] [--warmup 10] [--steps 50]
+MODE is eager or compile (torch.compile of the model). --config picks GPT-2 124M (12 x 768,
+12 heads) or 350M (24 x 1024, 16 heads); --context N gives the model N positions instead of
+1024, as bench_gpt's --context does. Each step is bracketed by CUDA events;
 prints one JSON line like bench_gpt's (median step, tokens/s, MFU, peak memory)."""
 import argparse
 import json
@@ -12,6 +15,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+CONFIGS = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024)}  # layers, heads, width
 
 
 class Block(nn.Module):
@@ -63,15 +69,21 @@ class GPT(nn.Module):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["eager", "compile"])
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="gpt2-124m")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=0, help="positions the model holds (0: 1024)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50)
     a = ap.parse_args()
+    layers, heads, width = CONFIGS[a.config]
+    context = a.context or 1024
+    if a.seq > context:
+        ap.error(f"--seq {a.seq} is longer than the context ({context}): give --context {a.seq} or more")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
-    model = GPT().cuda().train()
+    model = GPT(context=context, layers=layers, heads=heads, d=width).cuda().train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -101,9 +113,9 @@ def main():
     ms = sorted(events[i].elapsed_time(events[i + 1]) for i in range(a.steps))
     step_ms = ms[len(ms) // 2] if len(ms) % 2 else 0.5 * (ms[len(ms) // 2 - 1] + ms[len(ms) // 2])
     tokens_per_s = a.batch * a.seq / (step_ms * 1e-3)
-    flop_per_token = 6 * n_params + 12 * 12 * 768 * a.seq
-    print(json.dumps({"engine": "pytorch", "mode": a.mode, "torch": torch.__version__, "config": "gpt2-124m",
-                      "batch": a.batch, "seq": a.seq, "precision": "bf16", "params": n_params,
+    flop_per_token = 6 * n_params + 12 * layers * width * a.seq
+    print(json.dumps({"engine": "pytorch", "mode": a.mode, "torch": torch.__version__, "config": a.config,
+                      "batch": a.batch, "seq": a.seq, "context": context, "precision": "bf16", "params": n_params,
                       "ms_per_step": step_ms, "tokens_per_s": tokens_per_s,
                       "mfu": tokens_per_s * flop_per_token / 989e12,
                       "peak_mib": torch.cuda.max_memory_allocated() / 2**20}))

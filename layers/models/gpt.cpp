@@ -39,9 +39,10 @@ Tensor GPTMlp::forward(const Tensor& x, const Tensor& residual) {
 
 GPTConfig GPTConfig::named(const std::string& name) {
   if (name == "gpt2-124m") return {};
+  if (name == "gpt2-350m") return {.layers = 24, .heads = 16, .width = 1024};
   if (name == "guide") return {.vocab_size = 256, .context = 256, .layers = 6, .heads = 8, .width = 256};
   if (name == "tiny") return {.vocab_size = 256, .context = 256, .layers = 2, .heads = 4, .width = 64};
-  LOOM_FAIL("unknown GPT config '", name, "': expected gpt2-124m, guide or tiny");
+  LOOM_FAIL("unknown GPT config '", name, "': expected gpt2-124m, gpt2-350m, guide or tiny");
 }
 
 GPTBlock::GPTBlock(int64_t width, int64_t heads, int64_t layers) {

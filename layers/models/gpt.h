@@ -27,8 +27,9 @@ struct GPTConfig {
   // every block. Gradients are unchanged.
   bool recompute = false;
 
-  // "gpt2-124m" (12 x 768, 12 heads), "guide" (the guide's six-block transformer: width 256,
-  // 8 heads), "tiny" (2 x 64, 4 heads, context 256, byte vocabulary); unknown names throw.
+  // "gpt2-124m" (12 x 768, 12 heads), "gpt2-350m" (24 x 1024, 16 heads: GPT-2 medium), "guide"
+  // (the guide's six-block transformer: width 256, 8 heads), "tiny" (2 x 64, 4 heads, context
+  // 256, byte vocabulary); unknown names throw.
   static GPTConfig named(const std::string& name);
 };
 

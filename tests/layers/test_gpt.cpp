@@ -39,6 +39,18 @@ TEST(Gpt, Gpt2SmallHasNanoGptNamesAndItsParameterCount) {
   EXPECT_EQ(model.lm_head.impl(), model.wte->weight.impl());
 }
 
+TEST(Gpt, Gpt2MediumHasItsParameterCount) {
+  GPTConfig c = GPTConfig::named("gpt2-350m");
+  EXPECT_EQ(c.layers, 24);
+  EXPECT_EQ(c.heads, 16);
+  c.layers = 1;
+  GPT model(c);
+  // 12 d^2 + 13 d a block at d = 1024; embeddings 50304*1024 + 1024*1024; ln_f 2,048.
+  const int64_t block = 12596224, embeddings = 50304 * 1024 + 1024 * 1024;
+  EXPECT_EQ(model.num_parameters(), embeddings + block + 2048);
+  EXPECT_EQ(embeddings + 24 * block + 2048, 354871296);
+}
+
 TEST(Gpt, AttentionLayerMatchesTheCompositeFormula) {
   manual_seed(1);
   CausalSelfAttention attn(8, 2);
