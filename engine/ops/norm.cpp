@@ -31,6 +31,20 @@ DType accumulation_type(DType t) { return t == DType::f64 ? DType::f64 : DType::
 // The layout of the kernels' buffers (x, y, dy, dx) as a MemoryFormat.
 MemoryFormat format_of(const BatchNormArgs& a) { return ops::memory_format(a.layout); }
 
+// t (dense in `format`) itself, or a copy of it when its data is not 16-byte aligned; the
+// copy is outside the graph, a buffer for the kernels only. For the fused ReLU's extra
+// operands (the residual, and dy where ReLU's own backward would have made a fresh one): the
+// CUDA kernels pick their vector width, and with it the order of the statistics' sums, from
+// every buffer they read, so an operand the separate ops never pass to the normalisation must
+// not narrow it.
+Tensor aligned_buffer(const Tensor& t, MemoryFormat format) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  NoGradGuard no_grad;
+  Tensor copy = Tensor::empty(t.shape(), t.dtype(), t.device(), format);
+  copy_(copy, t);
+  return copy;
+}
+
 void check_channels(const char* name, const Tensor& t, const Tensor& x) {
   LOOM_CHECK(t.dim() == 1 && t.size(0) == x.size(1), "batch_norm: ", name, " must have shape (", x.size(1),
              ") for input ", shape_str(x.shape()), " (C = ", x.size(1), "), got ", shape_str(t.shape()));
@@ -79,10 +93,11 @@ Tensor train_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runn
   Tensor rm = running_mean.defined() ? running_mean.detach().contiguous() : Tensor();
   Tensor rv = running_var.defined() ? running_var.detach().contiguous() : Tensor();
   const bool copy_back = running_mean.defined() && !(running_mean.is_contiguous() && running_var.is_contiguous());
+  const Tensor residual_buffer = residual.defined() ? aligned_buffer(residual, format_of(a)) : Tensor();
   kernels(dev).batch_norm_forward_train(a, y.data_ptr(), save_mean.data_ptr(), save_invstd.data_ptr(),
                                         rm.defined() ? rm.data_ptr() : nullptr,
                                         rv.defined() ? rv.data_ptr() : nullptr, x.data_ptr(), ptr_or_null(weight),
-                                        ptr_or_null(bias), ptr_or_null(residual), ops::stream(x));
+                                        ptr_or_null(bias), ptr_or_null(residual_buffer), ops::stream(x));
   if (copy_back) {
     NoGradGuard no_grad;
     copy_(running_mean, rm);
@@ -96,6 +111,7 @@ Tensor train_forward(const BatchNormArgs& a, const Tensor& x, const Tensor& runn
     record(a.relu ? "batch_norm_relu" : "batch_norm", {x, weight, bias, residual}, {y},
            [a, acc, dev, sx, sw, sy, save_mean, save_invstd, need_w, need_b, need_r](const TensorList& g) {
              Tensor gy = g[0].to(a.dtype).contiguous(format_of(a));
+             if (a.relu) gy = aligned_buffer(gy, format_of(a));
              Tensor gx = Tensor::empty(sx.shape(), a.dtype, dev, format_of(a));
              Tensor gr = need_r ? Tensor::empty(sx.shape(), a.dtype, dev, format_of(a)) : Tensor();
              Tensor gw = Tensor::empty({a.c}, acc, dev), gb = Tensor::empty({a.c}, acc, dev);

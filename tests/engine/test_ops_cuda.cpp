@@ -1,10 +1,16 @@
 // Every op of the case table runs on the GPU and matches the CPU: outputs and input
 // gradients, in f32 (TF32 matrix products), bf16 and f16, with tolerances by dtype.
 // The inputs are the same numbers on both devices; the upstream gradient is a fixed
-// random weight. Non-contiguous inputs are among the cases (transposed views).
+// random weight. Non-contiguous inputs are among the cases (transposed views). Also: the
+// fused batch_norm_relu gives the bits of batch_norm, add and relu when its residual and
+// its upstream gradient lie off 16-byte alignment.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 #include "engine/autograd.h"
 #include "tests/common/gpu.h"
@@ -73,6 +79,54 @@ INSTANTIATE_TEST_SUITE_P(Ops, OpsCuda,
                            return std::get<0>(info.param).name + "_" +
                                   std::string(dtype_name(std::get<1>(info.param).dtype));
                          });
+
+// A (shape) view that starts one element into a larger buffer: no 16-byte alignment.
+Tensor misaligned(const Shape& shape, DType dtype, MemoryFormat format) {
+  Tensor dense = randn(shape, DType::f32, Device::cuda(0)).to(dtype).contiguous(format);
+  Tensor big = zeros({dense.numel() + 1}, dtype, Device::cuda(0));
+  Tensor view = big.slice(0, 1, dense.numel() + 1);
+  {
+    NoGradGuard no_grad;
+    copy_(view, dense.permute(format == MemoryFormat::channels_last ? std::vector<int>{0, 2, 3, 1}
+                                                                     : std::vector<int>{0, 1, 2, 3})
+                    .reshape({dense.numel()}));
+  }
+  Tensor shaped = format == MemoryFormat::channels_last
+                      ? view.reshape({shape[0], shape[2], shape[3], shape[1]}).permute({0, 3, 1, 2})
+                      : view.reshape(shape);
+  EXPECT_NE(reinterpret_cast<uintptr_t>(shaped.data_ptr()) % 16, 0u);
+  return shaped;
+}
+
+std::vector<uint64_t> bits(const Tensor& t) {
+  std::vector<uint64_t> out;
+  for (double v : t.to(DType::f64).to(Device::cpu()).to_vector<double>()) out.push_back(std::bit_cast<uint64_t>(v));
+  return out;
+}
+
+TEST(BatchNormReluCuda, MisalignedResidualAndGradientGiveTheSeparateOpsBits) {
+  LOOM_REQUIRE_CUDA();
+  const Shape shape{8, 64, 8, 8};
+  for (DType dtype : {DType::f32, DType::bf16})
+    for (MemoryFormat format : {MemoryFormat::contiguous, MemoryFormat::channels_last}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + (format == MemoryFormat::contiguous ? "" : " channels-last"));
+      manual_seed(5);
+      Tensor x0 = randn(shape, DType::f32, Device::cuda(0)).to(dtype).contiguous(format);
+      Tensor r0 = misaligned(shape, dtype, format), g = misaligned(shape, dtype, format);
+      Tensor w0 = randn({64}, DType::f32, Device::cuda(0)), b0 = randn({64}, DType::f32, Device::cuda(0));
+      auto run = [&](bool fused) {
+        Tensor x = x0.detach().set_requires_grad(), r = r0.detach().set_requires_grad();
+        Tensor w = w0.detach().set_requires_grad(), b = b0.detach().set_requires_grad();
+        Tensor y = fused ? batch_norm_relu(x, r, Tensor(), Tensor(), w, b, true)
+                         : relu(add(batch_norm(x, Tensor(), Tensor(), w, b, true), r));
+        y.backward(g);
+        return std::vector<Tensor>{y.detach(), x.grad(), r.grad(), w.grad(), b.grad()};
+      };
+      const std::vector<Tensor> a = run(true), e = run(false);
+      const char* names[] = {"output", "input gradient", "residual gradient", "weight gradient", "bias gradient"};
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(bits(a[i]), bits(e[i])) << names[i];
+    }
+}
 
 }  // namespace
 }  // namespace loom::test

@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -82,10 +84,16 @@ TEST(SimpleCnn, PoolingBeforeReluGivesTheGuidesOrderBitForBit) {
         return model.classifier->forward(h);
       });
       ASSERT_EQ(mine.size(), guide.size());
+      // Bits, not values: -0 and +0 compare equal as numbers.
+      auto bits = [](const Tensor& t) {
+        std::vector<uint64_t> out;
+        for (double v : t.to(DType::f64).to_vector<double>()) out.push_back(std::bit_cast<uint64_t>(v));
+        return out;
+      };
       for (size_t i = 0; i < mine.size(); ++i)
-        EXPECT_EQ(mine[i].to(DType::f64).to_vector<double>(), guide[i].to(DType::f64).to_vector<double>())
-            << dtype_name(dtype) << (format == MemoryFormat::contiguous ? "" : " channels-last")
-            << (i == 0 ? ": logits" : ": gradient of parameter ") << i;
+        EXPECT_EQ(bits(mine[i]), bits(guide[i])) << dtype_name(dtype)
+                                                 << (format == MemoryFormat::contiguous ? "" : " channels-last")
+                                                 << (i == 0 ? ": logits" : ": gradient of parameter ") << i;
     }
   }
 }

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -266,9 +267,9 @@ TEST(Loomrun, TwoJobsStartedAtOnceOnOnePortLeaveOneRunningAndNameTheBusyPort) {
     GTEST_SKIP() << "Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)";
   // The port comes from free_port(), and another process (a parallel test's ephemeral socket)
   // may take it before either job starts: then both jobs rightly find it in use, and the
-  // attempt is drawn again. Three attempts must find the two jobs racing each other.
-  int trials = 0;
-  for (int attempt = 0; attempt < 12 && trials < 3; ++attempt) {
+  // attempt is drawn again, once at most. Three attempts must find the two jobs racing.
+  int trials = 0, skipped = 0;
+  for (int attempt = 0; attempt < 6 && trials < 3; ++attempt) {
     SCOPED_TRACE("attempt " + std::to_string(attempt));
     const std::string port = std::to_string(net::free_port());
     const std::vector<std::string> args = {"--nproc-per-node", "2", "--master-port", port, program("TRAIN_CNN"),
@@ -282,9 +283,14 @@ TEST(Loomrun, TwoJobsStartedAtOnceOnOnePortLeaveOneRunningAndNameTheBusyPort) {
     const std::string out_a = read_file(log_a), out_b = read_file(log_b);
     const bool a_ok = WIFEXITED(status_a) && WEXITSTATUS(status_a) == 0;
     const bool b_ok = WIFEXITED(status_b) && WEXITSTATUS(status_b) == 0;
-    // Two jobs alone never both lose: only one of them can listen on the port.
-    if (!a_ok && !b_ok && contains(out_a, "is already in use") && contains(out_b, "is already in use"))
-      continue;  // a third process held the port
+    // Two jobs alone never both lose: only one of them can listen on the port. Both losing
+    // once is taken for a third process; twice fails the test (below).
+    if (!a_ok && !b_ok && contains(out_a, "is already in use") && contains(out_b, "is already in use")) {
+      ++skipped;
+      std::printf("both jobs found port %s in use; drawing another\nA:\n%s\nB:\n%s\n", port.c_str(), out_a.c_str(),
+                  out_b.c_str());
+      continue;
+    }
     ++trials;
     EXPECT_NE(a_ok, b_ok) << "A:\n" << out_a << "\nB:\n" << out_b;
     const std::string& winner = a_ok ? out_a : out_b;
@@ -293,7 +299,8 @@ TEST(Loomrun, TwoJobsStartedAtOnceOnOnePortLeaveOneRunningAndNameTheBusyPort) {
     EXPECT_TRUE(contains(loser, "is already in use")) << loser;
     EXPECT_FALSE(contains(winner + loser, "times: two processes")) << winner << loser;
   }
-  EXPECT_EQ(trials, 3) << "both jobs found the port in use in most attempts";
+  EXPECT_LE(skipped, 1) << "both jobs found the port in use in " << skipped << " attempts";
+  EXPECT_EQ(trials, 3);
 }
 
 }  // namespace
