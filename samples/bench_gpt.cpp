@@ -6,12 +6,12 @@
 // steps) and the median step is reported, with tokens/s, MFU and peak memory:
 //   FLOPs per token = 6 N + 12 L d T   (N parameters, L layers, d width, T sequence)
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
-//   bench_gpt [--config gpt2-124m|gpt2-350m] [--batch 16] [--seq 1024] [--context N] [--precision bf16|f32]
+//   bench_gpt [--config gpt2-124m|gpt2-350m] [--batch 16] [--seq 1024] [--precision bf16|f32]
 //             [--warmup N] [--steps N] [--ddp | --fsdp | --pipeline | --graph] [--json FILE] [--profile-step]
 //             [--deterministic] [--no-weight-copies] [--no-gradient-copies]
-// --context N gives the model N positions instead of its config's (1024 for GPT-2), so that
-// --seq can reach it: GPT-2 124M at T = 2048 or 4096 (the position table grows, and with it
-// the parameter count the MFU formula takes; bench_gpt_torch.py --context does the same).
+// A --seq longer than the config's context (1024 for GPT-2) grows the model's position table
+// to it, GPT-2 124M at T = 2048 or 4096, and with it the parameter count the MFU formula
+// takes; bench_gpt_torch.py does the same.
 // --ddp measures what data parallelism costs on one GPU: the same model is stepped plainly and
 // through DistributedDataParallel (NCCL, world size 1) in alternating rounds within one run,
 // so both see the same clocks and memory state, and the two medians are compared. --fsdp does
@@ -61,14 +61,13 @@ using samples::median;
 
 int main(int argc, char** argv) {
   std::string config_name = "gpt2-124m", precision = "bf16", json;
-  int64_t batch = 16, seq = 1024, context = 0, warmup = 10, steps = 50;
+  int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
   bool ddp = false, fsdp = false, pipeline = false, graph = false, components = false, profile_step = false;
   Options run_options = options();
   samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
   flags.add("config", &config_name, "model size", {"gpt2-124m", "gpt2-350m", "guide", "tiny"});
   flags.add("batch", &batch, "sequences per step", 1);
-  flags.add("seq", &seq, "tokens per sequence (at most the context)", 1);
-  flags.add("context", &context, "positions the model holds (0: its config's)", 0);
+  flags.add("seq", &seq, "tokens per sequence (beyond the config's context, the position table grows)", 1);
   flags.add("precision", &precision, "bf16 autocast over f32 weights, or f32 (TF32 products)", {"bf16", "f32"});
   flags.add("warmup", &warmup, "untimed steps first", 0);
   flags.add("steps", &steps, "timed steps (with --ddp, --fsdp, --pipeline or --graph: per mode)", 2);
@@ -97,10 +96,7 @@ int main(int argc, char** argv) {
     if (cuda_device_count() == 0) flags.fail("needs a GPU and none is visible");
     const Device dev = Device::cuda(0);
     nn::GPTConfig config = nn::GPTConfig::named(config_name);
-    if (context > 0) config.context = context;
-    if (seq > config.context)
-      flags.fail("--seq " + std::to_string(seq) + " is longer than the context of " + config_name + " (" +
-                 std::to_string(config.context) + "): give --context " + std::to_string(seq) + " or more");
+    config.context = std::max(config.context, seq);
     manual_seed(0);
     auto model = std::make_shared<nn::GPT>(config);
     model->to(dev);

@@ -3,10 +3,10 @@ output layer as Loom's GPT), AdamW with fused=True (lr 6e-4, betas 0.9/0.95, wei
 the matrices only), bf16 autocast over f32 weights, random tokens on the GPU, TF32 allowed.
 Attention is F.scaled_dot_product_attention (causal), PyTorch's flash attention.
   python3 bench_gpt_torch.py MODE [--config gpt2-124m|gpt2-350m] [--batch 16] [--seq 1024]
-                             [--context N] [--warmup 10] [--steps 50]
+                             [--warmup 10] [--steps 50]
 MODE is eager or compile (torch.compile of the model). --config picks GPT-2 124M (12 x 768,
-12 heads) or 350M (24 x 1024, 16 heads); --context N gives the model N positions instead of
-1024, as bench_gpt's --context does. Each step is bracketed by CUDA events;
+12 heads) or 350M (24 x 1024, 16 heads); a --seq beyond 1024 grows the position table to it,
+as bench_gpt does. Each step is bracketed by CUDA events;
 prints one JSON line like bench_gpt's (median step, tokens/s, MFU, peak memory)."""
 import argparse
 import json
@@ -72,14 +72,11 @@ def main():
     ap.add_argument("--config", choices=sorted(CONFIGS), default="gpt2-124m")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--context", type=int, default=0, help="positions the model holds (0: 1024)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50)
     a = ap.parse_args()
     layers, heads, width = CONFIGS[a.config]
-    context = a.context or 1024
-    if a.seq > context:
-        ap.error(f"--seq {a.seq} is longer than the context ({context}): give --context {a.seq} or more")
+    context = max(1024, a.seq)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)

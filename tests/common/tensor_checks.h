@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,16 @@ template <class F> void expect_error(F&& f, const std::string& needle) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+// got and want hold the same bits (the sign of a zero counts), in the same dtype and shape, on
+// any devices and in any layouts.
+inline void expect_same_bits(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_TRUE(got.defined() && want.defined()) << what;
+  ASSERT_EQ(got.dtype(), want.dtype()) << what;
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const Tensor a = got.to(Device::cpu()).contiguous(), b = want.to(Device::cpu()).contiguous();
+  EXPECT_EQ(std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()), 0) << what;
 }
 
 // ||a - b|| / ||b|| over all elements, both brought to the CPU in f64.

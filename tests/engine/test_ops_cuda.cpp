@@ -6,7 +6,6 @@
 // its upstream gradient lie off 16-byte alignment.
 #include <gtest/gtest.h>
 
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -14,6 +13,7 @@
 
 #include "engine/autograd.h"
 #include "tests/common/gpu.h"
+#include "tests/common/tensor_checks.h"
 #include "tests/engine/op_cases.h"
 
 namespace loom::test {
@@ -98,12 +98,6 @@ Tensor misaligned(const Shape& shape, DType dtype, MemoryFormat format) {
   return shaped;
 }
 
-std::vector<uint64_t> bits(const Tensor& t) {
-  std::vector<uint64_t> out;
-  for (double v : t.to(DType::f64).to(Device::cpu()).to_vector<double>()) out.push_back(std::bit_cast<uint64_t>(v));
-  return out;
-}
-
 TEST(BatchNormReluCuda, MisalignedResidualAndGradientGiveTheSeparateOpsBits) {
   LOOM_REQUIRE_CUDA();
   const Shape shape{8, 64, 8, 8};
@@ -124,7 +118,7 @@ TEST(BatchNormReluCuda, MisalignedResidualAndGradientGiveTheSeparateOpsBits) {
       };
       const std::vector<Tensor> a = run(true), e = run(false);
       const char* names[] = {"output", "input gradient", "residual gradient", "weight gradient", "bias gradient"};
-      for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(bits(a[i]), bits(e[i])) << names[i];
+      for (size_t i = 0; i < a.size(); ++i) expect_same_bits(a[i], e[i], names[i]);
     }
 }
 

@@ -15,6 +15,7 @@
 #include "engine/autograd.h"
 #include "engine/ops.h"
 #include "layers/batch_norm.h"
+#include "tests/common/tensor_checks.h"
 #include "tests/layers/gradcheck.h"
 
 namespace loom::nn {
@@ -231,7 +232,7 @@ TEST(BatchNormLayer, ForwardReluIsForwardAddAndReluBitForBit) {
           for (size_t i = 0; i < a.size(); ++i) {
             ASSERT_TRUE(a[i].defined() && b[i].defined()) << names[i];
             EXPECT_EQ(a[i].memory_format(), b[i].memory_format()) << names[i];
-            EXPECT_EQ(a[i].to(DType::f64).to_vector<double>(), b[i].to(DType::f64).to_vector<double>()) << names[i];
+            test::expect_same_bits(a[i], b[i], names[i]);
           }
         }
 }

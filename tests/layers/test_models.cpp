@@ -5,9 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
-#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -24,6 +22,7 @@
 #include "layers/optim/adam.h"
 #include "layers/optim/sgd.h"
 #include "layers/pool.h"
+#include "tests/common/tensor_checks.h"
 
 namespace loom::nn {
 namespace {
@@ -84,16 +83,11 @@ TEST(SimpleCnn, PoolingBeforeReluGivesTheGuidesOrderBitForBit) {
         return model.classifier->forward(h);
       });
       ASSERT_EQ(mine.size(), guide.size());
-      // Bits, not values: -0 and +0 compare equal as numbers.
-      auto bits = [](const Tensor& t) {
-        std::vector<uint64_t> out;
-        for (double v : t.to(DType::f64).to_vector<double>()) out.push_back(std::bit_cast<uint64_t>(v));
-        return out;
-      };
       for (size_t i = 0; i < mine.size(); ++i)
-        EXPECT_EQ(bits(mine[i]), bits(guide[i])) << dtype_name(dtype)
-                                                 << (format == MemoryFormat::contiguous ? "" : " channels-last")
-                                                 << (i == 0 ? ": logits" : ": gradient of parameter ") << i;
+        test::expect_same_bits(mine[i], guide[i],
+                               std::string(dtype_name(dtype)) +
+                                   (format == MemoryFormat::contiguous ? "" : " channels-last") +
+                                   (i == 0 ? ": logits" : ": gradient of parameter " + std::to_string(i)));
     }
   }
 }
