@@ -5,6 +5,7 @@
 //   bench_cnn [--model simplecnn|resnet18] [--image 1x28x28|3x32x32] [--batch N]
 //             [--precision f32|bf16] [--warmup N] [--steps N] [--ddp] [--json FILE]
 //             [--no-cudnn-graph] [--no-graph] [--device cuda|cpu] [--channels-last]
+//             [--profile-step]
 // --device cpu steps the model on the CPU (eagerly, in f32, timed by the host's clock): its
 // step time and the most memory a step holds, where there is no GPU. --channels-last lays the
 // batch out channels-last (MemoryFormat), which the CNN ops then keep.
@@ -18,6 +19,9 @@
 // parallelism's machinery (hooks, buckets, the all-reduce) on one GPU.
 // --no-cudnn-graph runs the convolutions through cuDNN's convolution API alone
 // (Options::cudnn_graph_api, engine/options.h).
+// --profile-step runs one more step after the timed ones between cudaProfilerStart and
+// cudaProfilerStop, so that `ncu --profile-from-start off` sees exactly one step (a replay of
+// the captured graph, unless --no-graph).
 // Steps are bracketed by CUDA events and the median is reported. Prints one JSON object
 // (images/s, ms per step, peak memory, the memory a step starts with and what its forward pass
 // adds; with --ddp the DDP step and the plain one beside it)
@@ -31,6 +35,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+
+#include "kernels/config.h"
+
+#if LOOM_WITH_CUDA
+#include <cuda_profiler_api.h>
+#endif
 
 #include "engine/allocator.h"
 #include "engine/autocast.h"
@@ -50,7 +60,7 @@ int main(int argc, char** argv) {
   std::string model_name = "resnet18", image = "3x32x32", precision, json;
   int64_t batch = 256, warmup = 10, steps = 50;
   std::string device = "cuda";
-  bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api, graph = true;
+  bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api, graph = true, profile_step = false;
   bool channels_last = false;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
@@ -67,11 +77,13 @@ int main(int argc, char** argv) {
   flags.add_switch("graph", &graph, "capture the step as one CUDA graph after 2 eager steps and replay it (not with --ddp)");
   flags.add("device", &device, "where the step runs", {"cuda", "cpu"});
   flags.add_switch("channels-last", &channels_last, "the batch laid out channels-last (N, H, W, C in memory)");
+  flags.add_switch("profile-step", &profile_step, "after the timed steps, one step inside cudaProfilerStart/Stop");
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
     flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
   const bool on_cpu = device == "cpu";
   if (precision.empty()) precision = on_cpu ? "f32" : "bf16";
   if (on_cpu && ddp) flags.fail("--ddp: DDP here runs over NCCL, on a GPU; not with --device cpu");
+  if (on_cpu && profile_step) flags.fail("--profile-step: the profiler range is a GPU's (not with --device cpu)");
   if (on_cpu && precision != "f32") flags.fail("--precision " + precision + ": the CPU steps in f32 only");
   if (ddp || on_cpu) graph = false;
   constexpr int kEagerFirst = 2;  // the steps before the capture (CapturedStep's warmup)
@@ -201,6 +213,15 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", line.c_str());
     } else {
       plain_ms = samples::timed_steps(plain, steps, dev);
+    }
+    if (profile_step) {
+#if LOOM_WITH_CUDA
+      synchronize(dev);
+      cudaProfilerStart();
+      plain();
+      synchronize(dev);
+      cudaProfilerStop();
+#endif
     }
     const double step_ms = samples::median(ddp ? ddp_ms : plain_ms);
     const double peak_mib = double(memory::stats(dev).peak_allocated) / (1 << 20);

@@ -8,7 +8,9 @@ momentum 0.9, weight decay 5e-4), synthetic data on the GPU, cuDNN's autotuner o
             and replayed, inputs copied into its static tensors: PyTorch's answer to launch cost.
 The faster of them is PyTorch's best; bench_cnn's rows are compared against it.
   python3 bench_cnn_torch.py MODEL IMAGE BATCH PRECISION [WARMUP STEPS [VARIANTS]]
-VARIANTS is a comma-separated subset of eager,compile,graph (all three by default)."""
+VARIANTS is a comma-separated subset of eager,compile,graph (all three by default).
+--profile-step (anywhere) runs one more step of each variant after the timed ones between
+cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`, as bench_cnn's."""
 import json
 import sys
 
@@ -68,7 +70,7 @@ def median(values):
     return ms[n // 2] if n % 2 else 0.5 * (ms[n // 2 - 1] + ms[n // 2])
 
 
-def measure(model_name, image, batch, precision, warmup, steps, variant):
+def measure(model_name, image, batch, precision, warmup, steps, variant, profile_step=False):
     c, side = (1, 28) if image == "1x28x28" else (3, 32)
     torch.manual_seed(0)
     model = (SimpleCNN(c, side) if model_name == "simplecnn" else ResNet18(c)).cuda().train()
@@ -117,12 +119,19 @@ def measure(model_name, image, batch, precision, warmup, steps, variant):
         events[i + 1].record()
     torch.cuda.synchronize()
     step_ms = median([events[i].elapsed_time(events[i + 1]) for i in range(steps)])
+    if profile_step:
+        torch.cuda.profiler.start()
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
     return {"engine": "pytorch", "torch": torch.__version__, "variant": variant, "model": model_name, "image": image,
             "batch": batch, "precision": precision, "images_per_s": batch / (step_ms * 1e-3), "ms_per_step": step_ms,
             "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
 
 
 def main():
+    profile_step = "--profile-step" in sys.argv
+    sys.argv = [a for a in sys.argv if a != "--profile-step"]
     model_name, image, batch, precision = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     warmup = int(sys.argv[5]) if len(sys.argv) > 5 else 10
     steps = int(sys.argv[6]) if len(sys.argv) > 6 else 50
@@ -134,7 +143,7 @@ def main():
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
     for v in variants:
-        print(json.dumps(measure(model_name, image, batch, precision, warmup, steps, v)), flush=True)
+        print(json.dumps(measure(model_name, image, batch, precision, warmup, steps, v, profile_step)), flush=True)
 
 
 if __name__ == "__main__":
