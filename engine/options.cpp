@@ -11,6 +11,7 @@ struct Stored {
   std::atomic<bool> deterministic{Options{}.deterministic};
   std::atomic<bool> gemm_autotuning{Options{}.gemm_autotuning};
   std::atomic<bool> cudnn_graph_api{Options{}.cudnn_graph_api};
+  std::atomic<bool> conv_autotuning{Options{}.conv_autotuning};
   std::atomic<bool> autocast_weight_copies{Options{}.autocast_weight_copies};
   std::atomic<bool> autocast_gradient_copies{Options{}.autocast_gradient_copies};
 };
@@ -24,6 +25,7 @@ Options options() {
   return {.deterministic = stored.deterministic.load(relaxed),
           .gemm_autotuning = stored.gemm_autotuning.load(relaxed),
           .cudnn_graph_api = stored.cudnn_graph_api.load(relaxed),
+          .conv_autotuning = stored.conv_autotuning.load(relaxed),
           .autocast_weight_copies = stored.autocast_weight_copies.load(relaxed),
           .autocast_gradient_copies = stored.autocast_gradient_copies.load(relaxed)};
 }
@@ -33,6 +35,7 @@ void set_options(const Options& o) {
   stored.deterministic.store(o.deterministic, relaxed);
   stored.gemm_autotuning.store(o.gemm_autotuning, relaxed);
   stored.cudnn_graph_api.store(o.cudnn_graph_api, relaxed);
+  stored.conv_autotuning.store(o.conv_autotuning, relaxed);
   stored.autocast_weight_copies.store(o.autocast_weight_copies, relaxed);
   stored.autocast_gradient_copies.store(o.autocast_gradient_copies, relaxed);
 }

@@ -38,6 +38,13 @@
 // which builds a plan inside every call and so costs more host time a call: a small
 // network's step becomes bound by the host. Results agree within the algorithms' rounding.
 //
+// conv_autotuning (default on; with cudnn_graph_api), as PyTorch's cudnn.benchmark. On: the
+// first convolution pass of each shape times up to eight of cuDNN's candidate plans on its
+// own operands and keeps the fastest (once per shape and pass: a few milliseconds, one
+// stream synchronisation, and for that call a workspace large enough for every candidate).
+// Off: the heuristics' first choice, the same engine from run to run, where timing may pick
+// differently between runs. Results agree within the engines' rounding.
+//
 // autocast_weight_copies (default on). On: products under autocast keep the 16-bit copy of
 // each f32 parameter they read and reuse it while the parameter is unchanged; the
 // optimizers write a fresh copy in the kernel that updates the parameter, so a training
@@ -56,6 +63,7 @@ struct Options {
   bool deterministic = false;
   bool gemm_autotuning = true;
   bool cudnn_graph_api = true;
+  bool conv_autotuning = true;
   bool autocast_weight_copies = true;
   bool autocast_gradient_copies = true;
 };

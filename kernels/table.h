@@ -133,6 +133,10 @@ struct Conv2dArgs {
   // CUDA: only algorithms whose results repeat bit for bit from run to run (cuDNN's engines
   // without the nondeterministic note; Options::deterministic). The CPU is deterministic.
   bool deterministic = false;
+  // CUDA, with graph_api: the pass runs the fastest of cuDNN's candidate plans, timed once
+  // per shape on the first such call (Options::conv_autotuning), rather than the
+  // heuristics' first choice. The workspace size is asked for with the same setting.
+  bool autotune = true;
   // Every activation buffer channels_last (see above), read and written as it lies (cuDNN's
   // tensor-core kernels without transposing).
   ChannelLayout layout = ChannelLayout::channels_first;

@@ -5,7 +5,7 @@
 //   bench_cnn [--model simplecnn|resnet18] [--image 1x28x28|3x32x32] [--batch N]
 //             [--precision f32|bf16] [--warmup N] [--steps N] [--ddp] [--json FILE]
 //             [--no-cudnn-graph] [--no-graph] [--device cuda|cpu] [--channels-last]
-//             [--profile-step]
+//             [--profile-step] [--no-conv-autotuning]
 // --device cpu steps the model on the CPU (eagerly, in f32, timed by the host's clock): its
 // step time and the most memory a step holds, where there is no GPU. --channels-last lays the
 // batch out channels-last (MemoryFormat), which the CNN ops then keep.
@@ -18,7 +18,9 @@
 // alternating rounds of plain and DDP steps of the same model: the cost of data
 // parallelism's machinery (hooks, buckets, the all-reduce) on one GPU.
 // --no-cudnn-graph runs the convolutions through cuDNN's convolution API alone
-// (Options::cudnn_graph_api, engine/options.h).
+// (Options::cudnn_graph_api, engine/options.h); --no-conv-autotuning takes the heuristics'
+// first plan for each convolution instead of the fastest of its candidates
+// (Options::conv_autotuning).
 // --profile-step runs one more step after the timed ones between cudaProfilerStart and
 // cudaProfilerStop, so that `ncu --profile-from-start off` sees exactly one step (a replay of
 // the captured graph, unless --no-graph).
@@ -61,6 +63,7 @@ int main(int argc, char** argv) {
   int64_t batch = 256, warmup = 10, steps = 50;
   std::string device = "cuda";
   bool ddp = false, bucket_view = false, cudnn_graph = options().cudnn_graph_api, graph = true, profile_step = false;
+  bool conv_autotuning = options().conv_autotuning;
   bool channels_last = false;
   samples::Flags flags("bench_cnn", "Training throughput of a CNN on the GPU with synthetic data.");
   flags.add("model", &model_name, "the network", {"simplecnn", "resnet18"});
@@ -74,6 +77,8 @@ int main(int argc, char** argv) {
   flags.add_switch("bucket-view", &bucket_view, "with --ddp: gradients stay views into the buckets (no copy back)");
   flags.add("json", &json, "append the result here as a JSON line", {}, "FILE");
   flags.add_switch("cudnn-graph", &cudnn_graph, "convolutions on cuDNN's graph API plans (else its convolution API)");
+  flags.add_switch("conv-autotuning", &conv_autotuning,
+                   "each convolution shape runs the fastest of cuDNN's plans, timed once (else its heuristics' first)");
   flags.add_switch("graph", &graph, "capture the step as one CUDA graph after 2 eager steps and replay it (not with --ddp)");
   flags.add("device", &device, "where the step runs", {"cuda", "cpu"});
   flags.add_switch("channels-last", &channels_last, "the batch laid out channels-last (N, H, W, C in memory)");
@@ -93,6 +98,7 @@ int main(int argc, char** argv) {
                " eager, then the capture); or pass --no-graph");
   Options run_options = options();
   run_options.cudnn_graph_api = cudnn_graph;
+  run_options.conv_autotuning = conv_autotuning;
   set_options(run_options);
   try {
     if (!on_cpu && cuda_device_count() == 0) flags.fail("needs a GPU and none is visible (--device cpu runs on the CPU)");

@@ -32,6 +32,7 @@ std::string pair_str(std::array<int, 2> v) { return "(" + std::to_string(v[0]) +
 Tensor workspace_for(Conv2dArgs& a, ConvPass pass, Device device) {
   a.graph_api = options().cudnn_graph_api;
   a.deterministic = options().deterministic;
+  a.autotune = options().conv_autotuning;
   const size_t bytes = kernels(device).conv2d_workspace_size(a, pass);
   Tensor ws = bytes ? Tensor::empty({int64_t(bytes)}, DType::u8, device) : Tensor();
   a.workspace = bytes ? ws.data_ptr() : nullptr;

@@ -36,6 +36,19 @@
 // shape the graph API builds no plan for, and any pass whose graph plan fails to run (it
 // is then dropped). Conv2dArgs::graph_api false uses the convolution API alone: no graph
 // plan is built or run for that call, while one built before stays for later calls.
+//
+// Autotuning (Conv2dArgs::autotune, Options::conv_autotuning), as PyTorch's
+// cudnn.benchmark: the graph API's heuristics rank engines by a model of their speed, and
+// their first choice is often not the fastest for small or odd shapes. So each pass gets up
+// to kTunedPlans graph plans, and the first autotuned call of the pass whose workspace fits
+// them all and whose stream is not being captured runs each on its own operands (one
+// warm-up, three timed runs, the median) and keeps the fastest for later autotuned calls:
+// once per shape, a few milliseconds and one stream synchronisation. Until then, and for
+// calls that do not autotune, the heuristics' first choice runs. A later candidate may need
+// at most kTrialWorkspace bytes or the first's workspace, whichever is more, so timing does
+// not ask for a workspace far beyond what the pass would take without it. The timed runs
+// write the pass's output only (alpha 1, beta 0), which the kept plan then writes again.
+// Plans are never freed: a captured CUDA graph may hold their kernels.
 #include <cudnn.h>
 
 #include <algorithm>
@@ -57,6 +70,8 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 constexpr size_t kMaxWorkspace = size_t(1) << 30;
+constexpr int kTunedPlans = 8;
+constexpr size_t kTrialWorkspace = size_t(256) << 20;
 
 struct Dnn {
   cudnnHandle_t handle = nullptr;
@@ -100,8 +115,14 @@ struct Plan {
   std::array<cudnnConvolutionDescriptor_t, 3> conv{};  // one per pass
   std::array<std::vector<Candidate>, 3> candidates;    // empty until the pass is first planned
   std::array<size_t, 3> current{};                      // index of the candidate in use
-  std::array<conv_graph::PlanPtr, 3> graph;             // the graph API's plan, if any
-  std::array<bool, 3> graph_tried{};
+  // The graph API's plans, the heuristics' first choice first (empty: none), how many were
+  // asked for (0: not yet built; 1 or kTunedPlans), the one timing chose (-1: not yet), and
+  // whether the plan in use failed at run time (the convolution API from then on).
+  std::array<std::vector<conv_graph::PlanPtr>, 3> graph;
+  std::array<int, 3> graph_asked{};
+  std::array<int, 3> graph_chosen{-1, -1, -1};
+  std::array<bool, 3> graph_failed{};
+  std::vector<conv_graph::PlanPtr> retired;  // plans replaced by a longer list, kept alive
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -236,25 +257,84 @@ void plan_pass(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
              " within a ", kMaxWorkspace >> 20, " MiB workspace");
 }
 
-// The pass's graph API plan, built the first time a call asks for the graph API; null when
-// the call does not, or when there is none. Called under the device lock.
-const conv_graph::Plan* graph_plan(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
+// The pass's graph API plans, built the first time a call asks for the graph API (and
+// again, longer, the first time a call also autotunes); null when the call does not use the
+// graph API, or when there is no usable plan. Called under the device lock.
+const std::vector<conv_graph::PlanPtr>* graph_plans(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
   if (!a.graph_api) return nullptr;
   const size_t i = size_t(pass);
-  if (!p.graph_tried[i]) {
-    p.graph_tried[i] = true;
-    p.graph[i] = conv_graph::build(a, pass, h, kMaxWorkspace);
+  const int wanted = a.autotune ? kTunedPlans : 1;
+  if (p.graph_asked[i] < wanted) {
+    for (auto& plan : p.graph[i]) p.retired.push_back(std::move(plan));
+    p.graph[i] = conv_graph::build(a, pass, h, kMaxWorkspace, wanted, kTrialWorkspace);
+    p.graph_asked[i] = wanted;
+    p.graph_chosen[i] = p.graph[i].size() == 1 ? 0 : -1;
   }
-  return p.graph[i].get();
+  if (p.graph_failed[i] || p.graph[i].empty()) return nullptr;
+  return &p.graph[i];
 }
 
-// The workspace a pass may use: its graph plan's or its convolution API candidate's,
-// whichever is larger, since a call may end up on either. Called under the device lock.
+// Which of the pass's graph plans a call runs: timing's choice when it autotunes and timing
+// has chosen, else the heuristics' first.
+size_t plan_in_use(const Plan& p, const Conv2dArgs& a, ConvPass pass) {
+  const int chosen = p.graph_chosen[size_t(pass)];
+  return a.autotune && chosen >= 0 ? size_t(chosen) : 0;
+}
+
+// The workspace the pass's graph plans need for this call: the largest of them while an
+// autotuned call has yet to time them, else that of the plan in use.
+size_t graph_workspace(const Plan& p, const std::vector<conv_graph::PlanPtr>& plans, const Conv2dArgs& a,
+                       ConvPass pass) {
+  if (a.autotune && p.graph_chosen[size_t(pass)] < 0) {
+    size_t most = 0;
+    for (const auto& plan : plans) most = std::max(most, conv_graph::workspace_size(*plan));
+    return most;
+  }
+  return conv_graph::workspace_size(*plans[plan_in_use(p, a, pass)]);
+}
+
+// Times each of the pass's graph plans on this call's operands and keeps the fastest (see
+// the top of the file); leaves the choice open when the stream is being captured. A plan
+// that fails to run is passed over. Called under the device lock, the workspace fitting all.
+void choose_plan(Plan& p, ConvPass pass, cudnnHandle_t h, cudaStream_t stream, const void* x, const void* w,
+                 const void* y, void* workspace) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  LOOM_CUDA(cudaStreamIsCapturing(stream, &capturing));
+  if (capturing != cudaStreamCaptureStatusNone) return;
+  const auto& plans = p.graph[size_t(pass)];
+  cudaEvent_t marks[4];
+  for (auto& e : marks) LOOM_CUDA(cudaEventCreate(&e));
+  float best = std::numeric_limits<float>::infinity();
+  int chosen = -1;
+  for (size_t k = 0; k < plans.size(); ++k) {
+    const conv_graph::Plan& plan = *plans[k];
+    void* ws = conv_graph::workspace_size(plan) ? workspace : nullptr;
+    if (conv_graph::execute(plan, h, x, w, y, ws) != CUDNN_STATUS_SUCCESS) continue;  // warm-up
+    LOOM_CUDA(cudaEventRecord(marks[0], stream));
+    bool ran = true;
+    for (int r = 1; r < 4 && ran; ++r) {
+      ran = conv_graph::execute(plan, h, x, w, y, ws) == CUDNN_STATUS_SUCCESS;
+      LOOM_CUDA(cudaEventRecord(marks[r], stream));
+    }
+    LOOM_CUDA(cudaEventSynchronize(marks[3]));
+    if (!ran) continue;
+    float runs[3];
+    for (int r = 0; r < 3; ++r) LOOM_CUDA(cudaEventElapsedTime(&runs[r], marks[r], marks[r + 1]));
+    std::sort(runs, runs + 3);
+    if (runs[1] < best) best = runs[1], chosen = int(k);
+  }
+  for (auto& e : marks) LOOM_CUDA(cudaEventDestroy(e));
+  if (chosen >= 0) p.graph_chosen[size_t(pass)] = chosen;
+}
+
+// The workspace a pass may use: its graph plans' (graph_workspace) or its convolution API
+// candidate's, whichever is larger, since a call may end up on either. Called under the
+// device lock.
 size_t pass_workspace(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h) {
   plan_pass(p, a, pass, h);
   const size_t legacy = p.candidates[size_t(pass)][p.current[size_t(pass)]].workspace;
-  const conv_graph::Plan* g = graph_plan(p, a, pass, h);
-  return std::max(legacy, g ? conv_graph::workspace_size(*g) : size_t(0));
+  const auto* plans = graph_plans(p, a, pass, h);
+  return std::max(legacy, plans ? graph_workspace(p, *plans, a, pass) : size_t(0));
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -289,12 +369,15 @@ void run_pass(const Conv2dArgs& a, ConvPass pass, StreamHandle stream, const voi
   std::lock_guard lock(dnn.mu);
   plan_pass(p, a, pass, dnn.handle);
   LOOM_CUDNN(cudnnSetStream(dnn.handle, as_cuda(stream)));
-  if (const conv_graph::Plan* g = graph_plan(p, a, pass, dnn.handle)) {
-    const size_t need = conv_graph::workspace_size(*g);
-    if (aligned16(x) && aligned16(w) && aligned16(y) && (need == 0 || aligned16(a.workspace)) &&
-        a.workspace_bytes >= need) {
-      if (conv_graph::execute(*g, dnn.handle, x, w, y, need ? a.workspace : nullptr) == CUDNN_STATUS_SUCCESS) return;
-      p.graph[size_t(pass)].reset();  // refused at run time: the convolution API from now on
+  if (const auto* plans = graph_plans(p, a, pass, dnn.handle);
+      plans && aligned16(x) && aligned16(w) && aligned16(y) && aligned16(a.workspace)) {
+    if (a.autotune && p.graph_chosen[size_t(pass)] < 0 && a.workspace_bytes >= graph_workspace(p, *plans, a, pass))
+      choose_plan(p, pass, dnn.handle, as_cuda(stream), x, w, y, a.workspace);
+    const conv_graph::Plan& g = *(*plans)[plan_in_use(p, a, pass)];
+    const size_t need = conv_graph::workspace_size(g);
+    if (a.workspace_bytes >= need) {
+      if (conv_graph::execute(g, dnn.handle, x, w, y, need ? a.workspace : nullptr) == CUDNN_STATUS_SUCCESS) return;
+      p.graph_failed[size_t(pass)] = true;  // refused at run time: the convolution API from now on
     }
   }
   const auto& list = p.candidates[size_t(pass)];

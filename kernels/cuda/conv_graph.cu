@@ -4,7 +4,10 @@
 // the heuristics' engine configurations, and an execution plan per configuration tried.
 #include "kernels/cuda/conv_graph.h"
 
+#include <algorithm>
 #include <array>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "kernels/core/error.h"
@@ -126,10 +129,11 @@ const OperationAttributes& operation_attributes(ConvPass pass) {
 
 }  // namespace
 
-// The finalized plan, and every descriptor it was made from, kept for as long as it is.
+// The finalized plan, and every descriptor it was made from (shared by the plans of one
+// pass), kept for as long as it is.
 class Plan {
  public:
-  Plan(Desc plan, size_t workspace, std::vector<Desc> sources)
+  Plan(Desc plan, size_t workspace, std::shared_ptr<const std::vector<Desc>> sources)
       : plan_(std::move(plan)), workspace_(workspace), sources_(std::move(sources)) {}
   const Desc& desc() const { return plan_; }
   size_t workspace() const { return workspace_; }
@@ -137,12 +141,13 @@ class Plan {
  private:
   Desc plan_;
   size_t workspace_;
-  std::vector<Desc> sources_;
+  std::shared_ptr<const std::vector<Desc>> sources_;
 };
 
 void PlanDeleter::operator()(Plan* p) const { delete p; }
 
-PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace) {
+std::vector<PlanPtr> build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace,
+                           int max_plans, size_t later_workspace) {
   const CudnnTypes types = cudnn_types(a.dtype);
   Desc x = tensor(kX, types.data, {a.n, a.c_in, a.h, a.w}, a.layout == ChannelLayout::channels_last);
   Desc w = tensor(kW, types.data, {a.c_out, a.c_in / a.groups, a.kh, a.kw}, a.layout == ChannelLayout::channels_last);
@@ -184,31 +189,32 @@ PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t m
   Desc graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
   graph.set_desc(CUDNN_ATTR_OPERATIONGRAPH_OPS, op)
       .set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
-  if (!graph.finalize()) return nullptr;
+  if (!graph.finalize()) return {};
 
   const cudnnBackendHeurMode_t heur_mode = CUDNN_HEUR_MODE_A;
   Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
   heur.set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph)
       .set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &heur_mode);
-  if (!heur.finalize()) return nullptr;
+  if (!heur.finalize()) return {};
   int64_t count = 0;
   if (cudnnBackendGetAttribute(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
                                nullptr) != CUDNN_STATUS_SUCCESS ||
       count <= 0)
-    return nullptr;
+    return {};
   std::vector<Desc> configs;
   std::vector<cudnnBackendDescriptor_t> raw;
   for (int64_t i = 0; i < count; ++i) {
     configs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
-    if (!configs.back().ok) return nullptr;
+    if (!configs.back().ok) return {};
     raw.push_back(configs.back().d);
   }
   int64_t returned = 0;
   if (cudnnBackendGetAttribute(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &returned,
                                raw.data()) != CUDNN_STATUS_SUCCESS)
-    return nullptr;
+    return {};
 
-  for (int64_t i = 0; i < returned; ++i) {
+  std::vector<std::pair<Desc, size_t>> found;  // finalized plans and their workspace sizes
+  for (int64_t i = 0; i < returned && int(found.size()) < max_plans; ++i) {
     const Desc& cfg = configs[size_t(i)];
     if (!notes_allowed(cfg, a.dtype, a.deterministic)) continue;
     Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
@@ -216,16 +222,20 @@ PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t m
         .set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg);
     if (!plan.finalize()) continue;
     int64_t bytes = 0, got = 0;
+    const size_t limit = found.empty() ? max_workspace : std::min(max_workspace, std::max(later_workspace, found[0].second));
     if (cudnnBackendGetAttribute(plan.d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &bytes) !=
             CUDNN_STATUS_SUCCESS ||
-        bytes < 0 || size_t(bytes) > max_workspace)
+        bytes < 0 || size_t(bytes) > limit)
       continue;
-    std::vector<Desc> sources;
-    for (Desc* d : {&x, &w, &y, &conv, &op, &graph, &heur}) sources.push_back(std::move(*d));
-    for (Desc& c : configs) sources.push_back(std::move(c));
-    return PlanPtr(new Plan(std::move(plan), size_t(bytes), std::move(sources)));
+    found.emplace_back(std::move(plan), size_t(bytes));
   }
-  return nullptr;
+  std::vector<PlanPtr> plans;
+  if (found.empty()) return plans;
+  auto sources = std::make_shared<std::vector<Desc>>();
+  for (Desc* d : {&x, &w, &y, &conv, &op, &graph, &heur}) sources->push_back(std::move(*d));
+  for (Desc& c : configs) sources->push_back(std::move(c));
+  for (auto& [plan, bytes] : found) plans.push_back(PlanPtr(new Plan(std::move(plan), bytes, sources)));
+  return plans;
 }
 
 size_t workspace_size(const Plan& plan) { return plan.workspace(); }

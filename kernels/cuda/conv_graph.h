@@ -3,10 +3,12 @@
 // convolution API of conv.cu rebuilds a plan inside cuDNN at every call; on a ResNet-18
 // step that is about half of the host's time. Internal to kernels/cuda (conv.cu uses it).
 //
-// A plan is looked for among the heuristics' engine configurations (mode A, in their
-// order), keeping the first that finalizes, needs at most kMaxWorkspace bytes and whose
-// numerical notes fit the dtype: no down-conversion of inputs and no reduced-precision
-// reduction ever, and no tensor cores for f32 when TF32 is not allowed. Tensors are
+// Plans are looked for among the heuristics' engine configurations (mode A, in their
+// order), keeping those that finalize, fit the workspace limits below and whose numerical
+// notes fit the dtype: no down-conversion of inputs and no reduced-precision reduction ever,
+// no tensor cores for f32 when TF32 is not allowed, and no nondeterministic note when the
+// call asks for deterministic results. The first such plan is the heuristics' choice; the
+// later ones are candidates for timing (conv.cu's autotuning). Tensors are
 // described as 16-byte aligned: conv.cu takes this path only for pointers that are.
 // When no configuration qualifies, or cuDNN refuses the graph, there is no plan and
 // conv.cu uses the convolution API. Both APIs take their cuDNN types from cudnn_types.
@@ -16,6 +18,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "../table.h"
 
@@ -40,8 +43,12 @@ struct PlanDeleter {
 };
 using PlanPtr = std::unique_ptr<Plan, PlanDeleter>;
 
-// The pass's plan for these shapes, or null. `handle` is the device's cuDNN handle.
-PlanPtr build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace);
+// Up to `max_plans` plans for the pass at these shapes, in the heuristics' order; empty when
+// there is none. The first needs at most `max_workspace` bytes of workspace, each later one
+// at most the larger of the first's and `later_workspace` (and never more than
+// `max_workspace`). `handle` is the device's cuDNN handle.
+std::vector<PlanPtr> build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t handle, size_t max_workspace,
+                           int max_plans = 1, size_t later_workspace = 0);
 
 size_t workspace_size(const Plan& plan);
 

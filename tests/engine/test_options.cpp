@@ -13,6 +13,7 @@ TEST(Options, DefaultsAreTheFasterWays) {
   EXPECT_FALSE(o.deterministic);
   EXPECT_TRUE(o.gemm_autotuning);
   EXPECT_TRUE(o.cudnn_graph_api);
+  EXPECT_TRUE(o.conv_autotuning);
   EXPECT_TRUE(o.autocast_weight_copies);
   EXPECT_TRUE(o.autocast_gradient_copies);
 }
@@ -23,7 +24,9 @@ TEST(Options, GuardsSetForTheirScopeAndRestoreWhatTheyFound) {
     Options o = before;
     o.deterministic = !before.deterministic;
     o.cudnn_graph_api = !before.cudnn_graph_api;
+    o.conv_autotuning = !before.conv_autotuning;
     OptionsGuard outer(o);
+    EXPECT_EQ(options().conv_autotuning, !before.conv_autotuning);
     EXPECT_EQ(options().deterministic, !before.deterministic);
     EXPECT_EQ(options().cudnn_graph_api, !before.cudnn_graph_api);
     EXPECT_EQ(options().gemm_autotuning, before.gemm_autotuning);
@@ -41,6 +44,7 @@ TEST(Options, GuardsSetForTheirScopeAndRestoreWhatTheyFound) {
   EXPECT_EQ(after.deterministic, before.deterministic);
   EXPECT_EQ(after.gemm_autotuning, before.gemm_autotuning);
   EXPECT_EQ(after.cudnn_graph_api, before.cudnn_graph_api);
+  EXPECT_EQ(after.conv_autotuning, before.conv_autotuning);
   EXPECT_EQ(after.autocast_weight_copies, before.autocast_weight_copies);
   EXPECT_EQ(after.autocast_gradient_copies, before.autocast_gradient_copies);
 }

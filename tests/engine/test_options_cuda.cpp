@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/autograd.h"
@@ -93,6 +94,46 @@ TEST(OptionsCuda, ConvolutionsAgreeWithAndWithoutTheGraphApi) {
   test::expect_close_to_scale(legacy.y, graph.y.to(Device::cpu()), 5e-3, "y");
   test::expect_close_to_scale(legacy.dx, graph.dx.to(Device::cpu()), 5e-3, "dx");
   test::expect_close_to_scale(legacy.dw, graph.dw.to(Device::cpu()), 5e-3, "dw");
+}
+
+// Autotuned convolutions (the fastest of cuDNN's candidate plans, timed on the first call of
+// each shape) agree with the heuristics' first choice within TF32's rounding, and the first
+// choice is still what runs with the option off after timing has chosen: the same bits.
+// Deterministic engines only, so that one plan gives one result. A shape of SimpleCNN's
+// second layer at a training batch, where cuDNN offers several plans.
+TEST(OptionsCuda, AutotunedConvolutionsAgreeAndLeaveTheFirstChoiceAsItWas) {
+  LOOM_REQUIRE_CUDA();
+  OptionsGuard deterministic(with(&Options::deterministic, true));
+  manual_seed(4);
+  const Tensor x = randn({64, 32, 15, 15}).to(kGpu), w = mul(randn({64, 32, 3, 3}), 0.1).to(kGpu);
+  const Tensor gy = randn({64, 64, 13, 13}).to(kGpu);
+  struct Result {
+    Tensor y, dx, dw;
+  };
+  auto run = [&] {
+    Tensor xi = x.detach().set_requires_grad(), wi = w.detach().set_requires_grad();
+    Tensor y = conv2d(xi, wi, Tensor(), {1, 1}, {0, 0});
+    y.backward(gy);
+    return Result{y, xi.grad(), wi.grad()};
+  };
+  Result first, again;
+  {
+    OptionsGuard guard(with(&Options::conv_autotuning, false));
+    first = run();
+  }
+  const Result tuned = run(), tuned_again = run();
+  {
+    OptionsGuard guard(with(&Options::conv_autotuning, false));
+    again = run();
+  }
+  for (auto [a, b, what] : {std::tuple{first.y, again.y, "y"}, {first.dx, again.dx, "dx"}, {first.dw, again.dw, "dw"}})
+    expect_same_bits(a, b, std::string("the first choice before and after tuning, ") + what);
+  for (auto [a, b, what] :
+       {std::tuple{tuned.y, tuned_again.y, "y"}, {tuned.dx, tuned_again.dx, "dx"}, {tuned.dw, tuned_again.dw, "dw"}})
+    expect_same_bits(a, b, std::string("the tuned choice, kept: ") + what);
+  test::expect_close_to_scale(tuned.y, first.y.to(Device::cpu()), 5e-3, "y");
+  test::expect_close_to_scale(tuned.dx, first.dx.to(Device::cpu()), 5e-3, "dx");
+  test::expect_close_to_scale(tuned.dw, first.dw.to(Device::cpu()), 5e-3, "dw");
 }
 
 }  // namespace
