@@ -239,6 +239,7 @@ int main(int argc, char** argv) {
                                  {"ddp", int64_t(ddp) + int64_t(ddp && bucket_view)},
                                  {"graph", int64_t(graph)},
                                  {"channels_last", int64_t(channels_last)},
+                                 {"conv_autotuning", int64_t(conv_autotuning)},
                                  {"images_per_s", double(batch) / (step_ms * 1e-3)},
                                  {"ms_per_step", step_ms},
                                  {"peak_mib", peak_mib},
