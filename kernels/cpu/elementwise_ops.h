@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "tanh_f32.h"
 #include "../table.h"
 
 namespace loom::cpu::elementwise {
@@ -177,6 +178,14 @@ void with_op(BinaryOp op, F&& f) {
 constexpr double kGeluK = 0.7978845608028654;  // sqrt(2 / pi)
 constexpr double kGeluC = 0.044715;
 
+// tanh in the accumulation type: kernels/cpu/tanh_f32.h in f32 (within 3 ulp, and loops over
+// it vectorise), the C library's in f64.
+template <class A>
+A tanh_a(A x) {
+  if constexpr (std::is_same_v<A, float>) return tanh_f32(x);
+  else return std::tanh(x);
+}
+
 // A is float or double.
 template <UnaryOp op, class A>
 A unary_float(A x, A p) {
@@ -187,10 +196,10 @@ A unary_float(A x, A p) {
   else if constexpr (op == UnaryOp::log) return std::log(x);
   else if constexpr (op == UnaryOp::sqrt) return std::sqrt(x);
   else if constexpr (op == UnaryOp::rsqrt) return one / std::sqrt(x);
-  else if constexpr (op == UnaryOp::tanh) return std::tanh(x);
+  else if constexpr (op == UnaryOp::tanh) return tanh_a(x);
   else if constexpr (op == UnaryOp::sigmoid) return one / (one + std::exp(-x));
   else if constexpr (op == UnaryOp::relu) return x < A(0) ? A(0) : x;
-  else if constexpr (op == UnaryOp::gelu) return half * x * (one + std::tanh(A(kGeluK) * (x + A(kGeluC) * x * x * x)));
+  else if constexpr (op == UnaryOp::gelu) return half * x * (one + tanh_a(A(kGeluK) * (x + A(kGeluC) * x * x * x)));
   else if constexpr (op == UnaryOp::sign) return x > A(0) ? one : (x < A(0) ? -one : x);
   else if constexpr (op == UnaryOp::add_scalar) return x + p;
   else if constexpr (op == UnaryOp::mul_scalar) return x * p;
@@ -228,7 +237,7 @@ A unary_grad(A go, A x, A y, A p) {
   else if constexpr (op == UnaryOp::relu) return y > zero ? go : zero;  // y > 0 exactly when x > 0
   else if constexpr (op == UnaryOp::gelu) {
     const A k = A(kGeluK), c = A(kGeluC);
-    const A t = std::tanh(k * (x + c * x * x * x));
+    const A t = tanh_a(k * (x + c * x * x * x));
     return go * (half * (one + t) + half * x * (one - t * t) * k * (one + A(3) * c * x * x));
   } else if constexpr (op == UnaryOp::sign) return zero;
   else if constexpr (op == UnaryOp::add_scalar) return go;

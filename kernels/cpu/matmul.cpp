@@ -113,9 +113,10 @@ void gemm_typed(const GemmArgs& g) {
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / task_flops);
 
   parallel_for(tasks, grain, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<A> a_pack, b_pack, c_tiles;
+    thread_local std::vector<A> a_pack, b_pack, c_tiles, v_row;
     a_pack.resize(size_t(mc_full * kKC));
     b_pack.resize(size_t(nc_full * kKC));
+    v_row.resize(size_t(nc_full));
     c_tiles.resize(size_t(run * mc_full * nc_full));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bi = t / (n_blocks * runs), jb = t / runs % n_blocks, ib0 = t % runs * run;
@@ -161,18 +162,29 @@ void gemm_typed(const GemmArgs& g) {
             for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j] + beta * A(row_in[j]));
             continue;
           }
-          for (int64_t j = 0; j < nc; ++j) {
-            A v = alpha * acc[j];
-            if (beta != A(0)) v += beta * A(row_in[j]);
-            if (bias) v += A(bias[j]);
-            if (g.epilogue == GemmEpilogue::gelu) {
-              aux[i * g.ld_aux + j] = store<T>(v);
-              v = elementwise::unary_float<UnaryOp::gelu, A>(v, A(0));
-            } else if (g.epilogue == GemmEpilogue::dgelu) {
-              const A z = A(aux[i * g.ld_aux + j]);
-              v = elementwise::unary_grad<UnaryOp::gelu, A>(v, z, A(0), A(0));
-            }
-            row[j] = store<O>(v);
+          // alpha, beta, bias and the epilogue, each a loop of its own over the row, so that each
+          // vectorises (GELU's tanh included); the same arithmetic in the same order per element.
+          A* v = v_row.data();
+          for (int64_t j = 0; j < nc; ++j) v[j] = alpha * acc[j];
+          if (beta != A(0))
+            for (int64_t j = 0; j < nc; ++j) v[j] += beta * A(row_in[j]);
+          if (bias)
+            for (int64_t j = 0; j < nc; ++j) v[j] += A(bias[j]);
+          T* aux_row = aux ? aux + i * g.ld_aux : nullptr;
+          switch (g.epilogue) {
+            case GemmEpilogue::none:
+              for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(v[j]);
+              break;
+            case GemmEpilogue::gelu:
+              for (int64_t j = 0; j < nc; ++j) {
+                aux_row[j] = store<T>(v[j]);
+                row[j] = store<O>(elementwise::unary_float<UnaryOp::gelu, A>(v[j], A(0)));
+              }
+              break;
+            case GemmEpilogue::dgelu:
+              for (int64_t j = 0; j < nc; ++j)
+                row[j] = store<O>(elementwise::unary_grad<UnaryOp::gelu, A>(v[j], A(aux_row[j]), A(0), A(0)));
+              break;
           }
         }
       }
