@@ -5,6 +5,9 @@
 // converted to the accumulation type (f64 for f64, f32 otherwise), then each query row is a
 // numerically stable softmax over its visible keys (shift by the row maximum, one exp per
 // score). Nothing of size q_len x kv_len is kept: a row's scores live in a kv_len buffer.
+// k (and v, in the backward) are also gathered transposed, (D, kv_len), so that a row's
+// products with every key are summed across keys at once (`dots`), which vectorises and adds
+// each product's terms in the same order as a plain dot product: the same bits.
 // The forward runs threads over (b, h, block of query rows); the backward over (b, h),
 // since dk and dv sum over every query row.
 #include <algorithm>
@@ -49,6 +52,25 @@ template <class A> A dot(const A* x, const A* y, int64_t n) {
   return s;
 }
 
+// The (D, n) transpose of n rows of D elements, `seq` apart, in the accumulation type.
+template <class A, class T> void widen_transposed(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
+  dst.resize(size_t(n * D));
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; ++d) dst[size_t(d * n + r)] = A(src[r * seq + d]);
+}
+
+// s[j] = dot(x, row j) for j < count, from the rows' (D, n) transpose mT: each sum is dot's,
+// term by term in the same order (so the same bits), but the loop runs across j, which
+// vectorises, where dot's runs along one row's D elements and cannot without reordering.
+template <class A> void dots(A* s, const A* x, const A* mT, int64_t n, int64_t count, int64_t D) {
+  std::fill(s, s + count, A(0));
+  for (int64_t d = 0; d < D; ++d) {
+    const A xd = x[d];
+    const A* col = mT + d * n;
+    for (int64_t j = 0; j < count; ++j) s[j] += xd * col[j];
+  }
+}
+
 template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<T>* lse, const T* q_ptr,
                                       const T* k_ptr, const T* v_ptr) {
   using A = acc_t<T>;
@@ -60,12 +82,12 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<
   const A scale = A(a.scale);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kRowsPerTask * Tk * D));
   parallel_for(heads * blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> kh, vh, qi, p, acc(static_cast<size_t>(D));
+    std::vector<A> kt, vh, qi, p, acc(static_cast<size_t>(D));
     int64_t loaded = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, i0 = task % blocks * kRowsPerTask;
       if (bh != loaded) {
-        widen(kh, k.head(bh), Tk, k.s.seq, D);
+        widen_transposed(kt, k.head(bh), Tk, k.s.seq, D);
         widen(vh, v.head(bh), Tk, v.s.seq, D);
         loaded = bh;
       }
@@ -76,8 +98,9 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<
         const int64_t n = visible_keys(a, i);
         p.resize(size_t(n));
         A m = -std::numeric_limits<A>::infinity();
+        dots(p.data(), qi.data(), kt.data(), Tk, n, D);
         for (int64_t j = 0; j < n; ++j) {
-          p[size_t(j)] = scale * dot(qi.data(), kh.data() + j * D, D);
+          p[size_t(j)] = scale * p[size_t(j)];
           m = std::max(m, p[size_t(j)]);
         }
         std::fill(acc.begin(), acc.end(), A(0));
@@ -114,13 +137,16 @@ void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, con
       dv(dv_ptr, a.strides.dv, a.heads, Tk, D);
   const A scale = A(a.scale);
   parallel_for(heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> qh, kh, vh, doh, oh, dqh, dkh, dvh;
+    std::vector<A> qh, kh, kt, vt, doh, oh, dqh, dkh, dvh, qk, dov;
     for (int64_t bh = begin; bh < end; ++bh) {
       widen(qh, q.head(bh), Tq, q.s.seq, D);
       widen(doh, dout.head(bh), Tq, dout.s.seq, D);
       widen(oh, out.head(bh), Tq, out.s.seq, D);
       widen(kh, k.head(bh), Tk, k.s.seq, D);
-      widen(vh, v.head(bh), Tk, v.s.seq, D);
+      widen_transposed(kt, k.head(bh), Tk, k.s.seq, D);
+      widen_transposed(vt, v.head(bh), Tk, v.s.seq, D);
+      qk.resize(size_t(Tk));
+      dov.resize(size_t(Tk));
       dqh.assign(size_t(Tq * D), A(0));
       dkh.assign(size_t(Tk * D), A(0));
       dvh.assign(size_t(Tk * D), A(0));
@@ -131,11 +157,12 @@ void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, con
         const A l = A(lse[bh * Tq + i]);
         A* dqi = dqh.data() + i * D;
         const int64_t n = visible_keys(a, i);
+        dots(qk.data(), qi, kt.data(), Tk, n, D);   // q_i . k_j
+        dots(dov.data(), doi, vt.data(), Tk, n, D);  // dout_i . v_j
         for (int64_t j = 0; j < n; ++j) {
           const A* kj = kh.data() + j * D;
-          const A* vj = vh.data() + j * D;
-          const A p = std::exp(scale * dot(qi, kj, D) - l);
-          const A ds = p * (dot(doi, vj, D) - di);
+          const A p = std::exp(scale * qk[size_t(j)] - l);
+          const A ds = p * (dov[size_t(j)] - di);
           A* dkj = dkh.data() + j * D;
           A* dvj = dvh.data() + j * D;
           for (int64_t d = 0; d < D; ++d) {
