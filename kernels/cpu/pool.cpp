@@ -12,7 +12,9 @@
 // and the same bits, for no search of the windows. Values are compared and summed in the
 // accumulation type.
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -37,6 +39,14 @@ void for_each_plane(const Pool2dArgs& a, const char* what, int64_t work_per_plan
 }
 
 bool channels_last(const Pool2dArgs& a) { return a.layout == ChannelLayout::channels_last; }
+
+// a where `take_a`, else b, through an integer mask of the value's bits: no branch, and no
+// floating-point operation for the compiler to keep from speculating.
+template <class V> V masked_select(bool take_a, V a, V b) {
+  using Bits = std::conditional_t<sizeof(V) == 8, uint64_t, uint32_t>;
+  const Bits m = Bits(0) - Bits(take_a);
+  return std::bit_cast<V>(Bits((std::bit_cast<Bits>(a) & m) | (std::bit_cast<Bits>(b) & ~m)));
+}
 
 // Runs body(tag, n, r, acc, at) for each of the N * rows image rows of a channels-last
 // buffer, in parallel, with T the element type and acc and at scratch vectors of C
@@ -164,11 +174,12 @@ void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const vo
         int64_t best_at = rows.begin * a.w + cols.begin;
         for (int64_t ih = rows.begin; ih < rows.end; ++ih)
           for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
+            // A larger value or a NaN takes over, chosen by bit masks rather than a branch,
+            // which random data would mispredict every other time.
             const A v = A(in[ih * a.w + iw]);
-            if (v > best || std::isnan(v)) {
-              best = v;
-              best_at = ih * a.w + iw;
-            }
+            const bool take = (v > best) | (v != v);
+            best = masked_select(take, v, best);
+            best_at = masked_select(take, ih * a.w + iw, best_at);
           }
         out[oh * a.out_w + ow] = T(best);
         idx[oh * a.out_w + ow] = best_at;
