@@ -22,14 +22,15 @@
 // off, cuDNN's first choice may sum with atomics, as some of its f32 weight-gradient engines
 // do); their plans are kept per setting. Other paths are unaffected: the CPU kernels and the
 // CUDA-core attention kernels are deterministic either way, while the CUDA index_add,
-// scatter_add and the embedding's weight gradient keep their atomics, and products chosen by
-// timing can differ between runs (gemm_autotuning below).
+// scatter_add and the embedding's weight gradient keep their atomics, and products and
+// convolutions chosen by timing can differ between runs (gemm_autotuning and
+// conv_autotuning below; turn them off too for the same bits from run to run).
 //
 // gemm_autotuning (default on). On: the first single f32/bf16/f16 product of each shape and
 // layout times up to eight of cuBLASLt's candidate algorithms on its own operands and keeps
-// the fastest (a few milliseconds and one stream synchronisation, once per shape; the
-// heuristic's first choice is often not the fastest, split-K for a weight gradient's long k
-// for one). Off: the heuristic's first choice, the same algorithm from run to run, where
+// the fastest (a few milliseconds and a stream synchronisation per candidate, once per
+// shape; the heuristic's first choice is often not the fastest, split-K for a weight
+// gradient's long k for one). Off: the heuristic's first choice, the same algorithm from run to run, where
 // timing may pick differently between runs. Either way the product's contract holds.
 //
 // cudnn_graph_api (default on). On: each convolution pass runs an execution plan of cuDNN's
@@ -40,8 +41,10 @@
 //
 // conv_autotuning (default on; with cudnn_graph_api), as PyTorch's cudnn.benchmark. On: the
 // first convolution pass of each shape times up to eight of cuDNN's candidate plans on its
-// own operands and keeps the fastest (once per shape and pass: a few milliseconds, one
-// stream synchronisation, and for that call a workspace large enough for every candidate).
+// own operands and keeps the fastest (once per shape and pass: a few milliseconds, a stream
+// synchronisation per candidate, and for that call a workspace large enough for every
+// candidate: the first plan's, or up to 256 MiB where that is more, which the caching
+// allocator then keeps).
 // Off: the heuristics' first choice, the same engine from run to run, where timing may pick
 // differently between runs. Results agree within the engines' rounding.
 //

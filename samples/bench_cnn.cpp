@@ -89,6 +89,7 @@ int main(int argc, char** argv) {
   if (precision.empty()) precision = on_cpu ? "f32" : "bf16";
   if (on_cpu && ddp) flags.fail("--ddp: DDP here runs over NCCL, on a GPU; not with --device cpu");
   if (on_cpu && profile_step) flags.fail("--profile-step: the profiler range is a GPU's (not with --device cpu)");
+  if (ddp && profile_step) flags.fail("--profile-step profiles the plain step, not the --ddp one: pass one of them");
   if (on_cpu && precision != "f32") flags.fail("--precision " + precision + ": the CPU steps in f32 only");
   if (ddp || on_cpu) graph = false;
   constexpr int kEagerFirst = 2;  // the steps before the capture (CapturedStep's warmup)

@@ -12,7 +12,6 @@
 // and the same bits, for no search of the windows. Values are compared and summed in the
 // accumulation type.
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -22,6 +21,7 @@
 #include "kernels/core/pool_window.h"
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/masked_select.h"
 #include "kernels/cpu/parallel_for.h"
 
 namespace loom::cpu {
@@ -39,14 +39,6 @@ void for_each_plane(const Pool2dArgs& a, const char* what, int64_t work_per_plan
 }
 
 bool channels_last(const Pool2dArgs& a) { return a.layout == ChannelLayout::channels_last; }
-
-// a where `take_a`, else b, through an integer mask of the value's bits: no branch, and no
-// floating-point operation for the compiler to keep from speculating.
-template <class V> V masked_select(bool take_a, V a, V b) {
-  using Bits = std::conditional_t<sizeof(V) == 8, uint64_t, uint32_t>;
-  const Bits m = Bits(0) - Bits(take_a);
-  return std::bit_cast<V>(Bits((std::bit_cast<Bits>(a) & m) | (std::bit_cast<Bits>(b) & ~m)));
-}
 
 // Runs body(tag, n, r, acc, at) for each of the N * rows image rows of a channels-last
 // buffer, in parallel, with T the element type and acc and at scratch vectors of C

@@ -43,12 +43,14 @@
 // to kTunedPlans graph plans, and the first autotuned call of the pass whose workspace fits
 // them all and whose stream is not being captured runs each on its own operands (one
 // warm-up, three timed runs, the median) and keeps the fastest for later autotuned calls:
-// once per shape, a few milliseconds and one stream synchronisation. Until then, and for
-// calls that do not autotune, the heuristics' first choice runs. A later candidate may need
-// at most kTrialWorkspace bytes or the first's workspace, whichever is more, so timing does
-// not ask for a workspace far beyond what the pass would take without it. The timed runs
-// write the pass's output only (alpha 1, beta 0), which the kept plan then writes again.
-// Plans are never freed: a captured CUDA graph may hold their kernels.
+// once per shape, a few milliseconds and a stream synchronisation per candidate. Until then,
+// and for calls that do not autotune, the heuristics' first choice runs. A later candidate
+// may need at most kTrialWorkspace bytes (256 MiB) or the first's workspace, whichever is
+// more: that first call may ask for up to that much, which the caching allocator then keeps.
+// The timed runs write the pass's output only (alpha 1, beta 0), which the kept plan then
+// writes again. Plans are never freed: a captured CUDA graph may hold their kernels. A plan
+// that fails at run time sends the pass to the convolution API for good, whichever of the
+// plans it was (graph_failed).
 #include <cudnn.h>
 
 #include <algorithm>
@@ -302,8 +304,17 @@ void choose_plan(Plan& p, ConvPass pass, cudnnHandle_t h, cudaStream_t stream, c
   LOOM_CUDA(cudaStreamIsCapturing(stream, &capturing));
   if (capturing != cudaStreamCaptureStatusNone) return;
   const auto& plans = p.graph[size_t(pass)];
-  cudaEvent_t marks[4];
-  for (auto& e : marks) LOOM_CUDA(cudaEventCreate(&e));
+  struct Marks {  // destroyed however the timing ends
+    cudaEvent_t e[4] = {};
+    Marks() {
+      for (auto& m : e) LOOM_CUDA(cudaEventCreate(&m));
+    }
+    ~Marks() {
+      for (auto m : e)
+        if (m) cudaEventDestroy(m);
+    }
+  } held;
+  cudaEvent_t (&marks)[4] = held.e;
   float best = std::numeric_limits<float>::infinity();
   int chosen = -1;
   for (size_t k = 0; k < plans.size(); ++k) {
@@ -323,7 +334,6 @@ void choose_plan(Plan& p, ConvPass pass, cudnnHandle_t h, cudaStream_t stream, c
     std::sort(runs, runs + 3);
     if (runs[1] < best) best = runs[1], chosen = int(k);
   }
-  for (auto& e : marks) LOOM_CUDA(cudaEventDestroy(e));
   if (chosen >= 0) p.graph_chosen[size_t(pass)] = chosen;
 }
 

@@ -195,6 +195,20 @@ TEST(ConvCuda, GraphApiPlansEveryPassOfEveryCase) {
   cudnnDestroy(handle);
 }
 
+// Autotuning has plans to choose from: at a shape of SimpleCNN's second layer, f32 on
+// TF32, cuDNN's heuristics give every pass more than one plan within autotuning's limits.
+TEST(ConvCuda, AutotuningHasSeveralPlansToTime) {
+  LOOM_REQUIRE_CUDA();
+  cudnnHandle_t handle = nullptr;
+  ASSERT_EQ(cudnnCreate(&handle), CUDNN_STATUS_SUCCESS);
+  for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter}) {
+    const Conv2dArgs a = test::conv_args({"simple_cnn_conv2_batch64", 64, 32, 15, 15, 64, 3, 3}, DType::f32);
+    EXPECT_GT(cuda::conv_graph::build(a, pass, handle, size_t(1) << 30, 8, size_t(256) << 20).size(), size_t(1))
+        << "pass " << int(pass);
+  }
+  cudnnDestroy(handle);
+}
+
 #else
 
 TEST(ConvCuda, WithoutCudnnSaysSo) {
