@@ -70,11 +70,11 @@ void max_forward_cl(const Pool2dArgs& a, void* y, int64_t* indices, const void* 
         for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
           const T* in = static_cast<const T*>(x) + ((n * a.h + ih) * a.w + iw) * a.c;
           const int64_t here = ih * a.w + iw;
-          for (int64_t c = 0; c < a.c; ++c) {  // branch-free, so the loop vectorises
+          for (int64_t c = 0; c < a.c; ++c) {  // without a branch (masked_select.h)
             const A v = A(in[c]);
             const bool take = (v > best[c]) | (v != v);  // larger, or NaN
-            best[c] = take ? v : best[c];
-            best_at[c] = take ? here : best_at[c];
+            best[c] = masked_select(take, v, best[c]);
+            best_at[c] = masked_select(take, here, best_at[c]);
           }
         }
       const int64_t at = ((n * a.out_h + oh) * a.out_w + ow) * a.c;
