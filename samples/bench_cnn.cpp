@@ -38,12 +38,6 @@
 #include <optional>
 #include <string>
 
-#include "kernels/config.h"
-
-#if LOOM_WITH_CUDA
-#include <cuda_profiler_api.h>
-#endif
-
 #include "engine/allocator.h"
 #include "engine/autocast.h"
 #include "engine/autograd.h"
@@ -221,15 +215,7 @@ int main(int argc, char** argv) {
     } else {
       plain_ms = samples::timed_steps(plain, steps, dev);
     }
-    if (profile_step) {
-#if LOOM_WITH_CUDA
-      synchronize(dev);
-      cudaProfilerStart();
-      plain();
-      synchronize(dev);
-      cudaProfilerStop();
-#endif
-    }
+    if (profile_step) samples::profiled_step(plain, dev);
     const double step_ms = samples::median(ddp ? ddp_ms : plain_ms);
     const double peak_mib = double(memory::stats(dev).peak_allocated) / (1 << 20);
     samples::MetricRecord record{{"engine", std::string("loom")},

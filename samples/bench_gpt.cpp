@@ -39,8 +39,6 @@
 #include <tuple>
 #include <vector>
 
-#include <cuda_profiler_api.h>
-
 #include "engine/allocator.h"
 #include "engine/autocast.h"
 #include "engine/autograd.h"
@@ -242,13 +240,7 @@ int main(int argc, char** argv) {
       return step_ms;
     };
     const double plain_step = report(plain_ms, "plain");
-    if (profile_step) {
-      synchronize(dev);
-      cudaProfilerStart();
-      plain();
-      synchronize(dev);
-      cudaProfilerStop();
-    }
+    if (profile_step) samples::profiled_step(plain, dev);
     if (components) {
       // Each part of the model alone at the step's shapes: median ms of its forward, and of its
       // forward plus a backward from a random output gradient.

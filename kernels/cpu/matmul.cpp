@@ -113,10 +113,9 @@ void gemm_typed(const GemmArgs& g) {
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / task_flops);
 
   parallel_for(tasks, grain, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<A> a_pack, b_pack, c_tiles, v_row;
+    thread_local std::vector<A> a_pack, b_pack, c_tiles;
     a_pack.resize(size_t(mc_full * kKC));
     b_pack.resize(size_t(nc_full * kKC));
-    v_row.resize(size_t(nc_full));
     c_tiles.resize(size_t(run * mc_full * nc_full));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bi = t / (n_blocks * runs), jb = t / runs % n_blocks, ib0 = t % runs * run;
@@ -142,30 +141,19 @@ void gemm_typed(const GemmArgs& g) {
       }
       for (int64_t ib = ib0; ib < ib1; ++ib) {
         const int64_t i0 = ib * kMC, mc = std::min(kMC, g.m - i0);
-        const A* acc_rows = tile_of(ib);
+        A* acc_rows = tile_of(ib);
         O* c = static_cast<O*>(g.c) + bi * g.stride_c + i0 * g.ldc + j0;
         const O* c_in = g.c_in ? static_cast<const O*>(g.c_in) + i0 * g.ldc + j0 : c;
         const O* bias = g.bias ? static_cast<const O*>(g.bias) + j0 : nullptr;
         T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
-        // The plain product (alpha 1, no bias, no epilogue) in loops the compiler vectorises;
-        // they do the general loop's arithmetic, so give its bits.
-        const bool plain = alpha == A(1) && !bias && g.epilogue == GemmEpilogue::none;
+        // alpha, beta, bias and the epilogue, each a loop of its own over the accumulator's
+        // row (updated in place), so that each vectorises, GELU's tanh included.
         for (int64_t i = 0; i < mc; ++i) {
-          const A* acc = acc_rows + i * nc_pad;
+          A* v = acc_rows + i * nc_pad;
           O* row = c + i * g.ldc;
           const O* row_in = c_in + i * g.ldc;
-          if (plain && beta == A(0)) {
-            for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j]);
-            continue;
-          }
-          if (plain) {
-            for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(acc[j] + beta * A(row_in[j]));
-            continue;
-          }
-          // alpha, beta, bias and the epilogue, each a loop of its own over the row, so that each
-          // vectorises (GELU's tanh included); the same arithmetic in the same order per element.
-          A* v = v_row.data();
-          for (int64_t j = 0; j < nc; ++j) v[j] = alpha * acc[j];
+          if (alpha != A(1))
+            for (int64_t j = 0; j < nc; ++j) v[j] *= alpha;
           if (beta != A(0))
             for (int64_t j = 0; j < nc; ++j) v[j] += beta * A(row_in[j]);
           if (bias)

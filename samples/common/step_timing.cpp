@@ -4,6 +4,13 @@
 #include <chrono>
 #include <memory>
 
+#include "kernels/config.h"
+#include "kernels/core/error.h"
+
+#if LOOM_WITH_CUDA
+#include <cuda_profiler_api.h>
+#endif
+
 namespace loom::samples {
 
 double median(std::vector<double> v) {
@@ -52,6 +59,19 @@ std::pair<std::vector<double>, std::vector<double>> alternating_steps(const std:
     }
   }
   return {a_ms, b_ms};
+}
+
+void profiled_step(const std::function<void()>& step, Device device) {
+  LOOM_CHECK(!device.is_cpu(), "a profiled step runs on a GPU, not on ", device.str());
+#if LOOM_WITH_CUDA
+  synchronize(device);
+  cudaProfilerStart();
+  step();
+  synchronize(device);
+  cudaProfilerStop();
+#else
+  LOOM_FAIL("a profiled step needs a build with CUDA");
+#endif
 }
 
 }  // namespace loom::samples

@@ -28,4 +28,8 @@ std::pair<std::vector<double>, std::vector<double>> alternating_steps(const std:
                                                                       int64_t rounds, int64_t per_round,
                                                                       Device device);
 
+// Runs `step` once on `device` (a GPU) between cudaProfilerStart and cudaProfilerStop, the
+// device idle before and after, so that `ncu --profile-from-start off` sees that step alone.
+void profiled_step(const std::function<void()>& step, Device device);
+
 }  // namespace loom::samples

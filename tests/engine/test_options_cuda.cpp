@@ -3,6 +3,7 @@
 // deterministic attention backward and GEMMs without autotuning repeat bit for bit.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -74,23 +75,27 @@ TEST(OptionsCuda, GemmWithoutAutotuningRepeatsAndAgreesWithTuned) {
   test::expect_close_to_scale(tuned, first.to(Device::cpu()), 2e-2, "tuned against the first choice");
 }
 
+// A convolution's output and its two gradients, from one forward and backward.
+struct ConvResult {
+  Tensor y, dx, dw;
+};
+ConvResult conv_step(const Tensor& x, const Tensor& w, const Tensor& gy, std::array<int, 2> stride,
+                     std::array<int, 2> padding) {
+  Tensor xi = x.detach().set_requires_grad(), wi = w.detach().set_requires_grad();
+  Tensor y = conv2d(xi, wi, Tensor(), stride, padding);
+  y.backward(gy);
+  return ConvResult{y, xi.grad(), wi.grad()};
+}
+
 TEST(OptionsCuda, ConvolutionsAgreeWithAndWithoutTheGraphApi) {
   LOOM_REQUIRE_CUDA();
   manual_seed(3);
   const Tensor x = randn({8, 16, 20, 20}).to(kGpu), w = mul(randn({32, 16, 3, 3}), 0.2).to(kGpu);
   const Tensor gy = randn({8, 32, 10, 10}).to(kGpu);
-  struct Result {
-    Tensor y, dx, dw;
-  };
-  auto run = [&] {
-    Tensor xi = x.detach().set_requires_grad(), wi = w.detach().set_requires_grad();
-    Tensor y = conv2d(xi, wi, Tensor(), {2, 2}, {1, 1});
-    y.backward(gy);
-    return Result{y, xi.grad(), wi.grad()};
-  };
-  const Result graph = run();
+  auto run = [&] { return conv_step(x, w, gy, {2, 2}, {1, 1}); };
+  const ConvResult graph = run();
   OptionsGuard guard(with(&Options::cudnn_graph_api, false));
-  const Result legacy = run();
+  const ConvResult legacy = run();
   test::expect_close_to_scale(legacy.y, graph.y.to(Device::cpu()), 5e-3, "y");
   test::expect_close_to_scale(legacy.dx, graph.dx.to(Device::cpu()), 5e-3, "dx");
   test::expect_close_to_scale(legacy.dw, graph.dw.to(Device::cpu()), 5e-3, "dw");
@@ -107,21 +112,13 @@ TEST(OptionsCuda, AutotunedConvolutionsAgreeAndLeaveTheFirstChoiceAsItWas) {
   manual_seed(4);
   const Tensor x = randn({64, 32, 15, 15}).to(kGpu), w = mul(randn({64, 32, 3, 3}), 0.1).to(kGpu);
   const Tensor gy = randn({64, 64, 13, 13}).to(kGpu);
-  struct Result {
-    Tensor y, dx, dw;
-  };
-  auto run = [&] {
-    Tensor xi = x.detach().set_requires_grad(), wi = w.detach().set_requires_grad();
-    Tensor y = conv2d(xi, wi, Tensor(), {1, 1}, {0, 0});
-    y.backward(gy);
-    return Result{y, xi.grad(), wi.grad()};
-  };
-  Result first, again;
+  auto run = [&] { return conv_step(x, w, gy, {1, 1}, {0, 0}); };
+  ConvResult first, again;
   {
     OptionsGuard guard(with(&Options::conv_autotuning, false));
     first = run();
   }
-  const Result tuned = run(), tuned_again = run();
+  const ConvResult tuned = run(), tuned_again = run();
   {
     OptionsGuard guard(with(&Options::conv_autotuning, false));
     again = run();
