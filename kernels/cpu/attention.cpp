@@ -7,15 +7,24 @@
 // score). Nothing of size q_len x kv_len is kept: a row's scores live in a kv_len buffer.
 // k (and v, in the backward) are also gathered transposed, (D, kv_len), so that a row's
 // products with every key are summed across keys at once (`dots`), which vectorises and adds
-// each product's terms in the same order as a plain dot product: the same bits.
+// each product's terms in the same order as a plain dot product. Query rows go in blocks of
+// four, so that each key's and value's row is read once for the block's four sums; every sum
+// still takes its terms in increasing key (or query) order. The f32 exp is exp_f32.h's, which
+// vectorises (the C library's expf is a call, one per score, that the compiler cannot); the
+// f64 path keeps the C library's, and gives the same bits as a row at a time did. On one
+// thread of the 2-core development machine on 2026-12-06, (2, 8, 128, 32) causal f32 went
+// from 1.50 ms forward and 2.87 ms backward (a row at a time, expf) to 1.21 and 2.13 ms,
+// timed by a short program linked against the kernels.
 // The forward runs threads over (b, h, block of query rows); the backward over (b, h),
 // since dk and dv sum over every query row.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/common.h"
+#include "kernels/cpu/exp_f32.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/parallel_for.h"
 
@@ -60,14 +69,90 @@ template <class A, class T> void widen_transposed(std::vector<A>& dst, const T* 
 }
 
 // s[j] = dot(x, row j) for j < count, from the rows' (D, n) transpose mT: each sum is dot's,
-// term by term in the same order (so the same bits), but the loop runs across j, which
-// vectorises, where dot's runs along one row's D elements and cannot without reordering.
-template <class A> void dots(A* s, const A* x, const A* mT, int64_t n, int64_t count, int64_t D) {
+// term by term in the same order, but the loop runs across j, which vectorises, where dot's
+// runs along one row's D elements and cannot without reordering. Four of x's elements are
+// added a pass, so s goes through memory D / 4 times, not D.
+template <class A> void dots(A* __restrict s, const A* x, const A* mT, int64_t n, int64_t count, int64_t D) {
   std::fill(s, s + count, A(0));
-  for (int64_t d = 0; d < D; ++d) {
+  int64_t d = 0;
+  for (; d + 4 <= D; d += 4) {
+    const A x0 = x[d], x1 = x[d + 1], x2 = x[d + 2], x3 = x[d + 3];
+    const A *__restrict c0 = mT + d * n, *__restrict c1 = c0 + n, *__restrict c2 = c1 + n, *__restrict c3 = c2 + n;
+    for (int64_t j = 0; j < count; ++j) s[j] = (((s[j] + x0 * c0[j]) + x1 * c1[j]) + x2 * c2[j]) + x3 * c3[j];
+  }
+  for (; d < D; ++d) {
     const A xd = x[d];
-    const A* col = mT + d * n;
+    const A* __restrict col = mT + d * n;
     for (int64_t j = 0; j < count; ++j) s[j] += xd * col[j];
+  }
+}
+
+// exp in the accumulation type: f32 by kernels/cpu/exp_f32.h, so that a row's loop over its
+// scores vectorises; f64 by the C library's, as the float64 gradient checks expect.
+template <class A> A exp_acc(A x) {
+  if constexpr (std::is_same_v<A, float>) {
+    return exp_f32(x);
+  } else {
+    return std::exp(x);
+  }
+}
+
+// Query rows are taken kRowBlock at a time: each key's (and value's) row is read once for
+// the block, and the block's accumulators take one term each from it.
+constexpr int64_t kRowBlock = 4;
+
+// out[r][d] += sum over j < n[r] of coef[r][j] row_j[d], for the `rows` rows of a block (n
+// nondecreasing in r), each sum term by term in increasing j. rows_of is (count, D) dense;
+// coef rows are `ld` apart.
+template <class A>
+void add_combinations(A* const* out, const A* coef, int64_t ld, const int64_t* n, int64_t rows, const A* rows_of,
+                      int64_t D) {
+  int64_t j = 0;
+  if (rows == kRowBlock) {
+    // Every row of the block sees keys below n[0]: four sums a key.
+    A *__restrict o0 = out[0], *__restrict o1 = out[1], *__restrict o2 = out[2], *__restrict o3 = out[3];
+    for (; j < n[0]; ++j) {
+      const A c0 = coef[j], c1 = coef[ld + j], c2 = coef[2 * ld + j], c3 = coef[3 * ld + j];
+      const A* __restrict x = rows_of + j * D;
+      for (int64_t d = 0; d < D; ++d) {
+        o0[d] += c0 * x[d];
+        o1[d] += c1 * x[d];
+        o2[d] += c2 * x[d];
+        o3[d] += c3 * x[d];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    A* __restrict o = out[r];
+    for (int64_t jr = j; jr < n[r]; ++jr) {
+      const A c = coef[r * ld + jr];
+      const A* __restrict x = rows_of + jr * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += c * x[d];
+    }
+  }
+}
+
+// dst[j][d] += sum over the block's rows r with j < n[r] of coef[r][j] src_r[d], in
+// increasing r, for every j < n[rows - 1]: the block's terms of a sum over query rows, whose
+// earlier terms came from the blocks before.
+template <class A>
+void add_transposed(A* dst, const A* coef, int64_t ld, const int64_t* n, int64_t rows, const A* const* src,
+                    int64_t D) {
+  int64_t first = 0;  // the first row of the block that sees key j
+  for (int64_t j = 0; j < n[rows - 1]; ++j) {
+    while (n[first] <= j) ++first;
+    A* __restrict o = dst + j * D;
+    if (first == 0 && rows == kRowBlock) {
+      const A c0 = coef[j], c1 = coef[ld + j], c2 = coef[2 * ld + j], c3 = coef[3 * ld + j];
+      const A *__restrict s0 = src[0], *__restrict s1 = src[1], *__restrict s2 = src[2], *__restrict s3 = src[3];
+      for (int64_t d = 0; d < D; ++d) o[d] = (((o[d] + c0 * s0[d]) + c1 * s1[d]) + c2 * s2[d]) + c3 * s3[d];
+    } else {
+      for (int64_t r = first; r < rows; ++r) {
+        const A c = coef[r * ld + j];
+        const A* __restrict s = src[r];
+        for (int64_t d = 0; d < D; ++d) o[d] += c * s[d];
+      }
+    }
   }
 }
 
@@ -82,10 +167,10 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<
   const A scale = A(a.scale);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kRowsPerTask * Tk * D));
   parallel_for(heads * blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> kt, vh, qi, p, acc(static_cast<size_t>(D));
+    std::vector<A> kt, vh, qi, p(size_t(kRowBlock * Tk)), acc(size_t(kRowBlock * D));
     int64_t loaded = -1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / blocks, i0 = task % blocks * kRowsPerTask;
+      const int64_t bh = task / blocks, first_row = task % blocks * kRowsPerTask;
       if (bh != loaded) {
         widen_transposed(kt, k.head(bh), Tk, k.s.seq, D);
         widen(vh, v.head(bh), Tk, v.s.seq, D);
@@ -93,27 +178,36 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<
       }
       const T* qh = q.head(bh);
       T* oh = out.head(bh);
-      for (int64_t i = i0; i < std::min(Tq, i0 + kRowsPerTask); ++i) {
-        widen(qi, qh + i * q.s.seq, 1, 0, D);
-        const int64_t n = visible_keys(a, i);
-        p.resize(size_t(n));
-        A m = -std::numeric_limits<A>::infinity();
-        dots(p.data(), qi.data(), kt.data(), Tk, n, D);
-        for (int64_t j = 0; j < n; ++j) {
-          p[size_t(j)] = scale * p[size_t(j)];
-          m = std::max(m, p[size_t(j)]);
+      const int64_t last_row = std::min(Tq, first_row + kRowsPerTask);
+      for (int64_t i0 = first_row; i0 < last_row; i0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, last_row - i0);
+        int64_t n[kRowBlock];
+        A l[kRowBlock];
+        A* acc_rows[kRowBlock];
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          widen(qi, qh + i * q.s.seq, 1, 0, D);
+          n[r] = visible_keys(a, i);
+          A* pr = p.data() + r * Tk;
+          A m = -std::numeric_limits<A>::infinity();
+          dots(pr, qi.data(), kt.data(), Tk, n[r], D);
+          for (int64_t j = 0; j < n[r]; ++j) {
+            pr[j] = scale * pr[j];
+            m = std::max(m, pr[j]);
+          }
+          for (int64_t j = 0; j < n[r]; ++j) pr[j] = exp_acc(pr[j] - m);
+          A sum = 0;
+          for (int64_t j = 0; j < n[r]; ++j) sum += pr[j];
+          l[r] = sum;
+          lse[bh * Tq + i] = n[r] > 0 ? m + std::log(sum) : -std::numeric_limits<A>::infinity();
+          acc_rows[r] = acc.data() + r * D;
+          std::fill(acc_rows[r], acc_rows[r] + D, A(0));
         }
-        std::fill(acc.begin(), acc.end(), A(0));
-        A l = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          const A e = std::exp(p[size_t(j)] - m);
-          l += e;
-          const A* vj = vh.data() + j * D;
-          for (int64_t d = 0; d < D; ++d) acc[size_t(d)] += e * vj[d];
+        add_combinations(acc_rows, p.data(), Tk, n, rows, vh.data(), D);
+        for (int64_t r = 0; r < rows; ++r) {
+          T* o = oh + (i0 + r) * out.s.seq;
+          for (int64_t d = 0; d < D; ++d) o[d] = T(n[r] > 0 ? acc_rows[r][d] / l[r] : A(0));
         }
-        T* o = oh + i * out.s.seq;
-        for (int64_t d = 0; d < D; ++d) o[d] = T(n > 0 ? acc[size_t(d)] / l : A(0));
-        lse[bh * Tq + i] = n > 0 ? m + std::log(l) : -std::numeric_limits<A>::infinity();
       }
     }
   });
@@ -125,6 +219,9 @@ template <class T, class A> void narrow(T* dst, int64_t seq, const std::vector<A
     for (int64_t d = 0; d < D; ++d) dst[r * seq + d] = T(scale * src[size_t(r * D + d)]);
 }
 
+// With P the probabilities and dS = P (dP - rowsum(dout o)), dP = dout v^T:
+//   dv = P^T dout,  dk = scale dS^T q,  dq = scale dS k
+// A block of query rows at a time: its rows of P and dS, then its terms of every sum.
 template <class T>
 void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, const T* dout_ptr, const T* q_ptr,
                     const T* k_ptr, const T* v_ptr, const T* out_ptr, const acc_t<T>* lse) {
@@ -137,7 +234,8 @@ void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, con
       dv(dv_ptr, a.strides.dv, a.heads, Tk, D);
   const A scale = A(a.scale);
   parallel_for(heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> qh, kh, kt, vt, doh, oh, dqh, dkh, dvh, qk, dov;
+    std::vector<A> qh, kh, kt, vt, doh, oh, dqh, dkh, dvh;
+    std::vector<A> p(size_t(kRowBlock * Tk)), ds(size_t(kRowBlock * Tk));
     for (int64_t bh = begin; bh < end; ++bh) {
       widen(qh, q.head(bh), Tq, q.s.seq, D);
       widen(doh, dout.head(bh), Tq, dout.s.seq, D);
@@ -145,32 +243,37 @@ void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, con
       widen(kh, k.head(bh), Tk, k.s.seq, D);
       widen_transposed(kt, k.head(bh), Tk, k.s.seq, D);
       widen_transposed(vt, v.head(bh), Tk, v.s.seq, D);
-      qk.resize(size_t(Tk));
-      dov.resize(size_t(Tk));
       dqh.assign(size_t(Tq * D), A(0));
       dkh.assign(size_t(Tk * D), A(0));
       dvh.assign(size_t(Tk * D), A(0));
-      for (int64_t i = 0; i < Tq; ++i) {
-        const A* qi = qh.data() + i * D;
-        const A* doi = doh.data() + i * D;
-        const A di = dot(doi, oh.data() + i * D, D);
-        const A l = A(lse[bh * Tq + i]);
-        A* dqi = dqh.data() + i * D;
-        const int64_t n = visible_keys(a, i);
-        dots(qk.data(), qi, kt.data(), Tk, n, D);   // q_i . k_j
-        dots(dov.data(), doi, vt.data(), Tk, n, D);  // dout_i . v_j
-        for (int64_t j = 0; j < n; ++j) {
-          const A* kj = kh.data() + j * D;
-          const A p = std::exp(scale * qk[size_t(j)] - l);
-          const A ds = p * (dov[size_t(j)] - di);
-          A* dkj = dkh.data() + j * D;
-          A* dvj = dvh.data() + j * D;
-          for (int64_t d = 0; d < D; ++d) {
-            dvj[d] += p * doi[d];
-            dkj[d] += ds * qi[d];
-            dqi[d] += ds * kj[d];
+      for (int64_t i0 = 0; i0 < Tq; i0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, Tq - i0);
+        int64_t n[kRowBlock];
+        A* dq_rows[kRowBlock];
+        const A *q_rows[kRowBlock], *do_rows[kRowBlock];
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          const A* qi = qh.data() + i * D;
+          const A* doi = doh.data() + i * D;
+          const A di = dot(doi, oh.data() + i * D, D);
+          const A l = A(lse[bh * Tq + i]);
+          n[r] = visible_keys(a, i);
+          A* pr = p.data() + r * Tk;
+          A* dsr = ds.data() + r * Tk;
+          dots(pr, qi, kt.data(), Tk, n[r], D);    // q_i . k_j
+          dots(dsr, doi, vt.data(), Tk, n[r], D);  // dout_i . v_j
+          for (int64_t j = 0; j < n[r]; ++j) {
+            const A pj = exp_acc(scale * pr[j] - l);
+            dsr[j] = pj * (dsr[j] - di);
+            pr[j] = pj;
           }
+          dq_rows[r] = dqh.data() + i * D;
+          q_rows[r] = qi;
+          do_rows[r] = doi;
         }
+        add_combinations(dq_rows, ds.data(), Tk, n, rows, kh.data(), D);
+        add_transposed(dkh.data(), ds.data(), Tk, n, rows, q_rows, D);
+        add_transposed(dvh.data(), p.data(), Tk, n, rows, do_rows, D);
       }
       narrow(dq.head(bh), dq.s.seq, dqh, Tq, D, scale);
       narrow(dk.head(bh), dk.s.seq, dkh, Tk, D, scale);

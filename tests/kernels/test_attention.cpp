@@ -6,12 +6,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/exp_f32.h"
 #include "kernels/table.h"
 #include "tests/kernels/attention_layout.h"
 
@@ -254,6 +257,43 @@ TEST(AttentionCpu, StridedOperandsGiveTheContiguousResultsExactly) {
     for (const auto* filled : {&out, &dq, &dkv})
       for (double e : *filled) ASSERT_FALSE(std::isnan(e)) << "out, dq and dk | dv fill their buffers";
   }
+}
+
+// The f32 exp of the CPU attention (kernels/cpu/exp_f32.h): within 2 ulp of the f64 exp
+// rounded over every 16th float from -87 to 88.7 (normal results), within one subnormal step
+// of it from -104 to -87, and its edges.
+TEST(AttentionCpu, ExpF32IsWithinTwoUlp) {
+  double worst = 0;
+  float worst_at = 0;
+  auto check = [&](float x) {
+    const double want = std::exp(double(x));
+    const float rounded = float(want);
+    const double ulp =
+        std::fabs(double(std::nextafter(rounded, std::numeric_limits<float>::infinity())) - double(rounded));
+    const double err = std::fabs(double(cpu::exp_f32(x)) - want) / ulp;
+    if (err > worst) worst = err, worst_at = x;
+  };
+  for (const auto& [from, to] : {std::pair{0.f, 88.7f}, std::pair{-0.f, -87.f}}) {
+    uint32_t lo = 0, hi = 0;
+    std::memcpy(&lo, &from, 4);
+    std::memcpy(&hi, &to, 4);
+    for (uint32_t bits = lo; bits <= hi; bits += 16) {
+      float x = 0;
+      std::memcpy(&x, &bits, 4);
+      check(x);
+    }
+  }
+  EXPECT_LE(worst, 2.0) << "at x = " << worst_at;
+  const double subnormal = std::numeric_limits<float>::denorm_min();
+  for (float x = -104.f; x < -87.f; x += 1.f / 64)
+    EXPECT_LE(std::fabs(double(cpu::exp_f32(x)) - std::exp(double(x))), subnormal) << "at x = " << x;
+  EXPECT_EQ(cpu::exp_f32(0.f), 1.f);
+  EXPECT_EQ(cpu::exp_f32(-0.f), 1.f);
+  EXPECT_EQ(cpu::exp_f32(-std::numeric_limits<float>::infinity()), 0.f);
+  EXPECT_EQ(cpu::exp_f32(-1e30f), 0.f);
+  EXPECT_EQ(cpu::exp_f32(std::numeric_limits<float>::infinity()), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(cpu::exp_f32(89.f), std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(cpu::exp_f32(std::numeric_limits<float>::quiet_NaN())));
 }
 
 }  // namespace
