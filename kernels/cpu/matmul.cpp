@@ -2,7 +2,7 @@
 //
 // C (m, n) is cut into (MC x NC) blocks. A task for cpu::parallel_for is one column block of
 // one batch entry and a run of its row blocks (as long a run as still gives every thread two
-// tasks, and at most kMaxRunElements accumulators), so threads never share output. Within a task, K is walked in KC-deep slices: the
+// tasks, and at most kMaxRun), so threads never share output. Within a task, K is walked in KC-deep slices: the
 // slice of op(B) is packed once into NR-column panels and serves the whole run, the slice of
 // op(A) into MR-row slivers for each row block, both k-major and already
 // converted to the accumulation type (so transposes, strides and bf16/f16 cost nothing
@@ -25,17 +25,12 @@
 namespace loom::cpu {
 namespace {
 
-// Cache blocks: a KC x NC panel of B (128 to 512 KiB in f32) stays in L2 while the MC x KC
+// Cache blocks: a KC x NC panel of B (128 KiB in f32) stays in L2 while the MC x KC
 // slivers of A (96 KiB) stream past it; one MR x KC sliver and one KC x NR panel sit in L1.
-// NC is the widest of kNCs that still leaves every thread two tasks (the narrowest when none
-// does): each sliver of A is packed once per column block, so wider blocks pack A fewer
-// times (a GPT block's twelve products at width 256, 256 rows, on one thread of the 2-core
-// development machine on 2026-12-06: 13.2 ms at NC 128, 12.7 ms with 512 as chosen here).
-constexpr int64_t kMC = 96, kKC = 256;
-constexpr int64_t kNCs[] = {512, 256, 128};
-// Accumulator elements a task keeps for one packed B panel at most (a run of row blocks
-// MC x NC): 384 KiB in f32, which stays in L2 from one KC slice to the next.
-constexpr int64_t kMaxRunElements = 8 * kMC * 128;
+constexpr int64_t kMC = 96, kKC = 256, kNC = 128;
+// Row blocks a task runs over one packed B panel at most: their accumulators (384 KiB in
+// f32) stay in L2 from one KC slice to the next.
+constexpr int64_t kMaxRun = 8;
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -98,30 +93,23 @@ void gemm_typed(const GemmArgs& g) {
   using A = acc_t<T>;
   const gemm_micro::Tile<A> micro = tile<A>();
   const int MR = micro.mr, NR = micro.nr;
-  const int64_t m_blocks = (g.m + kMC - 1) / kMC;
-  int64_t NC = 0, n_blocks = 0;
-  for (int64_t nc : kNCs) {
-    NC = nc;
-    n_blocks = (g.n + nc - 1) / nc;
-    if (g.batch * n_blocks * m_blocks >= 2 * num_threads()) break;
-  }
-  const int64_t max_run = std::max<int64_t>(1, kMaxRunElements / (kMC * NC));
+  const int64_t m_blocks = (g.m + kMC - 1) / kMC, n_blocks = (g.n + kNC - 1) / kNC;
   // A task is one column block of one batch entry and a run of row blocks: each KC slice of
   // its B panel is packed once and serves every row block of the run. Runs are as long as
   // still gives each thread two tasks.
   const int64_t columns = g.batch * n_blocks;
   const int64_t wanted_runs = std::clamp<int64_t>((2 * num_threads() + columns - 1) / columns, 1, m_blocks);
-  const int64_t run = std::min(max_run, (m_blocks + wanted_runs - 1) / wanted_runs);
+  const int64_t run = std::min(kMaxRun, (m_blocks + wanted_runs - 1) / wanted_runs);
   const int64_t runs = (m_blocks + run - 1) / run;
   const int64_t tasks = columns * runs;
-  const int64_t mc_full = round_up(kMC, MR), nc_full = round_up(NC, NR);
+  const int64_t mc_full = round_up(kMC, MR), nc_full = round_up(kNC, NR);
   // Element (i, p) of op(A) is at a[i * a_rs + p * a_cs]; element (p, j) of op(B) at
   // b[p * b_ks + j * b_js].
   const int64_t a_rs = g.trans_a ? 1 : g.lda, a_cs = g.trans_a ? g.lda : 1;
   const int64_t b_ks = g.trans_b ? 1 : g.ldb, b_js = g.trans_b ? g.ldb : 1;
   const A alpha = g.alpha_ptr ? *static_cast<const A*>(g.alpha_ptr) : A(g.alpha), beta = A(g.beta);
   // Group small tasks so a tiny product is not spread over threads.
-  const int64_t task_flops = std::min(g.m, run * kMC) * std::min(g.n, NC) * std::max<int64_t>(g.k, 1);
+  const int64_t task_flops = std::min(g.m, run * kMC) * std::min(g.n, kNC) * std::max<int64_t>(g.k, 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / task_flops);
 
   parallel_for(tasks, grain, [&](int64_t t0, int64_t t1) {
@@ -132,7 +120,7 @@ void gemm_typed(const GemmArgs& g) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bi = t / (n_blocks * runs), jb = t / runs % n_blocks, ib0 = t % runs * run;
       const int64_t ib1 = std::min(m_blocks, ib0 + run);
-      const int64_t j0 = jb * NC, nc = std::min(NC, g.n - j0), nc_pad = round_up(nc, NR);
+      const int64_t j0 = jb * kNC, nc = std::min(kNC, g.n - j0), nc_pad = round_up(nc, NR);
       const T* b = static_cast<const T*>(g.b) + bi * g.stride_b + j0 * b_js;
       // Row block ib's accumulator: mc x nc_pad at this offset in c_tiles.
       auto tile_of = [&](int64_t ib) { return c_tiles.data() + (ib - ib0) * mc_full * nc_pad; };
