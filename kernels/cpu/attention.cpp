@@ -4,17 +4,19 @@
 // rows of q, k, v (and out, dout) of that head are gathered once through their strides and
 // converted to the accumulation type (f64 for f64, f32 otherwise), then each query row is a
 // numerically stable softmax over its visible keys (shift by the row maximum, one exp per
-// score). Nothing of size q_len x kv_len is kept: a row's scores live in a kv_len buffer.
-// k (and v, in the backward) are also gathered transposed, (D, kv_len), so that a row's
-// products with every key are summed across keys at once (`dots`), which vectorises and adds
-// each product's terms in the same order as a plain dot product. Query rows go in blocks of
-// four, so that each key's and value's row is read once for the block's four sums; every sum
-// still takes its terms in increasing key (or query) order. The f32 exp is exp_f32.h's, which
-// vectorises (the C library's expf is a call, one per score, that the compiler cannot); the
-// f64 path keeps the C library's, and gives the same bits as a row at a time did. On one
-// thread of the 2-core development machine on 2026-12-06, (2, 8, 128, 32) causal f32 went
-// from 1.50 ms forward and 2.87 ms backward (a row at a time, expf) to 1.21 and 2.13 ms,
-// timed by a short program linked against the kernels.
+// score). Nothing of size q_len x kv_len is kept: a block of four rows' scores lives in a
+// (4, kv_len) buffer. k (and v, in the backward) are also gathered transposed, (D, kv_len), so
+// that a row's products with every key are summed across keys at once (`dots`), which
+// vectorises and adds each product's terms in the same order as a plain dot product. Query
+// rows go in blocks of four so that each key's and value's row is read once for the block's
+// four sums; every sum still takes its terms in increasing key (or query) order. The f32 exp
+// is exp_f32.h's, which vectorises (the C library's expf is a call, one per score, that the
+// compiler cannot); the f64 path keeps the C library's, and gives the same bits as a row at a
+// time did. The loops are compiled for the baseline and for AVX2 (kernels/cpu/vector_isa.h:
+// the same bits), the AVX2 copy running where the CPU has it. On one thread of the 2-core
+// development machine on 2026-12-06, (2, 8, 128, 32) causal f32 went from 1.50 ms forward and
+// 2.87 ms backward (a row at a time, expf, baseline) to 1.21 and 2.13 ms (baseline copy) and
+// 0.91 and 1.46 ms (AVX2 copy), timed by a short program linked against the kernels.
 // The forward runs threads over (b, h, block of query rows); the backward over (b, h),
 // since dk and dv sum over every query row.
 #include <algorithm>
@@ -27,6 +29,7 @@
 #include "kernels/cpu/exp_f32.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/parallel_for.h"
+#include "kernels/cpu/vector_isa.h"
 
 namespace loom::cpu {
 namespace {
@@ -49,20 +52,20 @@ template <class T> struct Rows {
 };
 
 // n rows of D elements, `seq` apart, into a dense (n, D) buffer in the accumulation type.
-template <class A, class T> void widen(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
+template <class A, class T> LOOM_INLINE void widen(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
   dst.resize(size_t(n * D));
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; ++d) dst[size_t(r * D + d)] = A(src[r * seq + d]);
 }
 
-template <class A> A dot(const A* x, const A* y, int64_t n) {
+template <class A> LOOM_INLINE A dot(const A* x, const A* y, int64_t n) {
   A s = 0;
   for (int64_t d = 0; d < n; ++d) s += x[d] * y[d];
   return s;
 }
 
 // The (D, n) transpose of n rows of D elements, `seq` apart, in the accumulation type.
-template <class A, class T> void widen_transposed(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
+template <class A, class T> LOOM_INLINE void widen_transposed(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
   dst.resize(size_t(n * D));
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; ++d) dst[size_t(d * n + r)] = A(src[r * seq + d]);
@@ -72,7 +75,7 @@ template <class A, class T> void widen_transposed(std::vector<A>& dst, const T* 
 // term by term in the same order, but the loop runs across j, which vectorises, where dot's
 // runs along one row's D elements and cannot without reordering. Four of x's elements are
 // added a pass, so s goes through memory D / 4 times, not D.
-template <class A> void dots(A* __restrict s, const A* x, const A* mT, int64_t n, int64_t count, int64_t D) {
+template <class A> LOOM_INLINE void dots(A* __restrict s, const A* x, const A* mT, int64_t n, int64_t count, int64_t D) {
   std::fill(s, s + count, A(0));
   int64_t d = 0;
   for (; d + 4 <= D; d += 4) {
@@ -89,7 +92,7 @@ template <class A> void dots(A* __restrict s, const A* x, const A* mT, int64_t n
 
 // exp in the accumulation type: f32 by kernels/cpu/exp_f32.h, so that a row's loop over its
 // scores vectorises; f64 by the C library's, as the float64 gradient checks expect.
-template <class A> A exp_acc(A x) {
+template <class A> LOOM_INLINE A exp_acc(A x) {
   if constexpr (std::is_same_v<A, float>) {
     return exp_f32(x);
   } else {
@@ -105,7 +108,7 @@ constexpr int64_t kRowBlock = 4;
 // nondecreasing in r), each sum term by term in increasing j. rows_of is (count, D) dense;
 // coef rows are `ld` apart.
 template <class A>
-void add_combinations(A* const* out, const A* coef, int64_t ld, const int64_t* n, int64_t rows, const A* rows_of,
+LOOM_INLINE void add_combinations(A* const* out, const A* coef, int64_t ld, const int64_t* n, int64_t rows, const A* rows_of,
                       int64_t D) {
   int64_t j = 0;
   if (rows == kRowBlock) {
@@ -136,7 +139,7 @@ void add_combinations(A* const* out, const A* coef, int64_t ld, const int64_t* n
 // increasing r, for every j < n[rows - 1]: the block's terms of a sum over query rows, whose
 // earlier terms came from the blocks before.
 template <class A>
-void add_transposed(A* dst, const A* coef, int64_t ld, const int64_t* n, int64_t rows, const A* const* src,
+LOOM_INLINE void add_transposed(A* dst, const A* coef, int64_t ld, const int64_t* n, int64_t rows, const A* const* src,
                     int64_t D) {
   int64_t first = 0;  // the first row of the block that sees key j
   for (int64_t j = 0; j < n[rows - 1]; ++j) {
@@ -156,128 +159,175 @@ void add_transposed(A* dst, const A* coef, int64_t ld, const int64_t* n, int64_t
   }
 }
 
+// Everything a kernel's threads read: the arguments and each operand's rows.
+template <class T> struct Operands {
+  using A = acc_t<T>;
+  const AttentionArgs& a;
+  int64_t D, Tq, Tk;
+  A scale;
+  Rows<const T> q, k, v, out_in, dout;
+  Rows<T> out, dq, dk, dv;
+  // The forward writes out (out_in unused); the backward reads out_in (out null).
+  Operands(const AttentionArgs& a, const T* q_ptr, const T* k_ptr, const T* v_ptr, const T* out_in_ptr, T* out_ptr,
+           const T* dout_ptr, T* dq_ptr, T* dk_ptr, T* dv_ptr)
+      : a(a), D(a.head_dim), Tq(a.q_len), Tk(a.kv_len), scale(A(a.scale)),
+        q(q_ptr, a.strides.q, a.heads, Tq, D), k(k_ptr, a.strides.k, a.heads, Tk, D),
+        v(v_ptr, a.strides.v, a.heads, Tk, D), out_in(out_in_ptr, a.strides.out, a.heads, Tq, D),
+        dout(dout_ptr, a.strides.dout, a.heads, Tq, D), out(out_ptr, a.strides.out, a.heads, Tq, D),
+        dq(dq_ptr, a.strides.dq, a.heads, Tq, D), dk(dk_ptr, a.strides.dk, a.heads, Tk, D),
+        dv(dv_ptr, a.strides.dv, a.heads, Tk, D) {}
+};
+
+// Forward tasks [begin, end): task t is rows [t % blocks * kRowsPerTask, + kRowsPerTask) of
+// head t / blocks.
+template <class T> LOOM_INLINE void forward_tasks(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
+  using A = acc_t<T>;
+  const int64_t D = o.D, Tq = o.Tq, Tk = o.Tk, blocks = (Tq + kRowsPerTask - 1) / kRowsPerTask;
+  std::vector<A> kt, vh, qi, p(size_t(kRowBlock * Tk)), acc(size_t(kRowBlock * D));
+  int64_t loaded = -1;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t bh = task / blocks, first_row = task % blocks * kRowsPerTask;
+    if (bh != loaded) {
+      widen_transposed(kt, o.k.head(bh), Tk, o.k.s.seq, D);
+      widen(vh, o.v.head(bh), Tk, o.v.s.seq, D);
+      loaded = bh;
+    }
+    const T* qh = o.q.head(bh);
+    T* oh = o.out.head(bh);
+    const int64_t last_row = std::min(Tq, first_row + kRowsPerTask);
+    for (int64_t i0 = first_row; i0 < last_row; i0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, last_row - i0);
+      int64_t n[kRowBlock];
+      A l[kRowBlock];
+      A* acc_rows[kRowBlock];
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        widen(qi, qh + i * o.q.s.seq, 1, 0, D);
+        n[r] = visible_keys(o.a, i);
+        A* pr = p.data() + r * Tk;
+        A m = -std::numeric_limits<A>::infinity();
+        dots(pr, qi.data(), kt.data(), Tk, n[r], D);
+        for (int64_t j = 0; j < n[r]; ++j) {
+          pr[j] = o.scale * pr[j];
+          m = std::max(m, pr[j]);
+        }
+        for (int64_t j = 0; j < n[r]; ++j) pr[j] = exp_acc(pr[j] - m);
+        A sum = 0;
+        for (int64_t j = 0; j < n[r]; ++j) sum += pr[j];
+        l[r] = sum;
+        lse[bh * Tq + i] = n[r] > 0 ? m + std::log(sum) : -std::numeric_limits<A>::infinity();
+        acc_rows[r] = acc.data() + r * D;
+        std::fill(acc_rows[r], acc_rows[r] + D, A(0));
+      }
+      add_combinations(acc_rows, p.data(), Tk, n, rows, vh.data(), D);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* out = oh + (i0 + r) * o.out.s.seq;
+        for (int64_t d = 0; d < D; ++d) out[d] = T(n[r] > 0 ? acc_rows[r][d] / l[r] : A(0));
+      }
+    }
+  }
+}
+
+template <class T> void forward_tasks_baseline(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
+  forward_tasks(o, lse, begin, end);
+}
+template <class T> LOOM_AVX2 void forward_tasks_avx2(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
+  forward_tasks(o, lse, begin, end);
+}
+
 template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<T>* lse, const T* q_ptr,
                                       const T* k_ptr, const T* v_ptr) {
-  using A = acc_t<T>;
-  const int64_t D = a.head_dim, Tq = a.q_len, Tk = a.kv_len, heads = a.batch * a.heads;
-  const Rows<const T> q(q_ptr, a.strides.q, a.heads, Tq, D), k(k_ptr, a.strides.k, a.heads, Tk, D),
-      v(v_ptr, a.strides.v, a.heads, Tk, D);
-  const Rows<T> out(out_ptr, a.strides.out, a.heads, Tq, D);
-  const int64_t blocks = (Tq + kRowsPerTask - 1) / kRowsPerTask;
-  const A scale = A(a.scale);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kRowsPerTask * Tk * D));
-  parallel_for(heads * blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> kt, vh, qi, p(size_t(kRowBlock * Tk)), acc(size_t(kRowBlock * D));
-    int64_t loaded = -1;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / blocks, first_row = task % blocks * kRowsPerTask;
-      if (bh != loaded) {
-        widen_transposed(kt, k.head(bh), Tk, k.s.seq, D);
-        widen(vh, v.head(bh), Tk, v.s.seq, D);
-        loaded = bh;
-      }
-      const T* qh = q.head(bh);
-      T* oh = out.head(bh);
-      const int64_t last_row = std::min(Tq, first_row + kRowsPerTask);
-      for (int64_t i0 = first_row; i0 < last_row; i0 += kRowBlock) {
-        const int64_t rows = std::min(kRowBlock, last_row - i0);
-        int64_t n[kRowBlock];
-        A l[kRowBlock];
-        A* acc_rows[kRowBlock];
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r;
-          widen(qi, qh + i * q.s.seq, 1, 0, D);
-          n[r] = visible_keys(a, i);
-          A* pr = p.data() + r * Tk;
-          A m = -std::numeric_limits<A>::infinity();
-          dots(pr, qi.data(), kt.data(), Tk, n[r], D);
-          for (int64_t j = 0; j < n[r]; ++j) {
-            pr[j] = scale * pr[j];
-            m = std::max(m, pr[j]);
-          }
-          for (int64_t j = 0; j < n[r]; ++j) pr[j] = exp_acc(pr[j] - m);
-          A sum = 0;
-          for (int64_t j = 0; j < n[r]; ++j) sum += pr[j];
-          l[r] = sum;
-          lse[bh * Tq + i] = n[r] > 0 ? m + std::log(sum) : -std::numeric_limits<A>::infinity();
-          acc_rows[r] = acc.data() + r * D;
-          std::fill(acc_rows[r], acc_rows[r] + D, A(0));
-        }
-        add_combinations(acc_rows, p.data(), Tk, n, rows, vh.data(), D);
-        for (int64_t r = 0; r < rows; ++r) {
-          T* o = oh + (i0 + r) * out.s.seq;
-          for (int64_t d = 0; d < D; ++d) o[d] = T(n[r] > 0 ? acc_rows[r][d] / l[r] : A(0));
-        }
-      }
+  const Operands<T> o(a, q_ptr, k_ptr, v_ptr, nullptr, out_ptr, nullptr, nullptr, nullptr, nullptr);
+  const int64_t blocks = (o.Tq + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kRowsPerTask * o.Tk * o.D));
+  parallel_for(a.batch * a.heads * blocks, grain, [&](int64_t begin, int64_t end) {
+    if (vector_isa::avx2()) {
+      forward_tasks_avx2(o, lse, begin, end);
+    } else {
+      forward_tasks_baseline(o, lse, begin, end);
     }
   });
 }
 
 // dst rows (n, D), `seq` apart, = scale * src (n, D) dense, rounded to T.
-template <class T, class A> void narrow(T* dst, int64_t seq, const std::vector<A>& src, int64_t n, int64_t D, A scale) {
+template <class T, class A> LOOM_INLINE void narrow(T* dst, int64_t seq, const std::vector<A>& src, int64_t n, int64_t D, A scale) {
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; ++d) dst[r * seq + d] = T(scale * src[size_t(r * D + d)]);
 }
 
-// With P the probabilities and dS = P (dP - rowsum(dout o)), dP = dout v^T:
+// Backward of heads [begin, end). With P the probabilities and dS = P (dP - rowsum(dout o)),
+// dP = dout v^T:
 //   dv = P^T dout,  dk = scale dS^T q,  dq = scale dS k
 // A block of query rows at a time: its rows of P and dS, then its terms of every sum.
 template <class T>
+LOOM_INLINE void backward_heads(const Operands<T>& o, const acc_t<T>* lse, int64_t begin, int64_t end) {
+  using A = acc_t<T>;
+  const int64_t D = o.D, Tq = o.Tq, Tk = o.Tk;
+  std::vector<A> qh, kh, kt, vt, doh, oh, dqh, dkh, dvh;
+  std::vector<A> p(size_t(kRowBlock * Tk)), ds(size_t(kRowBlock * Tk));
+  for (int64_t bh = begin; bh < end; ++bh) {
+    widen(qh, o.q.head(bh), Tq, o.q.s.seq, D);
+    widen(doh, o.dout.head(bh), Tq, o.dout.s.seq, D);
+    widen(oh, o.out_in.head(bh), Tq, o.out_in.s.seq, D);
+    widen(kh, o.k.head(bh), Tk, o.k.s.seq, D);
+    widen_transposed(kt, o.k.head(bh), Tk, o.k.s.seq, D);
+    widen_transposed(vt, o.v.head(bh), Tk, o.v.s.seq, D);
+    dqh.assign(size_t(Tq * D), A(0));
+    dkh.assign(size_t(Tk * D), A(0));
+    dvh.assign(size_t(Tk * D), A(0));
+    for (int64_t i0 = 0; i0 < Tq; i0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, Tq - i0);
+      int64_t n[kRowBlock];
+      A* dq_rows[kRowBlock];
+      const A *q_rows[kRowBlock], *do_rows[kRowBlock];
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        const A* qi = qh.data() + i * D;
+        const A* doi = doh.data() + i * D;
+        const A di = dot(doi, oh.data() + i * D, D);
+        const A l = A(lse[bh * Tq + i]);
+        n[r] = visible_keys(o.a, i);
+        A* pr = p.data() + r * Tk;
+        A* dsr = ds.data() + r * Tk;
+        dots(pr, qi, kt.data(), Tk, n[r], D);    // q_i . k_j
+        dots(dsr, doi, vt.data(), Tk, n[r], D);  // dout_i . v_j
+        for (int64_t j = 0; j < n[r]; ++j) {
+          const A pj = exp_acc(o.scale * pr[j] - l);
+          dsr[j] = pj * (dsr[j] - di);
+          pr[j] = pj;
+        }
+        dq_rows[r] = dqh.data() + i * D;
+        q_rows[r] = qi;
+        do_rows[r] = doi;
+      }
+      add_combinations(dq_rows, ds.data(), Tk, n, rows, kh.data(), D);
+      add_transposed(dkh.data(), ds.data(), Tk, n, rows, q_rows, D);
+      add_transposed(dvh.data(), p.data(), Tk, n, rows, do_rows, D);
+    }
+    narrow(o.dq.head(bh), o.dq.s.seq, dqh, Tq, D, o.scale);
+    narrow(o.dk.head(bh), o.dk.s.seq, dkh, Tk, D, o.scale);
+    narrow(o.dv.head(bh), o.dv.s.seq, dvh, Tk, D, A(1));
+  }
+}
+
+template <class T>
+void backward_heads_baseline(const Operands<T>& o, const acc_t<T>* lse, int64_t begin, int64_t end) {
+  backward_heads(o, lse, begin, end);
+}
+template <class T>
+LOOM_AVX2 void backward_heads_avx2(const Operands<T>& o, const acc_t<T>* lse, int64_t begin, int64_t end) {
+  backward_heads(o, lse, begin, end);
+}
+
+template <class T>
 void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, const T* dout_ptr, const T* q_ptr,
                     const T* k_ptr, const T* v_ptr, const T* out_ptr, const acc_t<T>* lse) {
-  using A = acc_t<T>;
-  const int64_t D = a.head_dim, Tq = a.q_len, Tk = a.kv_len, heads = a.batch * a.heads;
-  const Rows<const T> q(q_ptr, a.strides.q, a.heads, Tq, D), k(k_ptr, a.strides.k, a.heads, Tk, D),
-      v(v_ptr, a.strides.v, a.heads, Tk, D), out(out_ptr, a.strides.out, a.heads, Tq, D),
-      dout(dout_ptr, a.strides.dout, a.heads, Tq, D);
-  const Rows<T> dq(dq_ptr, a.strides.dq, a.heads, Tq, D), dk(dk_ptr, a.strides.dk, a.heads, Tk, D),
-      dv(dv_ptr, a.strides.dv, a.heads, Tk, D);
-  const A scale = A(a.scale);
-  parallel_for(heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> qh, kh, kt, vt, doh, oh, dqh, dkh, dvh;
-    std::vector<A> p(size_t(kRowBlock * Tk)), ds(size_t(kRowBlock * Tk));
-    for (int64_t bh = begin; bh < end; ++bh) {
-      widen(qh, q.head(bh), Tq, q.s.seq, D);
-      widen(doh, dout.head(bh), Tq, dout.s.seq, D);
-      widen(oh, out.head(bh), Tq, out.s.seq, D);
-      widen(kh, k.head(bh), Tk, k.s.seq, D);
-      widen_transposed(kt, k.head(bh), Tk, k.s.seq, D);
-      widen_transposed(vt, v.head(bh), Tk, v.s.seq, D);
-      dqh.assign(size_t(Tq * D), A(0));
-      dkh.assign(size_t(Tk * D), A(0));
-      dvh.assign(size_t(Tk * D), A(0));
-      for (int64_t i0 = 0; i0 < Tq; i0 += kRowBlock) {
-        const int64_t rows = std::min(kRowBlock, Tq - i0);
-        int64_t n[kRowBlock];
-        A* dq_rows[kRowBlock];
-        const A *q_rows[kRowBlock], *do_rows[kRowBlock];
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r;
-          const A* qi = qh.data() + i * D;
-          const A* doi = doh.data() + i * D;
-          const A di = dot(doi, oh.data() + i * D, D);
-          const A l = A(lse[bh * Tq + i]);
-          n[r] = visible_keys(a, i);
-          A* pr = p.data() + r * Tk;
-          A* dsr = ds.data() + r * Tk;
-          dots(pr, qi, kt.data(), Tk, n[r], D);    // q_i . k_j
-          dots(dsr, doi, vt.data(), Tk, n[r], D);  // dout_i . v_j
-          for (int64_t j = 0; j < n[r]; ++j) {
-            const A pj = exp_acc(scale * pr[j] - l);
-            dsr[j] = pj * (dsr[j] - di);
-            pr[j] = pj;
-          }
-          dq_rows[r] = dqh.data() + i * D;
-          q_rows[r] = qi;
-          do_rows[r] = doi;
-        }
-        add_combinations(dq_rows, ds.data(), Tk, n, rows, kh.data(), D);
-        add_transposed(dkh.data(), ds.data(), Tk, n, rows, q_rows, D);
-        add_transposed(dvh.data(), p.data(), Tk, n, rows, do_rows, D);
-      }
-      narrow(dq.head(bh), dq.s.seq, dqh, Tq, D, scale);
-      narrow(dk.head(bh), dk.s.seq, dkh, Tk, D, scale);
-      narrow(dv.head(bh), dv.s.seq, dvh, Tk, D, A(1));
+  const Operands<T> o(a, q_ptr, k_ptr, v_ptr, out_ptr, nullptr, dout_ptr, dq_ptr, dk_ptr, dv_ptr);
+  parallel_for(a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
+    if (vector_isa::avx2()) {
+      backward_heads_avx2(o, lse, begin, end);
+    } else {
+      backward_heads_baseline(o, lse, begin, end);
     }
   });
 }

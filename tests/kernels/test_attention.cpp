@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/cpu/exp_f32.h"
+#include "kernels/cpu/vector_isa.h"
 #include "kernels/table.h"
 #include "tests/kernels/attention_layout.h"
 
@@ -42,6 +43,7 @@ const Case kCases[] = {
     {1, 1, 9, 4, 5, true, 0},                                                          // more queries than keys
     {1, 2, 6, 6, 1, false, 0},     {1, 1, 17, 17, 16, true, 0}, {1, 1, 1, 1, 8, true, 0},
     {1, 1, 12, 12, 8, false, 3.0},  // peaked softmax
+    {1, 2, 37, 37, 24, true, 0},    {2, 1, 21, 30, 40, false, 0},  // several blocks of four query rows
 };
 
 struct Result {
@@ -257,6 +259,34 @@ TEST(AttentionCpu, StridedOperandsGiveTheContiguousResultsExactly) {
     for (const auto* filled : {&out, &dq, &dkv})
       for (double e : *filled) ASSERT_FALSE(std::isnan(e)) << "out, dq and dk | dv fill their buffers";
   }
+}
+
+// The kernels' loops run as a baseline copy or an AVX2 copy (kernels/cpu/vector_isa.h), which
+// must give the same bits.
+template <class T> void expect_copies_agree(DType dt) {
+  uint32_t seed = 200;
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.str() + " " + std::string(dtype_name(dt)));
+    Inputs x = random_inputs(c, seed++);
+    Inputs y = x;
+    cpu::vector_isa::use_avx2(false);
+    const Result baseline = run_cpu<T>(c, dt, x);
+    cpu::vector_isa::use_avx2(true);
+    const Result avx2 = run_cpu<T>(c, dt, y);
+    EXPECT_EQ(avx2.out, baseline.out);
+    EXPECT_EQ(avx2.lse, baseline.lse);
+    EXPECT_EQ(avx2.dq, baseline.dq);
+    EXPECT_EQ(avx2.dk, baseline.dk);
+    EXPECT_EQ(avx2.dv, baseline.dv);
+  }
+}
+
+TEST(AttentionCpu, Avx2AndBaselineCopiesGiveTheSameBits) {
+  if (!cpu::vector_isa::cpu_has_avx2()) GTEST_SKIP() << "this CPU has no AVX2";
+  expect_copies_agree<float>(DType::f32);
+  expect_copies_agree<bf16>(DType::bf16);
+  expect_copies_agree<double>(DType::f64);
+  EXPECT_TRUE(cpu::vector_isa::avx2());
 }
 
 // The f32 exp of the CPU attention (kernels/cpu/exp_f32.h): within 2 ulp of the f64 exp
