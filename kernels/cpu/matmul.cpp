@@ -21,6 +21,7 @@
 #include "kernels/cpu/gemm_micro.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/parallel_for.h"
+#include "kernels/cpu/vector_isa.h"
 
 namespace loom::cpu {
 namespace {
@@ -82,9 +83,56 @@ void pack(A* dst, const T* src, int64_t row_stride, int64_t col_stride, int64_t 
 }
 
 template <class T, class A>
-T store(A v) {
+LOOM_INLINE T store(A v) {
   if constexpr (std::is_same_v<T, A>) return v;
   else return T(float(v));
+}
+
+// One block's accumulator (mc rows of nc values, nc_pad apart) into C: alpha, beta, bias and
+// the epilogue, each a loop of its own over the accumulator's row (updated in place), so that
+// each vectorises, GELU's tanh included. Compiled for the baseline and for AVX2
+// (kernels/cpu/vector_isa.h: the same bits).
+template <class T, class O, class A>
+LOOM_INLINE void finish_block(const GemmArgs& g, A alpha, A beta, A* acc_rows, int64_t nc_pad, int64_t mc, int64_t nc,
+                              O* c, const O* c_in, const O* bias, T* aux) {
+  for (int64_t i = 0; i < mc; ++i) {
+    A* v = acc_rows + i * nc_pad;
+    O* row = c + i * g.ldc;
+    const O* row_in = c_in + i * g.ldc;
+    if (alpha != A(1))
+      for (int64_t j = 0; j < nc; ++j) v[j] *= alpha;
+    if (beta != A(0))
+      for (int64_t j = 0; j < nc; ++j) v[j] += beta * A(row_in[j]);
+    if (bias)
+      for (int64_t j = 0; j < nc; ++j) v[j] += A(bias[j]);
+    T* aux_row = aux ? aux + i * g.ld_aux : nullptr;
+    switch (g.epilogue) {
+      case GemmEpilogue::none:
+        for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(v[j]);
+        break;
+      case GemmEpilogue::gelu:
+        for (int64_t j = 0; j < nc; ++j) {
+          aux_row[j] = store<T>(v[j]);
+          row[j] = store<O>(elementwise::unary_float<UnaryOp::gelu, A>(v[j], A(0)));
+        }
+        break;
+      case GemmEpilogue::dgelu:
+        for (int64_t j = 0; j < nc; ++j)
+          row[j] = store<O>(elementwise::unary_grad<UnaryOp::gelu, A>(v[j], A(aux_row[j]), A(0), A(0)));
+        break;
+    }
+  }
+}
+
+template <class T, class O, class A>
+void finish_block_baseline(const GemmArgs& g, A alpha, A beta, A* acc_rows, int64_t nc_pad, int64_t mc, int64_t nc,
+                           O* c, const O* c_in, const O* bias, T* aux) {
+  finish_block<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
+}
+template <class T, class O, class A>
+LOOM_AVX2 void finish_block_avx2(const GemmArgs& g, A alpha, A beta, A* acc_rows, int64_t nc_pad, int64_t mc,
+                                 int64_t nc, O* c, const O* c_in, const O* bias, T* aux) {
+  finish_block<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
 }
 
 // T: A's and B's element type; O: C's (T, or f32 for c_f32).
@@ -146,34 +194,10 @@ void gemm_typed(const GemmArgs& g) {
         const O* c_in = g.c_in ? static_cast<const O*>(g.c_in) + i0 * g.ldc + j0 : c;
         const O* bias = g.bias ? static_cast<const O*>(g.bias) + j0 : nullptr;
         T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
-        // alpha, beta, bias and the epilogue, each a loop of its own over the accumulator's
-        // row (updated in place), so that each vectorises, GELU's tanh included.
-        for (int64_t i = 0; i < mc; ++i) {
-          A* v = acc_rows + i * nc_pad;
-          O* row = c + i * g.ldc;
-          const O* row_in = c_in + i * g.ldc;
-          if (alpha != A(1))
-            for (int64_t j = 0; j < nc; ++j) v[j] *= alpha;
-          if (beta != A(0))
-            for (int64_t j = 0; j < nc; ++j) v[j] += beta * A(row_in[j]);
-          if (bias)
-            for (int64_t j = 0; j < nc; ++j) v[j] += A(bias[j]);
-          T* aux_row = aux ? aux + i * g.ld_aux : nullptr;
-          switch (g.epilogue) {
-            case GemmEpilogue::none:
-              for (int64_t j = 0; j < nc; ++j) row[j] = store<O>(v[j]);
-              break;
-            case GemmEpilogue::gelu:
-              for (int64_t j = 0; j < nc; ++j) {
-                aux_row[j] = store<T>(v[j]);
-                row[j] = store<O>(elementwise::unary_float<UnaryOp::gelu, A>(v[j], A(0)));
-              }
-              break;
-            case GemmEpilogue::dgelu:
-              for (int64_t j = 0; j < nc; ++j)
-                row[j] = store<O>(elementwise::unary_grad<UnaryOp::gelu, A>(v[j], A(aux_row[j]), A(0), A(0)));
-              break;
-          }
+        if (vector_isa::avx2()) {
+          finish_block_avx2<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
+        } else {
+          finish_block_baseline<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
         }
       }
     }

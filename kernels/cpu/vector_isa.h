@@ -5,7 +5,8 @@
 // two thin wrappers, one of them LOOM_AVX2; everything the loops call must be LOOM_INLINE (or
 // inlined anyway), so that it too is compiled into each copy.
 //
-// Used by the attention kernels (kernels/cpu/attention.cpp).
+// Used by the attention kernels (kernels/cpu/attention.cpp) and the matrix product's epilogue
+// (kernels/cpu/matmul.cpp).
 #pragma once
 
 #define LOOM_INLINE [[gnu::always_inline]] inline

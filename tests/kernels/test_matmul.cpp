@@ -14,6 +14,7 @@
 
 #include "kernels/cpu/gemm_micro.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/vector_isa.h"
 
 namespace loom {
 namespace {
@@ -154,6 +155,46 @@ TEST(MatmulCpu, MatchesNaiveLoopF64) { check_all_cases<double>(1e-13); }
 // 16-bit outputs round once, to 8 (bf16) or 11 (f16) bits: the accumulation is f32.
 TEST(MatmulCpu, MatchesNaiveLoopBf16) { check_all_cases<bf16>(8e-3); }
 TEST(MatmulCpu, MatchesNaiveLoopF16) { check_all_cases<f16>(1e-3); }
+
+// The epilogue's loops run as a baseline copy or an AVX2 copy (kernels/cpu/vector_isa.h),
+// which must give the same bits: alpha, beta (from c_in) and bias, GELU with its aux output,
+// and dGELU, over a shape that crosses a column block.
+template <class T> void expect_epilogue_copies_agree() {
+  std::mt19937 rng(7);
+  const int64_t m = 37, n = 150, k = 70;
+  const std::vector<T> a = random_vector<T>(size_t(m * k), rng), b = random_vector<T>(size_t(k * n), rng),
+                       c_in = random_vector<T>(size_t(m * n), rng), bias = random_vector<T>(size_t(n), rng),
+                       pre = random_vector<T>(size_t(m * n), rng);
+  for (GemmEpilogue epilogue : {GemmEpilogue::none, GemmEpilogue::gelu, GemmEpilogue::dgelu}) {
+    SCOPED_TRACE(int(epilogue));
+    auto run = [&](bool avx2) {
+      cpu::vector_isa::use_avx2(avx2);
+      std::vector<T> c(size_t(m * n)), aux = pre;
+      GemmArgs g;
+      g.dtype = dtype_of<T>();
+      g.m = m, g.n = n, g.k = k;
+      g.a = a.data(), g.lda = k, g.b = b.data(), g.ldb = n, g.c = c.data(), g.ldc = n;
+      g.bias = bias.data();
+      g.epilogue = epilogue;
+      if (epilogue == GemmEpilogue::none) g.alpha = 0.75f, g.beta = 0.5f, g.c_in = c_in.data();
+      if (epilogue != GemmEpilogue::none) g.aux = aux.data(), g.ld_aux = n;
+      cpu::gemm(g, nullptr);
+      c.insert(c.end(), aux.begin(), aux.end());
+      return c;
+    };
+    const std::vector<T> baseline = run(false), avx2 = run(true);
+    for (size_t e = 0; e < baseline.size(); ++e)
+      ASSERT_EQ(as_double(avx2[e]), as_double(baseline[e])) << "element " << e << " (C, then aux)";
+  }
+}
+
+TEST(MatmulCpu, Avx2AndBaselineEpiloguesGiveTheSameBits) {
+  if (!cpu::vector_isa::cpu_has_avx2()) GTEST_SKIP() << "this CPU has no AVX2";
+  expect_epilogue_copies_agree<float>();
+  expect_epilogue_copies_agree<double>();
+  expect_epilogue_copies_agree<bf16>();
+  EXPECT_TRUE(cpu::vector_isa::avx2());
+}
 
 TEST(MatmulCpu, BetaZeroIgnoresNanInC) {
   const int64_t m = 9, n = 21, k = 6;
