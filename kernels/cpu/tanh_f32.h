@@ -10,17 +10,14 @@
 //   differs from 1 by at most 3.1e-8, about half an ulp)
 //
 // expm1(z) for z <= 1 is its Taylor series to z^11 (the first term left out, z^12 / 12!, is
-// below 2.1e-9 of z); above 1, exp(z) - 1 with exp(z) = 2^n exp(r), z = n ln 2 + r,
-// |r| <= ln 2 / 2 (ln 2 split in two parts so that n ln 2 is exact), exp(r) by its Taylor
-// series to r^7 and 2^n built in the exponent bits. The result is within 3 ulp of tanh, 2.4
-// the worst seen (tests/kernels/test_elementwise.cpp sweeps every 32nd float from 1e-30 to 10
-// against the f64 tanh). NaN gives NaN, +-inf gives +-1, and the sign of zero is kept.
+// below 2.1e-9 of z); above 1, exp(z) - 1 with exp(z) from kernels/cpu/exp_f32.h. The result
+// is within 3 ulp of tanh, 2.4 the worst seen (tests/kernels/test_elementwise.cpp sweeps every
+// 32nd float from 1e-30 to 10 against the f64 tanh). NaN gives NaN, +-inf gives +-1, and the sign of zero is kept.
 #pragma once
 
-#include <bit>
 #include <cmath>
-#include <cstdint>
 
+#include "exp_f32.h"
 #include "masked_select.h"
 
 namespace loom::cpu {
@@ -40,20 +37,8 @@ inline float tanh_f32(float x) {
   s = s * z + 1.f / 6.f;
   s = s * z + 0.5f;
   const float small = (s * z) * z + z;
-  // Large z: exp(z) - 1. n = round(z / ln 2) by the 1.5 * 2^23 trick (z <= 18 here).
-  constexpr float kRound = 12582912.f;
-  const float n = (z * 1.44269504088896341f + kRound) - kRound;
-  const float r = (z - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const float two_n = std::bit_cast<float>(uint32_t(int32_t(n) + 127) << 23);
-  const float large = p * two_n - 1.f;
+  // Large z: exp(z) - 1.
+  const float large = exp_f32(z) - 1.f;
   const float e = masked_select(z <= 1.f, small, large);
   const float t = std::copysign(e / (e + 2.f), x);
   return masked_select(x == x, t, x);
