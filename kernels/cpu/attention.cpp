@@ -9,14 +9,12 @@
 // that a row's products with every key are summed across keys at once (`dots`), which
 // vectorises and adds each product's terms in the same order as a plain dot product. Query
 // rows go in blocks of four so that each key's and value's row is read once for the block's
-// four sums; every sum still takes its terms in increasing key (or query) order. The f32 exp
-// is exp_f32.h's, which vectorises (the C library's expf is a call, one per score, that the
-// compiler cannot); the f64 path keeps the C library's, and gives the same bits as a row at a
-// time did. The loops are compiled for the baseline and for AVX2 (kernels/cpu/vector_isa.h:
-// the same bits), the AVX2 copy running where the CPU has it. On one thread of the 2-core
-// development machine on 2026-12-06, (2, 8, 128, 32) causal f32 went from 1.50 ms forward and
-// 2.87 ms backward (a row at a time, expf, baseline) to 1.21 and 2.13 ms (baseline copy) and
-// 0.91 and 1.46 ms (AVX2 copy), timed by a short program linked against the kernels.
+// four sums; every sum still takes its terms in increasing key (or query) order. In f32 (the
+// accumulation type of f32, bf16 and f16) exp is exp_f32.h's, which vectorises (the C
+// library's expf is a call, one per score, that the compiler cannot); the f64 path keeps the
+// C library's, and gives the same bits as a row at a time did. The loops are compiled for the
+// baseline and for AVX2 (kernels/cpu/vector_isa.h: the same bits), the AVX2 copy running where
+// the CPU has it.
 // The forward runs threads over (b, h, block of query rows); the backward over (b, h),
 // since dk and dv sum over every query row.
 #include <algorithm>
@@ -52,7 +50,8 @@ template <class T> struct Rows {
 };
 
 // n rows of D elements, `seq` apart, into a dense (n, D) buffer in the accumulation type.
-template <class A, class T> LOOM_INLINE void widen(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
+template <class A, class T>
+LOOM_INLINE void widen(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
   dst.resize(size_t(n * D));
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; ++d) dst[size_t(r * D + d)] = A(src[r * seq + d]);
@@ -65,7 +64,8 @@ template <class A> LOOM_INLINE A dot(const A* x, const A* y, int64_t n) {
 }
 
 // The (D, n) transpose of n rows of D elements, `seq` apart, in the accumulation type.
-template <class A, class T> LOOM_INLINE void widen_transposed(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
+template <class A, class T>
+LOOM_INLINE void widen_transposed(std::vector<A>& dst, const T* src, int64_t n, int64_t seq, int64_t D) {
   dst.resize(size_t(n * D));
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; ++d) dst[size_t(d * n + r)] = A(src[r * seq + d]);
@@ -75,7 +75,8 @@ template <class A, class T> LOOM_INLINE void widen_transposed(std::vector<A>& ds
 // term by term in the same order, but the loop runs across j, which vectorises, where dot's
 // runs along one row's D elements and cannot without reordering. Four of x's elements are
 // added a pass, so s goes through memory D / 4 times, not D.
-template <class A> LOOM_INLINE void dots(A* __restrict s, const A* x, const A* mT, int64_t n, int64_t count, int64_t D) {
+template <class A>
+LOOM_INLINE void dots(A* __restrict s, const A* x, const A* mT, int64_t n, int64_t count, int64_t D) {
   std::fill(s, s + count, A(0));
   int64_t d = 0;
   for (; d + 4 <= D; d += 4) {
@@ -104,19 +105,19 @@ template <class A> LOOM_INLINE A exp_acc(A x) {
 // the block, and the block's accumulators take one term each from it.
 constexpr int64_t kRowBlock = 4;
 
-// out[r][d] += sum over j < n[r] of coef[r][j] row_j[d], for the `rows` rows of a block (n
-// nondecreasing in r), each sum term by term in increasing j. rows_of is (count, D) dense;
-// coef rows are `ld` apart.
+// out[r][d] += sum over j < n[r] of coef[r][j] x_rows[j][d], for the `rows` rows of a block
+// (n nondecreasing in r), each sum term by term in increasing j. x_rows is (n[rows - 1], D)
+// dense; coef rows are `ld` apart.
 template <class A>
-LOOM_INLINE void add_combinations(A* const* out, const A* coef, int64_t ld, const int64_t* n, int64_t rows, const A* rows_of,
-                      int64_t D) {
+LOOM_INLINE void add_combinations(A* const* out, const A* coef, int64_t ld, const int64_t* n, int64_t rows,
+                                  const A* x_rows, int64_t D) {
   int64_t j = 0;
   if (rows == kRowBlock) {
     // Every row of the block sees keys below n[0]: four sums a key.
     A *__restrict o0 = out[0], *__restrict o1 = out[1], *__restrict o2 = out[2], *__restrict o3 = out[3];
     for (; j < n[0]; ++j) {
       const A c0 = coef[j], c1 = coef[ld + j], c2 = coef[2 * ld + j], c3 = coef[3 * ld + j];
-      const A* __restrict x = rows_of + j * D;
+      const A* __restrict x = x_rows + j * D;
       for (int64_t d = 0; d < D; ++d) {
         o0[d] += c0 * x[d];
         o1[d] += c1 * x[d];
@@ -129,7 +130,7 @@ LOOM_INLINE void add_combinations(A* const* out, const A* coef, int64_t ld, cons
     A* __restrict o = out[r];
     for (int64_t jr = j; jr < n[r]; ++jr) {
       const A c = coef[r * ld + jr];
-      const A* __restrict x = rows_of + jr * D;
+      const A* __restrict x = x_rows + jr * D;
       for (int64_t d = 0; d < D; ++d) o[d] += c * x[d];
     }
   }
@@ -139,8 +140,8 @@ LOOM_INLINE void add_combinations(A* const* out, const A* coef, int64_t ld, cons
 // increasing r, for every j < n[rows - 1]: the block's terms of a sum over query rows, whose
 // earlier terms came from the blocks before.
 template <class A>
-LOOM_INLINE void add_transposed(A* dst, const A* coef, int64_t ld, const int64_t* n, int64_t rows, const A* const* src,
-                    int64_t D) {
+LOOM_INLINE void add_transposed(A* dst, const A* coef, int64_t ld, const int64_t* n, int64_t rows,
+                                const A* const* src, int64_t D) {
   int64_t first = 0;  // the first row of the block that sees key j
   for (int64_t j = 0; j < n[rows - 1]; ++j) {
     while (n[first] <= j) ++first;
@@ -178,15 +179,15 @@ template <class T> struct Operands {
         dv(dv_ptr, a.strides.dv, a.heads, Tk, D) {}
 };
 
-// Forward tasks [begin, end): task t is rows [t % blocks * kRowsPerTask, + kRowsPerTask) of
-// head t / blocks.
+// Forward tasks [begin, end): task t is rows [t % tasks_per_head * kRowsPerTask, +
+// kRowsPerTask) of head t / tasks_per_head.
 template <class T> LOOM_INLINE void forward_tasks(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
   using A = acc_t<T>;
-  const int64_t D = o.D, Tq = o.Tq, Tk = o.Tk, blocks = (Tq + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t D = o.D, Tq = o.Tq, Tk = o.Tk, tasks_per_head = (Tq + kRowsPerTask - 1) / kRowsPerTask;
   std::vector<A> kt, vh, qi, p(size_t(kRowBlock * Tk)), acc(size_t(kRowBlock * D));
   int64_t loaded = -1;
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t bh = task / blocks, first_row = task % blocks * kRowsPerTask;
+    const int64_t bh = task / tasks_per_head, first_row = task % tasks_per_head * kRowsPerTask;
     if (bh != loaded) {
       widen_transposed(kt, o.k.head(bh), Tk, o.k.s.seq, D);
       widen(vh, o.v.head(bh), Tk, o.v.s.seq, D);
@@ -231,17 +232,18 @@ template <class T> LOOM_INLINE void forward_tasks(const Operands<T>& o, acc_t<T>
 template <class T> void forward_tasks_baseline(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
   forward_tasks(o, lse, begin, end);
 }
-template <class T> LOOM_AVX2 void forward_tasks_avx2(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
+template <class T>
+LOOM_AVX2_NO_FMA void forward_tasks_avx2(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
   forward_tasks(o, lse, begin, end);
 }
 
 template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<T>* lse, const T* q_ptr,
                                       const T* k_ptr, const T* v_ptr) {
   const Operands<T> o(a, q_ptr, k_ptr, v_ptr, nullptr, out_ptr, nullptr, nullptr, nullptr, nullptr);
-  const int64_t blocks = (o.Tq + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t tasks_per_head = (o.Tq + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kRowsPerTask * o.Tk * o.D));
-  parallel_for(a.batch * a.heads * blocks, grain, [&](int64_t begin, int64_t end) {
-    if (vector_isa::avx2()) {
+  parallel_for(a.batch * a.heads * tasks_per_head, grain, [&](int64_t begin, int64_t end) {
+    if (vector_isa::avx2_copies_on()) {
       forward_tasks_avx2(o, lse, begin, end);
     } else {
       forward_tasks_baseline(o, lse, begin, end);
@@ -250,7 +252,8 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<
 }
 
 // dst rows (n, D), `seq` apart, = scale * src (n, D) dense, rounded to T.
-template <class T, class A> LOOM_INLINE void narrow(T* dst, int64_t seq, const std::vector<A>& src, int64_t n, int64_t D, A scale) {
+template <class T, class A>
+LOOM_INLINE void narrow(T* dst, int64_t seq, const std::vector<A>& src, int64_t n, int64_t D, A scale) {
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; ++d) dst[r * seq + d] = T(scale * src[size_t(r * D + d)]);
 }
@@ -315,7 +318,7 @@ void backward_heads_baseline(const Operands<T>& o, const acc_t<T>* lse, int64_t 
   backward_heads(o, lse, begin, end);
 }
 template <class T>
-LOOM_AVX2 void backward_heads_avx2(const Operands<T>& o, const acc_t<T>* lse, int64_t begin, int64_t end) {
+LOOM_AVX2_NO_FMA void backward_heads_avx2(const Operands<T>& o, const acc_t<T>* lse, int64_t begin, int64_t end) {
   backward_heads(o, lse, begin, end);
 }
 
@@ -324,7 +327,7 @@ void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, con
                     const T* k_ptr, const T* v_ptr, const T* out_ptr, const acc_t<T>* lse) {
   const Operands<T> o(a, q_ptr, k_ptr, v_ptr, out_ptr, nullptr, dout_ptr, dq_ptr, dk_ptr, dv_ptr);
   parallel_for(a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
-    if (vector_isa::avx2()) {
+    if (vector_isa::avx2_copies_on()) {
       backward_heads_avx2(o, lse, begin, end);
     } else {
       backward_heads_baseline(o, lse, begin, end);

@@ -130,7 +130,7 @@ void finish_block_baseline(const GemmArgs& g, A alpha, A beta, A* acc_rows, int6
   finish_block<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
 }
 template <class T, class O, class A>
-LOOM_AVX2 void finish_block_avx2(const GemmArgs& g, A alpha, A beta, A* acc_rows, int64_t nc_pad, int64_t mc,
+LOOM_AVX2_NO_FMA void finish_block_avx2(const GemmArgs& g, A alpha, A beta, A* acc_rows, int64_t nc_pad, int64_t mc,
                                  int64_t nc, O* c, const O* c_in, const O* bias, T* aux) {
   finish_block<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
 }
@@ -194,7 +194,7 @@ void gemm_typed(const GemmArgs& g) {
         const O* c_in = g.c_in ? static_cast<const O*>(g.c_in) + i0 * g.ldc + j0 : c;
         const O* bias = g.bias ? static_cast<const O*>(g.bias) + j0 : nullptr;
         T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
-        if (vector_isa::avx2()) {
+        if (vector_isa::avx2_copies_on()) {
           finish_block_avx2<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
         } else {
           finish_block_baseline<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
@@ -206,9 +206,10 @@ void gemm_typed(const GemmArgs& g) {
 
 // The sums beside the product, in passes of their own: column sums of the stored C
 // (threads split the columns), and row sums of op(A) over k (threads split the rows). Each
-// sum takes its terms in increasing row (or k) order, but a thread walks memory along rows,
-// adding a row's run of its columns into a run of sums, so that the loop vectorises and reads
-// memory in order instead of one column at a time.
+// sum takes its terms in increasing row (or k) order. The column sums, and the row sums of a
+// transposed A (columns of the stored matrix), walk memory along rows, adding a row's run
+// into a run of sums, so that the loop vectorises and reads memory in order instead of one
+// column at a time.
 template <class T> void column_sums(const GemmArgs& g) {
   using A = acc_t<T>;
   const T* c = static_cast<const T*>(g.c);
@@ -228,22 +229,22 @@ template <class T, class O = T> void row_sums_a(const GemmArgs& g) {
   const T* a = static_cast<const T*>(g.a);
   O* out = static_cast<O*>(g.row_sums_a);
   parallel_for(g.m, 16, [&](int64_t i0, int64_t i1) {
-    std::vector<A> s(size_t(i1 - i0), A(0));
     if (g.trans_a) {
       // op(A)'s row i is column i of the stored (k, m) matrix: walk the stored rows.
+      std::vector<A> s(size_t(i1 - i0), A(0));
       for (int64_t p = 0; p < g.k; ++p) {
         const T* row = a + p * g.lda + i0;
         for (int64_t i = 0; i < i1 - i0; ++i) s[size_t(i)] += A(row[i]);
       }
-    } else {
-      for (int64_t i = i0; i < i1; ++i) {
-        const T* row = a + i * g.lda;
-        A sum = 0;
-        for (int64_t p = 0; p < g.k; ++p) sum += A(row[p]);
-        s[size_t(i - i0)] = sum;
-      }
+      for (int64_t i = i0; i < i1; ++i) out[i] = store<O>(s[size_t(i - i0)]);
+      return;
     }
-    for (int64_t i = i0; i < i1; ++i) out[i] = store<O>(s[size_t(i - i0)]);
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* row = a + i * g.lda;
+      A sum = 0;
+      for (int64_t p = 0; p < g.k; ++p) sum += A(row[p]);
+      out[i] = store<O>(sum);
+    }
   });
 }
 

@@ -1,23 +1,34 @@
 // CPU loops compiled twice: for the baseline instruction set the library is built for, and
 // for AVX2, which runs where the CPU has it. AVX2 without FMA: the same operations in the same
-// order on wider vectors, so both copies give the same bits (tests/kernels/test_attention.cpp
-// compares them). A kernel writes its loops once in a LOOM_INLINE function and calls it from
-// two thin wrappers, one of them LOOM_AVX2; everything the loops call must be LOOM_INLINE (or
-// inlined anyway), so that it too is compiled into each copy.
+// order on wider vectors, so the two copies give the same bits as each other
+// (tests/kernels/test_attention.cpp and test_matmul.cpp compare them). A kernel writes its loops
+// once in a LOOM_INLINE function and calls it from two thin wrappers, one of them
+// LOOM_AVX2_NO_FMA; what the loops call is inlined into each copy (small inline functions are,
+// at -O2 and above; LOOM_INLINE makes sure of the larger ones), so that it too is compiled for
+// both. Off x86-64 GCC and clang there is one copy: LOOM_AVX2_NO_FMA is empty and
+// cpu_has_avx2() false.
 //
 // Used by the attention kernels (kernels/cpu/attention.cpp) and the matrix product's epilogue
 // (kernels/cpu/matmul.cpp).
 #pragma once
 
+#ifdef __FAST_MATH__
+#error "kernels/cpu/vector_isa.h: -ffast-math lets the compiler reorder sums, and the two copies would differ"
+#endif
+
 #define LOOM_INLINE [[gnu::always_inline]] inline
-#define LOOM_AVX2 [[gnu::target("avx2")]]
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LOOM_AVX2_NO_FMA [[gnu::target("avx2")]]
+#else
+#define LOOM_AVX2_NO_FMA
+#endif
 
 namespace loom::cpu::vector_isa {
 
-// Whether this CPU runs AVX2.
+// Whether this CPU runs AVX2 (false off x86-64).
 bool cpu_has_avx2();
 // Whether the AVX2 copies run: cpu_has_avx2(), unless use_avx2(false) said otherwise.
-bool avx2();
+bool avx2_copies_on();
 // Runs the baseline copies (false) or, where the CPU has AVX2, the AVX2 ones (true): for tests
 // that compare the two. Not for use while kernels run on other threads.
 void use_avx2(bool on);

@@ -10,8 +10,8 @@
 #include <limits>
 #include <random>
 #include <string>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/exp_f32.h"
@@ -273,11 +273,15 @@ template <class T> void expect_copies_agree(DType dt) {
     const Result baseline = run_cpu<T>(c, dt, x);
     cpu::vector_isa::use_avx2(true);
     const Result avx2 = run_cpu<T>(c, dt, y);
-    EXPECT_EQ(avx2.out, baseline.out);
-    EXPECT_EQ(avx2.lse, baseline.lse);
-    EXPECT_EQ(avx2.dq, baseline.dq);
-    EXPECT_EQ(avx2.dk, baseline.dk);
-    EXPECT_EQ(avx2.dv, baseline.dv);
+    // Bit for bit (-0 and NaN included): the results widened to f64 exactly.
+    auto same_bits = [](const std::vector<double>& x, const std::vector<double>& y) {
+      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0;
+    };
+    EXPECT_TRUE(same_bits(avx2.out, baseline.out)) << "out";
+    EXPECT_TRUE(same_bits(avx2.lse, baseline.lse)) << "lse";
+    EXPECT_TRUE(same_bits(avx2.dq, baseline.dq)) << "dq";
+    EXPECT_TRUE(same_bits(avx2.dk, baseline.dk)) << "dk";
+    EXPECT_TRUE(same_bits(avx2.dv, baseline.dv)) << "dv";
   }
 }
 
@@ -285,25 +289,26 @@ TEST(AttentionCpu, Avx2AndBaselineCopiesGiveTheSameBits) {
   if (!cpu::vector_isa::cpu_has_avx2()) GTEST_SKIP() << "this CPU has no AVX2";
   expect_copies_agree<float>(DType::f32);
   expect_copies_agree<bf16>(DType::bf16);
+  expect_copies_agree<f16>(DType::f16);
   expect_copies_agree<double>(DType::f64);
-  EXPECT_TRUE(cpu::vector_isa::avx2());
+  EXPECT_TRUE(cpu::vector_isa::avx2_copies_on());
 }
 
 // The f32 exp of the CPU attention (kernels/cpu/exp_f32.h): within 2 ulp of the f64 exp
-// rounded over every 16th float from -87 to 88.7 (normal results), within one subnormal step
-// of it from -104 to -87, and its edges.
+// rounded (the ulp below it) over every 16th float from -87 to 88.72283, the largest whose
+// exp is finite (normal results), within one subnormal step of it from -104 to -87, and its
+// edges.
 TEST(AttentionCpu, ExpF32IsWithinTwoUlp) {
   double worst = 0;
   float worst_at = 0;
   auto check = [&](float x) {
     const double want = std::exp(double(x));
     const float rounded = float(want);
-    const double ulp =
-        std::fabs(double(std::nextafter(rounded, std::numeric_limits<float>::infinity())) - double(rounded));
+    const double ulp = std::fabs(double(rounded) - double(std::nextafter(rounded, 0.f)));
     const double err = std::fabs(double(cpu::exp_f32(x)) - want) / ulp;
     if (err > worst) worst = err, worst_at = x;
   };
-  for (const auto& [from, to] : {std::pair{0.f, 88.7f}, std::pair{-0.f, -87.f}}) {
+  for (const auto& [from, to] : {std::pair{0.f, 88.72283f}, std::pair{-0.f, -87.f}}) {
     uint32_t lo = 0, hi = 0;
     std::memcpy(&lo, &from, 4);
     std::memcpy(&hi, &to, 4);
@@ -313,6 +318,7 @@ TEST(AttentionCpu, ExpF32IsWithinTwoUlp) {
       check(x);
     }
   }
+  check(88.72283f);
   EXPECT_LE(worst, 2.0) << "at x = " << worst_at;
   const double subnormal = std::numeric_limits<float>::denorm_min();
   for (float x = -104.f; x < -87.f; x += 1.f / 64)
@@ -322,6 +328,7 @@ TEST(AttentionCpu, ExpF32IsWithinTwoUlp) {
   EXPECT_EQ(cpu::exp_f32(-std::numeric_limits<float>::infinity()), 0.f);
   EXPECT_EQ(cpu::exp_f32(-1e30f), 0.f);
   EXPECT_EQ(cpu::exp_f32(std::numeric_limits<float>::infinity()), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(cpu::exp_f32(88.7228394f), std::numeric_limits<float>::infinity());  // exp just past FLT_MAX
   EXPECT_EQ(cpu::exp_f32(89.f), std::numeric_limits<float>::infinity());
   EXPECT_TRUE(std::isnan(cpu::exp_f32(std::numeric_limits<float>::quiet_NaN())));
 }
