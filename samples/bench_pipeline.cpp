@@ -18,8 +18,9 @@
 //
 //   loomrun --nproc-per-node 4 bench_pipeline --device cpu --microbatches 4,16
 //
-// Rank 0 prints one row per (schedule, m) and, with --json, writes them as JSON lines; with
-// --trace FILE, the last row's last step as one timeline of every rank.
+// Rank 0 prints one row per (schedule, m), each followed by every stage's own mean spans, and,
+// with --json, writes them as JSON lines (the stages' spans as stageN_forward_ms and so on);
+// with --trace FILE, the last row's last step as one timeline of every rank.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -221,11 +222,28 @@ int run(int argc, char** argv) {
         std::printf("%-12s %4d %9.1f%% %9.1f%% %9.1f%% %9.1f%% %9.1f%% %14.0f %14.0f %12.1f %20s\n",
                     schedule_name(kind), m, 100 * bubble, 100 * formula, 100 * at_costs, 100 * at_stage_costs,
                     100 * floor, all[0], peak_max, ms, costs_text);
+        // Each stage's own mean spans: what "per stage" and "floor" were computed from.
+        std::string per_stage = "  per stage F / B (I) / W ms:";
+        samples::MetricRecord record{{"schedule", schedule_name(kind)}, {"microbatches", m}, {"ranks", p},
+                                     {"blocks", o.blocks}, {"width", o.width}, {"heads", o.heads},
+                                     {"bubble", bubble}, {"formula", formula}, {"bubble_at_costs", at_costs},
+                                     {"bubble_at_stage_costs", at_stage_costs}, {"bubble_floor", floor},
+                                     {"forward_ms", f}, {"backward_ms", b}, {"weight_ms", w},
+                                     {"peak_bytes_rank0", all[0]}, {"peak_bytes_max", peak_max}, {"step_ms", ms},
+                                     {"device", ctx.device.str()}};
+        for (int st = 0; st < stage_count; ++st) {
+          const double sf = mean_of(st, st + 1, 0), sb = mean_of(st, st + 1, 1), sw = mean_of(st, st + 1, 2);
+          char text[64];
+          std::snprintf(text, sizeof text, split ? "  %d: %.2f / %.2f / %.2f" : "  %d: %.2f / %.2f", st, sf, sb, sw);
+          per_stage += text;
+          const std::string key = "stage" + std::to_string(st);
+          record.push_back({key + "_forward_ms", sf});
+          record.push_back({key + "_backward_ms", sb});
+          record.push_back({key + "_weight_ms", sw});
+        }
+        std::printf("%s\n", per_stage.c_str());
         std::fflush(stdout);
-        log.write({{"schedule", schedule_name(kind)}, {"microbatches", m}, {"ranks", p}, {"bubble", bubble},
-                   {"formula", formula}, {"bubble_at_costs", at_costs}, {"bubble_at_stage_costs", at_stage_costs}, {"bubble_floor", floor}, {"forward_ms", f}, {"backward_ms", b},
-                   {"weight_ms", w}, {"peak_bytes_rank0", all[0]}, {"peak_bytes_max", peak_max}, {"step_ms", ms},
-                   {"device", ctx.device.str()}});
+        log.write(record);
       }
     }
   if (main_rank)

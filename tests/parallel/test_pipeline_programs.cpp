@@ -147,7 +147,8 @@ TEST(TrainGptPipeline, BadPipelineFlagsAreNamed) {
 }
 
 // bench_pipeline prints a row per schedule and micro-batch count: the bubble measured, its
-// formula, the bubble simulated at the measured mean spans, and those spans.
+// formula, the bubble simulated at the measured mean spans, and those spans; then each
+// stage's own spans.
 TEST(BenchPipeline, PrintsARowPerScheduleAndMicrobatchCount) {
   auto r = run_command(program("LOOMRUN") + " --nproc-per-node 2 " + program("BENCH_PIPELINE") +
                            " --width 16 --heads 2 --tokens 8 --blocks 1 --warmup 1 --steps 1 --microbatches 2,4"
@@ -162,6 +163,13 @@ TEST(BenchPipeline, PrintsARowPerScheduleAndMicrobatchCount) {
   EXPECT_NE(r.output.find("at costs"), std::string::npos) << r.output;
   EXPECT_TRUE(std::regex_search(r.output, std::regex("1f1b +4 .* [0-9.]+ / [0-9.]+\n"))) << r.output;
   EXPECT_TRUE(std::regex_search(r.output, std::regex("zb1 +4 .* [0-9.]+ / [0-9.]+ / [0-9.]+\n"))) << r.output;
+  // And a line after each row with every stage's own spans (two stages here).
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex("1f1b +4 .*\n.*per stage F / B \\(I\\) / W ms: +0: [0-9.]+ / [0-9.]+ +1: [0-9.]+ / [0-9.]+\n")))
+      << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("zb1 +4 .*\n.*per stage F / B \\(I\\) / W ms: +0: [0-9.]+ / "
+                                                     "[0-9.]+ / [0-9.]+ +1: [0-9.]+ / [0-9.]+ / [0-9.]+\n")))
+      << r.output;
 }
 
 }  // namespace
