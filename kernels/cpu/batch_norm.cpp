@@ -21,6 +21,7 @@
 
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/masked_select.h"
 #include "kernels/cpu/pairwise.h"
 #include "kernels/cpu/parallel_for.h"
 
@@ -130,17 +131,22 @@ void for_each_tile(const BatchNormArgs& a, const char* what, Body&& body) {
 template <class T> double as_double(T v) { return double(acc_t<T>(v)); }
 
 // BatchNormArgs::relu's epilogue on a normalised value: the residual added as add() adds two
-// tensors (in the accumulation type, rounded once), then ReLU as relu() takes it.
+// tensors (in the accumulation type, rounded once), then ReLU as relu() takes it. The choices
+// go through masked_select (kernels/cpu/masked_select.h): a plain select of floats stays a
+// branch, which the signs of normalised values mispredict half the time. T to A and back is
+// exact, so the results are the plain select's.
 template <class T> T add_relu(T v, const T* residual) {
   using A = acc_t<T>;
   if (residual) v = T(A(v) + A(*residual));
-  return A(v) < A(0) ? T(A(0)) : v;
+  const A av = A(v);
+  return T(masked_select(av < A(0), A(0), av));
 }
 
 // The gradient that reaches the normalisation: dy, masked by the fused ReLU's output.
 template <class T> T masked(const BatchNormArgs& a, const T* dy, const T* y, int64_t i) {
   using A = acc_t<T>;
-  return !a.relu || A(y[i]) > A(0) ? dy[i] : T(A(0));
+  if (!a.relu) return dy[i];
+  return T(masked_select(A(y[i]) > A(0), A(dy[i]), A(0)));
 }
 
 }  // namespace
