@@ -2,7 +2,8 @@
 // values' bits. No branch, and no floating-point operation inside a condition: under the
 // default -ftrapping-math the compiler keeps a plain `take_a ? a : b` of floats as a branch
 // (it may not speculate a floating-point operation), which random data mispredicts and which
-// stops a loop from vectorising. Used by kernels/cpu/exp_f32.h, tanh_f32.h and max pooling.
+// stops a loop from vectorising. Used by kernels/cpu/exp_f32.h, tanh_f32.h, max pooling and
+// the fused BatchNorm-ReLU.
 #pragma once
 
 #include <bit>
