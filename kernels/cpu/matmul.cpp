@@ -12,6 +12,9 @@
 // a per-task accumulator, and alpha and beta are applied once at the end, so 16-bit outputs
 // are rounded once and beta == 0 never reads C (NaNs in C are ignored, as BLAS does).
 #include <algorithm>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 #include <vector>
 
@@ -42,13 +45,59 @@ const gemm_micro::Tile<A>& tile() {
   else return gemm_micro::active().f32;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// dst[p * width + r] = src[r * row_stride + p] for r < width and p < cols, f32, for a width of
+// 6 or a multiple of 8: eight columns of eight rows at a time through registers, transposed by
+// shuffles (rows 6 and 7 repeat row 5 for a width of 6, and only six values a column are
+// stored), the columns past the last eight one by one. Moves values only: the packed panel
+// is the same whichever way it was written.
+LOOM_AVX2_NO_FMA void pack_rows_avx2(float* dst, const float* src, int64_t row_stride, int64_t cols, int width) {
+  int64_t p = 0;
+  for (; p + 8 <= cols; p += 8) {
+    for (int r0 = 0; r0 < width; r0 += 8) {
+      __m256 v[8];
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(src + std::min(r0 + i, width - 1) * row_stride + p);
+      const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+      const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+      // Column p + i: element j of each row, in row order.
+      const __m256 c[8] = {_mm256_permute2f128_ps(s0, s4, 0x20), _mm256_permute2f128_ps(s1, s5, 0x20),
+                           _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
+                           _mm256_permute2f128_ps(s0, s4, 0x31), _mm256_permute2f128_ps(s1, s5, 0x31),
+                           _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
+      for (int i = 0; i < 8; ++i) {
+        float* out = dst + (p + i) * width + r0;
+        if (width == 6) {
+          _mm_storeu_ps(out, _mm256_castps256_ps128(c[i]));
+          _mm_storel_pi(reinterpret_cast<__m64*>(out + 4), _mm256_extractf128_ps(c[i], 1));
+        } else {
+          _mm256_storeu_ps(out, c[i]);
+        }
+      }
+    }
+  }
+  for (; p < cols; ++p)
+    for (int r = 0; r < width; ++r) dst[p * width + r] = src[r * row_stride + p];
+}
+#endif
+
 // Packs rows [0, rows) x columns [0, cols) of a strided matrix into groups of `width` rows
 // (zero-padded), each group stored column by column: dst[group][col][row in group].
 // Packing A uses it directly (rows = M slice, cols = K slice); packing B uses it on the
 // transposed view (rows = N slice, cols = K slice).
 // A group's rows lying side by side in memory (row_stride 1) are copied a column at a time;
 // rows lying along memory (col_stride 1, a row-major A or a transposed B) are read a row at
-// a time and written `width` apart; any other layout goes element by element.
+// a time and written `width` apart (in f32, a full group on a CPU with AVX2: transposed eight
+// by eight, pack_rows_avx2); any other layout goes element by element.
 template <class A, class T>
 void pack(A* dst, const T* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols, int width) {
   for (int64_t g = 0; g < rows; g += width, dst += cols * width) {
@@ -62,6 +111,14 @@ void pack(A* dst, const T* src, int64_t row_stride, int64_t col_stride, int64_t 
         for (int r = valid; r < width; ++r) out[r] = A(0);
       }
     } else if (col_stride == 1) {
+#if defined(__x86_64__) && defined(__GNUC__)
+      if constexpr (std::is_same_v<A, float> && std::is_same_v<T, float>) {
+        if (valid == width && (width == 6 || width % 8 == 0) && vector_isa::avx2_copies_on()) {
+          pack_rows_avx2(dst, base, row_stride, cols, width);
+          continue;
+        }
+      }
+#endif
       for (int r = 0; r < width; ++r) {
         A* out = dst + r;
         if (r >= valid) {

@@ -157,45 +157,49 @@ TEST(MatmulCpu, MatchesNaiveLoopF64) { check_all_cases<double>(1e-13); }
 TEST(MatmulCpu, MatchesNaiveLoopBf16) { check_all_cases<bf16>(8e-3); }
 TEST(MatmulCpu, MatchesNaiveLoopF16) { check_all_cases<f16>(1e-3); }
 
-// The epilogue's loops run as a baseline copy or an AVX2 copy (kernels/cpu/vector_isa.h),
-// which must give the same bits: alpha, beta (from c_in) and bias, GELU with its aux output,
-// and dGELU, over a shape that crosses a column block.
-template <class T> void expect_epilogue_copies_agree() {
+// The epilogue's loops, and the f32 packing of operands whose rows lie along memory, run as a
+// baseline copy or an AVX2 copy (kernels/cpu/vector_isa.h), which must give the same bits:
+// alpha, beta (from c_in) and bias, GELU with its aux output, and dGELU, with B as stored and
+// transposed, over a shape that crosses a column block.
+template <class T> void expect_product_copies_agree() {
   std::mt19937 rng(7);
   const int64_t m = 37, n = 150, k = 70;
   const std::vector<T> a = random_vector<T>(size_t(m * k), rng), b = random_vector<T>(size_t(k * n), rng),
                        c_in = random_vector<T>(size_t(m * n), rng), bias = random_vector<T>(size_t(n), rng),
                        pre = random_vector<T>(size_t(m * n), rng);
   for (GemmEpilogue epilogue : {GemmEpilogue::none, GemmEpilogue::gelu, GemmEpilogue::dgelu}) {
-    SCOPED_TRACE(int(epilogue));
-    auto run = [&](bool avx2) {
-      cpu::vector_isa::use_avx2(avx2);
-      std::vector<T> c(size_t(m * n)), aux = pre;
-      GemmArgs g;
-      g.dtype = dtype_of<T>();
-      g.m = m, g.n = n, g.k = k;
-      g.a = a.data(), g.lda = k, g.b = b.data(), g.ldb = n, g.c = c.data(), g.ldc = n;
-      g.bias = bias.data();
-      g.epilogue = epilogue;
-      if (epilogue == GemmEpilogue::none) g.alpha = 0.75f, g.beta = 0.5f, g.c_in = c_in.data();
-      if (epilogue != GemmEpilogue::none) g.aux = aux.data(), g.ld_aux = n;
-      cpu::gemm(g, nullptr);
-      c.insert(c.end(), aux.begin(), aux.end());
-      return c;
-    };
-    const std::vector<T> baseline = run(false), avx2 = run(true);
-    for (size_t e = 0; e < baseline.size(); ++e)
-      ASSERT_EQ(std::memcmp(&avx2[e], &baseline[e], sizeof(T)), 0)
-          << "element " << e << " (C, then aux): " << as_double(avx2[e]) << " against " << as_double(baseline[e]);
+    for (bool trans_b : {false, true}) {
+      SCOPED_TRACE(std::to_string(int(epilogue)) + (trans_b ? " B transposed" : ""));
+      auto run = [&](bool avx2) {
+        cpu::vector_isa::use_avx2(avx2);
+        std::vector<T> c(size_t(m * n)), aux = pre;
+        GemmArgs g;
+        g.dtype = dtype_of<T>();
+        g.m = m, g.n = n, g.k = k;
+        g.trans_b = trans_b;
+        g.a = a.data(), g.lda = k, g.b = b.data(), g.ldb = trans_b ? k : n, g.c = c.data(), g.ldc = n;
+        g.bias = bias.data();
+        g.epilogue = epilogue;
+        if (epilogue == GemmEpilogue::none) g.alpha = 0.75f, g.beta = 0.5f, g.c_in = c_in.data();
+        if (epilogue != GemmEpilogue::none) g.aux = aux.data(), g.ld_aux = n;
+        cpu::gemm(g, nullptr);
+        c.insert(c.end(), aux.begin(), aux.end());
+        return c;
+      };
+      const std::vector<T> baseline = run(false), avx2 = run(true);
+      for (size_t e = 0; e < baseline.size(); ++e)
+        ASSERT_EQ(std::memcmp(&avx2[e], &baseline[e], sizeof(T)), 0)
+            << "element " << e << " (C, then aux): " << as_double(avx2[e]) << " against " << as_double(baseline[e]);
+    }
   }
 }
 
-TEST(MatmulCpu, Avx2AndBaselineEpiloguesGiveTheSameBits) {
+TEST(MatmulCpu, Avx2AndBaselineCopiesGiveTheSameBits) {
   if (!cpu::vector_isa::cpu_has_avx2()) GTEST_SKIP() << "this CPU has no AVX2";
-  expect_epilogue_copies_agree<float>();
-  expect_epilogue_copies_agree<double>();
-  expect_epilogue_copies_agree<bf16>();
-  expect_epilogue_copies_agree<f16>();
+  expect_product_copies_agree<float>();
+  expect_product_copies_agree<double>();
+  expect_product_copies_agree<bf16>();
+  expect_product_copies_agree<f16>();
   EXPECT_TRUE(cpu::vector_isa::avx2_copies_on());
 }
 
