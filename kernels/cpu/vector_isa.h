@@ -9,7 +9,8 @@
 // cpu_has_avx2() false.
 //
 // Used by the attention kernels (kernels/cpu/attention.cpp) and the matrix product's epilogue
-// (kernels/cpu/matmul.cpp).
+// (kernels/cpu/matmul.cpp), whose f32 packing also has an AVX2 path of its own (intrinsics,
+// values moved only) behind avx2_copies_on().
 #pragma once
 
 #ifdef __FAST_MATH__
