@@ -12,6 +12,7 @@
 // a per-task accumulator, and alpha and beta are applied once at the end, so 16-bit outputs
 // are rounded once and beta == 0 never reads C (NaNs in C are ignored, as BLAS does).
 #include <algorithm>
+#include <cstring>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -90,6 +91,17 @@ LOOM_AVX2_NO_FMA void pack_rows_avx2(float* dst, const float* src, int64_t row_s
 }
 #endif
 
+// dst[p * width + r] = src[p * col_stride + r] for r < width and p < cols, when width is one
+// of Widths (a copy of a fixed size a column); false, copying nothing, for any other width.
+template <int... Widths, class A>
+bool copy_columns_of(A* dst, const A* src, int64_t col_stride, int64_t cols, int width) {
+  auto copy = [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    for (int64_t p = 0; p < cols; ++p) std::memcpy(dst + p * W, src + p * col_stride, W * sizeof(A));
+  };
+  return ((width == Widths ? (copy(std::integral_constant<int, Widths>{}), true) : false) || ...);
+}
+
 // Packs rows [0, rows) x columns [0, cols) of a strided matrix into groups of `width` rows
 // (zero-padded), each group stored column by column: dst[group][col][row in group].
 // Packing A uses it directly (rows = M slice, cols = K slice); packing B uses it on the
@@ -104,6 +116,11 @@ void pack(A* dst, const T* src, int64_t row_stride, int64_t col_stride, int64_t 
     const int valid = int(std::min<int64_t>(width, rows - g));
     const T* base = src + g * row_stride;
     if (row_stride == 1) {
+      if constexpr (std::is_same_v<A, T>) {
+        // A full group of the micro-kernels' widths: each column a copy of a size the compiler
+        // knows, so it moves in a few vector registers instead of a loop a column.
+        if (valid == width && copy_columns_of<6, 8, 16, 32>(dst, base, col_stride, cols, width)) continue;
+      }
       for (int64_t p = 0; p < cols; ++p) {
         const T* col = base + p * col_stride;
         A* out = dst + p * width;
