@@ -229,13 +229,6 @@ template <class T> LOOM_INLINE void forward_tasks(const Operands<T>& o, acc_t<T>
   }
 }
 
-template <class T> void forward_tasks_baseline(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
-  forward_tasks(o, lse, begin, end);
-}
-template <class T>
-LOOM_AVX2_NO_FMA void forward_tasks_avx2(const Operands<T>& o, acc_t<T>* lse, int64_t begin, int64_t end) {
-  forward_tasks(o, lse, begin, end);
-}
 
 template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<T>* lse, const T* q_ptr,
                                       const T* k_ptr, const T* v_ptr) {
@@ -243,11 +236,7 @@ template <class T> void forward_typed(const AttentionArgs& a, T* out_ptr, acc_t<
   const int64_t tasks_per_head = (o.Tq + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, kRowsPerTask * o.Tk * o.D));
   parallel_for(a.batch * a.heads * tasks_per_head, grain, [&](int64_t begin, int64_t end) {
-    if (vector_isa::avx2_copies_on()) {
-      forward_tasks_avx2(o, lse, begin, end);
-    } else {
-      forward_tasks_baseline(o, lse, begin, end);
-    }
+    vector_isa::run_copy([&]() LOOM_INLINE_LAMBDA { forward_tasks(o, lse, begin, end); });
   });
 }
 
@@ -313,25 +302,13 @@ LOOM_INLINE void backward_heads(const Operands<T>& o, const acc_t<T>* lse, int64
   }
 }
 
-template <class T>
-void backward_heads_baseline(const Operands<T>& o, const acc_t<T>* lse, int64_t begin, int64_t end) {
-  backward_heads(o, lse, begin, end);
-}
-template <class T>
-LOOM_AVX2_NO_FMA void backward_heads_avx2(const Operands<T>& o, const acc_t<T>* lse, int64_t begin, int64_t end) {
-  backward_heads(o, lse, begin, end);
-}
 
 template <class T>
 void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, const T* dout_ptr, const T* q_ptr,
                     const T* k_ptr, const T* v_ptr, const T* out_ptr, const acc_t<T>* lse) {
   const Operands<T> o(a, q_ptr, k_ptr, v_ptr, out_ptr, nullptr, dout_ptr, dq_ptr, dk_ptr, dv_ptr);
   parallel_for(a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
-    if (vector_isa::avx2_copies_on()) {
-      backward_heads_avx2(o, lse, begin, end);
-    } else {
-      backward_heads_baseline(o, lse, begin, end);
-    }
+    vector_isa::run_copy([&]() LOOM_INLINE_LAMBDA { backward_heads(o, lse, begin, end); });
   });
 }
 

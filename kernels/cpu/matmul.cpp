@@ -198,16 +198,6 @@ LOOM_INLINE void finish_block(const GemmArgs& g, A alpha, A beta, A* acc_rows, i
   }
 }
 
-template <class T, class O, class A>
-void finish_block_baseline(const GemmArgs& g, A alpha, A beta, A* acc_rows, int64_t nc_pad, int64_t mc, int64_t nc,
-                           O* c, const O* c_in, const O* bias, T* aux) {
-  finish_block<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
-}
-template <class T, class O, class A>
-LOOM_AVX2_NO_FMA void finish_block_avx2(const GemmArgs& g, A alpha, A beta, A* acc_rows, int64_t nc_pad, int64_t mc,
-                                 int64_t nc, O* c, const O* c_in, const O* bias, T* aux) {
-  finish_block<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
-}
 
 // T: A's and B's element type; O: C's (T, or f32 for c_f32).
 template <class T, class O = T>
@@ -268,11 +258,9 @@ void gemm_typed(const GemmArgs& g) {
         const O* c_in = g.c_in ? static_cast<const O*>(g.c_in) + i0 * g.ldc + j0 : c;
         const O* bias = g.bias ? static_cast<const O*>(g.bias) + j0 : nullptr;
         T* aux = g.aux ? static_cast<T*>(g.aux) + (i0 * g.ld_aux + j0) : nullptr;
-        if (vector_isa::avx2_copies_on()) {
-          finish_block_avx2<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
-        } else {
-          finish_block_baseline<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
-        }
+        vector_isa::run_copy([&]() LOOM_INLINE_LAMBDA {
+          finish_block<T>(g, alpha, beta, acc_rows, nc_pad, mc, nc, c, c_in, bias, aux);
+        });
       }
     }
   });

@@ -2,10 +2,9 @@
 // for AVX2, which runs where the CPU has it. AVX2 without FMA: the same operations in the same
 // order on wider vectors, so the two copies give the same bits as each other
 // (tests/kernels/test_attention.cpp and test_matmul.cpp compare them). A kernel writes its loops
-// once in a LOOM_INLINE function and calls it from two thin wrappers, one of them
-// LOOM_AVX2_NO_FMA; what the loops call is inlined into each copy (small inline functions are,
-// at -O2 and above; LOOM_INLINE makes sure of the larger ones), so that it too is compiled for
-// both. Off x86-64 GCC and clang there is one copy: LOOM_AVX2_NO_FMA is empty and
+// once in a LOOM_INLINE function and hands run_copy a LOOM_INLINE_LAMBDA that calls it; what
+// the loops call is inlined into each copy (small inline functions are, at -O2 and above;
+// LOOM_INLINE makes sure of the larger ones), so that it too is compiled for both. Off x86-64 GCC and clang there is one copy: LOOM_AVX2_NO_FMA is empty and
 // cpu_has_avx2() false.
 //
 // Used by the attention kernels (kernels/cpu/attention.cpp) and the matrix product's epilogue
@@ -18,6 +17,7 @@
 #endif
 
 #define LOOM_INLINE [[gnu::always_inline]] inline
+#define LOOM_INLINE_LAMBDA __attribute__((always_inline))
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LOOM_AVX2_NO_FMA [[gnu::target("avx2")]]
 #else
@@ -33,5 +33,18 @@ bool avx2_copies_on();
 // Runs the baseline copies (false) or, where the CPU has AVX2, the AVX2 ones (true): for tests
 // that compare the two. Not for use while kernels run on other threads.
 void use_avx2(bool on);
+
+template <class Body> LOOM_AVX2_NO_FMA void run_avx2_copy(const Body& body) { body(); }
+template <class Body> void run_baseline_copy(const Body& body) { body(); }
+
+// Runs body() (a LOOM_INLINE_LAMBDA) compiled into the AVX2 copy when avx2_copies_on(), else
+// into the baseline copy.
+template <class Body> void run_copy(const Body& body) {
+  if (avx2_copies_on()) {
+    run_avx2_copy(body);
+  } else {
+    run_baseline_copy(body);
+  }
+}
 
 }  // namespace loom::cpu::vector_isa
