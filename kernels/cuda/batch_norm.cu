@@ -23,7 +23,7 @@
 // Scratch. With groups > 1 the blocks' partial states must be combined across blocks, and
 // kernels may not allocate. The partials go into the output buffer itself (y in the
 // forward, dx in the backward): it is as large as the input and is written in full only by
-// the last launch. So each pass is three launches on the stream (partials, a warp per
+// the last launch. So each pass is three launches on the stream (partials, a block per
 // channel combining them in a fixed order, the elementwise pass); with groups == 1 the
 // first launch finishes each channel itself and the combine launch is skipped. No atomics:
 // results are bitwise reproducible run to run. y and dx must therefore not alias an input
@@ -240,8 +240,7 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
       stats_kernel<T, V><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(x), g, out, partials, h);
       LOOM_CUDA_LAUNCH();
       if (g.groups > 1) {
-        stats_combine_kernel<A>
-            <<<unsigned(ceil_div(a.c, kCombineChannels)), kCombineThreads, 0, s>>>(partials, a.c, g.groups, out, h);
+        stats_combine_kernel<A><<<combine_blocks(a.c), kCombineThreads, 0, s>>>(partials, g.groups, out, h);
         LOOM_CUDA_LAUNCH();
       }
       with_relu(a.relu, [&](auto relu) {
@@ -306,8 +305,7 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
                                                                   out, g, ch, partials);
         LOOM_CUDA_LAUNCH();
         if (g.groups > 1) {
-          grad_combine_kernel<A>
-              <<<unsigned(ceil_div(a.c, kCombineChannels)), kCombineThreads, 0, s>>>(partials, a.c, g.groups, ch);
+          grad_combine_kernel<A><<<combine_blocks(a.c), kCombineThreads, 0, s>>>(partials, g.groups, ch);
           LOOM_CUDA_LAUNCH();
         }
         grad_input_kernel<T, V, kRelu><<<blocks, kThreads, 0, s>>>(

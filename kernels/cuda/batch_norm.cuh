@@ -1,6 +1,6 @@
 // What the two CUDA batch-norm files share: the per-channel statistics and gradient sums as
 // the kernels carry and merge them, the per-channel results made from them, and the kernels
-// that merge the partial results of the blocks a channel was split over, a warp per channel
+// that merge the partial results of the blocks a channel was split over, a block per channel
 // in a fixed order, from partials stored channel-major ((C, groups): channel c's at
 // c * groups + group). batch_norm.cu holds the (N, C, S) kernels and the table's entry
 // points, which hand channels-last calls to batch_norm_channels_last.cu. Contracts are on
@@ -17,8 +17,11 @@
 
 namespace loom::cuda::batch_norm {
 
-constexpr int kCombineThreads = 512;
-constexpr int kCombineChannels = kCombineThreads / 32;  // a warp per channel in the combine kernels
+// The combine kernels take a block of kCombineThreads per channel: thread t merges partials
+// t, t + kCombineThreads, ... (at most a few: a call has at most about kTargetBlocks row
+// ranges), then the block merges its threads' states in a fixed pattern (group_reduce). A
+// warp per channel walking a thousand partials one load after another was latency-bound.
+constexpr int kCombineThreads = 256;
 
 // Scalars of the call, in double on the host; the kernels round them to the accumulation type.
 struct Hyper {
@@ -57,17 +60,17 @@ template <class A> __device__ __forceinline__ void finish_stats(const Welford<A>
   if (out.running_var) out.running_var[c] = (A(1) - momentum) * out.running_var[c] + momentum * (st.m2 / (m - A(1)));
 }
 
-// A warp per channel merges the channel's `groups` partial states, always in the same order.
+// Block c merges channel c's `groups` partial states, always in the same order; launched
+// with one block per channel.
 template <class A>
-__global__ void __launch_bounds__(kCombineThreads) stats_combine_kernel(const Welford<A>* partials, int64_t channels,
-                                                                        int groups, Stats<A> out, Hyper h) {
-  const int lane = threadIdx.x % 32;
-  const int64_t c = int64_t(blockIdx.x) * kCombineChannels + threadIdx.x / 32;
-  if (c >= channels) return;  // the whole warp leaves together
+__global__ void __launch_bounds__(kCombineThreads) stats_combine_kernel(const Welford<A>* partials, int groups,
+                                                                        Stats<A> out, Hyper h) {
+  const int64_t c = blockIdx.x;
+  const Welford<A>* channel = partials + c * groups;
   Welford<A> st{A(0), A(0), A(0)};
-  for (int k = lane; k < groups; k += 32) st = WelfordMerge{}(st, partials[c * groups + k]);
-  st = group_reduce<32>(st, WelfordMerge{});
-  if (lane == 0) finish_stats(st, c, out, h);
+  for (int k = threadIdx.x; k < groups; k += kCombineThreads) st = WelfordMerge{}(st, channel[k]);
+  st = group_reduce<kCombineThreads>(st, WelfordMerge{});
+  if (threadIdx.x == 0) finish_stats(st, c, out, h);
 }
 
 // Where a channel's mean and spread come from: the batch (save_mean, save_invstd) or the
@@ -132,21 +135,27 @@ __device__ __forceinline__ void finish_grads(const GradSums<A>& s, int64_t c, co
   ch.dgamma[c] = s.dy_xmu * ch.save_invstd[c];
 }
 
+// As stats_combine_kernel, for the backward's sums.
 template <class A>
-__global__ void __launch_bounds__(kCombineThreads) grad_combine_kernel(const GradSums<A>* partials, int64_t channels,
-                                                                       int groups, GradChannel<A> ch) {
-  const int lane = threadIdx.x % 32;
-  const int64_t c = int64_t(blockIdx.x) * kCombineChannels + threadIdx.x / 32;
-  if (c >= channels) return;  // the whole warp leaves together
+__global__ void __launch_bounds__(kCombineThreads) grad_combine_kernel(const GradSums<A>* partials, int groups,
+                                                                       GradChannel<A> ch) {
+  const int64_t c = blockIdx.x;
+  const GradSums<A>* channel = partials + c * groups;
   GradSums<A> acc{A(0), A(0)};
-  for (int k = lane; k < groups; k += 32) acc = GradSumsAdd{}(acc, partials[c * groups + k]);
-  acc = group_reduce<32>(acc, GradSumsAdd{});
-  if (lane == 0) finish_grads(acc, c, ch);
+  for (int k = threadIdx.x; k < groups; k += kCombineThreads) acc = GradSumsAdd{}(acc, channel[k]);
+  acc = group_reduce<kCombineThreads>(acc, GradSumsAdd{});
+  if (threadIdx.x == 0) finish_grads(acc, c, ch);
 }
 
 // ---- launch planning -------------------------------------------------------------------
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The combine kernels' grid: a block per channel.
+inline unsigned combine_blocks(int64_t channels) {
+  LOOM_ASSERT(channels <= int64_t(INT32_MAX), "batch_norm: ", channels, " channels need too many blocks");
+  return unsigned(channels);
+}
 
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 

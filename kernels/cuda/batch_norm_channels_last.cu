@@ -334,8 +334,6 @@ Geom plan(const BatchNormArgs& a, int v, int64_t max_groups) {
 
 unsigned blocks_of(const Geom& g) { return unsigned(int64_t(g.tiles) * g.groups); }
 
-unsigned combine_blocks(const BatchNormArgs& a) { return unsigned(ceil_div(a.c, kCombineChannels)); }
-
 }  // namespace
 
 void forward_train_channels_last(const BatchNormArgs& a, void* y, void* save_mean, void* save_invstd,
@@ -355,7 +353,7 @@ void forward_train_channels_last(const BatchNormArgs& a, void* y, void* save_mea
       stats_kernel<T, V><<<blocks_of(g), kThreads, 0, s>>>(static_cast<const T*>(x), g, out, scratch.partials, h);
       LOOM_CUDA_LAUNCH();
       if (g.groups > 1) {
-        stats_combine_kernel<A><<<combine_blocks(a), kCombineThreads, 0, s>>>(scratch.partials, a.c, g.groups, out, h);
+        stats_combine_kernel<A><<<combine_blocks(a.c), kCombineThreads, 0, s>>>(scratch.partials, g.groups, out, h);
         LOOM_CUDA_LAUNCH();
       }
       with_relu(a.relu, [&](auto relu) {
@@ -406,7 +404,7 @@ void backward_channels_last(const BatchNormArgs& a, void* dx, void* dgamma, void
             static_cast<const T*>(dy), static_cast<const T*>(x), out, g, ch, scratch.partials);
         LOOM_CUDA_LAUNCH();
         if (g.groups > 1) {
-          grad_combine_kernel<A><<<combine_blocks(a), kCombineThreads, 0, s>>>(scratch.partials, a.c, g.groups, ch);
+          grad_combine_kernel<A><<<combine_blocks(a.c), kCombineThreads, 0, s>>>(scratch.partials, g.groups, ch);
           LOOM_CUDA_LAUNCH();
         }
         grad_input_kernel<T, V, kRelu><<<blocks_of(g), kThreads, 0, s>>>(
