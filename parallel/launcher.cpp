@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -16,6 +17,7 @@
 #include <thread>
 
 #include "kernels/core/error.h"
+#include "parallel/cpu_shares.h"
 #include "parallel/socket.h"
 
 extern char** environ;
@@ -65,7 +67,7 @@ class Launcher {
   int run();
 
  private:
-  void spawn(Rank& r, const std::vector<std::string>& base_env);
+  void spawn(Rank& r, const std::vector<std::string>& base_env, const std::vector<int>& cpus, bool bind);
   void pump(Stream& s, const std::string& prefix);
   void emit(Stream& s, const std::string& prefix, bool flush_partial);
   void reap();
@@ -95,9 +97,18 @@ std::string job_run_id(int nnodes) {
 
 std::string prefix_of(const Rank& r) { return "[rank " + std::to_string(r.rank) + "] "; }
 
-void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env) {
+// cpus: the rank's share of the node's CPUs (cpu_shares.h); with `bind` the rank runs on
+// those alone. Its threads default to their count.
+void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env, const std::vector<int>& cpus, bool bind) {
   int world = o_.nproc_per_node * o_.nnodes;
   std::vector<std::string> env = base_env;
+  std::erase(env, std::string("LOOM_NUM_THREADS="));  // set but empty: as if unset
+  const bool threads_set =
+      std::any_of(env.begin(), env.end(), [](const std::string& v) { return v.starts_with("LOOM_NUM_THREADS="); });
+  if (!threads_set) env.push_back("LOOM_NUM_THREADS=" + std::to_string(cpus.size()));
+  cpu_set_t cpu_set;
+  CPU_ZERO(&cpu_set);
+  for (int c : cpus) CPU_SET(c, &cpu_set);
   env.push_back("RANK=" + std::to_string(r.rank));
   env.push_back("WORLD_SIZE=" + std::to_string(world));
   env.push_back("LOCAL_RANK=" + std::to_string(r.rank - o_.node_rank * o_.nproc_per_node));
@@ -112,6 +123,7 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env) {
   for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
   std::string exec_failed = "loomrun: cannot run '" + o_.command[0] + "': ";
+  std::string bind_failed = "loomrun: cannot bind rank " + std::to_string(r.rank) + " to CPUs " + cpu_list_text(cpus) + ": ";
   const pid_t supervisor = ::getpid();
 
   int out[2], err[2];
@@ -135,6 +147,13 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env) {
     dfl.sa_handler = SIG_DFL;
     for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
     ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+    if (bind && ::sched_setaffinity(0, sizeof cpu_set, &cpu_set) != 0) {
+      const char* why = std::strerror(errno);
+      [[maybe_unused]] ssize_t n = ::write(2, bind_failed.data(), bind_failed.size());
+      n = ::write(2, why, std::strlen(why));
+      n = ::write(2, "\n", 1);
+      ::_exit(127);
+    }
     ::execvpe(argv[0], argv.data(), envp.data());
     const char* why = std::strerror(errno);
     [[maybe_unused]] ssize_t n = ::write(2, exec_failed.data(), exec_failed.size());
@@ -261,8 +280,12 @@ int Launcher::run() {
   }
   run_id_ = job_run_id(o_.nnodes);
   for (int i = 0; i < o_.nproc_per_node; ++i) ranks_.push_back(Rank{o_.node_rank * o_.nproc_per_node + i});
+  // More ranks than CPUs (allowed without --cpu-bind): each gets one thread.
+  const std::vector<int> cpus = usable_cpus();
+  const std::vector<std::vector<int>> shares =
+      cpu_shares(cpus, std::min(o_.nproc_per_node, int(cpus.size())));
   try {
-    for (Rank& r : ranks_) spawn(r, base_env);
+    for (size_t i = 0; i < ranks_.size(); ++i) spawn(ranks_[i], base_env, shares[i % shares.size()], o_.bind_cpus);
   } catch (const Error& e) {
     say(e.what());
     exit_code_ = 1;
@@ -340,6 +363,12 @@ int launch(const LaunchOptions& options) {
              "node_rank ", options.node_rank, " must be in 0..nnodes-1 (nnodes=", options.nnodes, ")");
   LOOM_CHECK(options.master_port >= 1 && options.master_port <= 65535, "master_port ", options.master_port,
              " is not a port number 1-65535");
+  if (options.bind_cpus) {
+    const std::vector<int> cpus = usable_cpus();
+    LOOM_CHECK(size_t(options.nproc_per_node) <= cpus.size(), "--cpu-bind gives each rank CPUs of its own, but ",
+               options.nproc_per_node, " ranks need at least ", options.nproc_per_node, " CPUs and this process may use ",
+               cpus.size(), " (", cpu_list_text(cpus), ")");
+  }
   return Launcher(options).run();
 }
 

@@ -16,6 +16,9 @@
 // - Each child runs in its own process group: Ctrl-C reaches loomrun alone, which passes
 //   it on once, and stopping a rank also stops any processes it started. The price: a rank
 //   cannot read from the terminal (stdin from a file or pipe works).
+// - Each rank gets a share of the node's CPUs (cpu_shares.h): LOOM_NUM_THREADS is set to
+//   its size unless the environment sets it, so N ranks do not each start a thread per CPU;
+//   with bind_cpus (--cpu-bind) each rank is also pinned to its share.
 // - CUDA_VISIBLE_DEVICES is passed on unchanged: every rank sees every GPU and a Loom
 //   program selects its device from LOCAL_RANK before any other CUDA call.
 // - A child's stdout is a pipe, so C stdio buffers it fully; Loom's logging flushes each
@@ -37,6 +40,9 @@ struct LaunchOptions {
   int node_rank = 0;                 // this node; its ranks are node_rank*nproc_per_node + local_rank
   std::string master_addr = "127.0.0.1";
   int master_port = 0;               // must be set: loomrun picks one before calling launch()
+  // Pin each rank to its own share of the CPUs this process may use (the shares, in core
+  // order, differ in size by at most one); needs at least one CPU per rank.
+  bool bind_cpus = false;
   // How long stopped ranks get between SIGTERM and SIGKILL.
   std::chrono::milliseconds grace = std::chrono::seconds(5);
 };

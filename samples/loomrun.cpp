@@ -13,13 +13,14 @@
 #include <vector>
 
 #include "kernels/core/error.h"
+#include "parallel/cpu_shares.h"
 #include "parallel/launcher.h"
 #include "parallel/socket.h"
 
 namespace {
 
 constexpr const char* kHelp = R"(usage: loomrun [--nproc-per-node N|auto] [--nnodes M --node-rank R]
-               [--master-addr A] [--master-port P] PROGRAM [ARGS...]
+               [--master-addr A] [--master-port P] [--cpu-bind] PROGRAM [ARGS...]
 
 Starts N copies of PROGRAM on this node, one per rank, and supervises them.
 
@@ -30,6 +31,9 @@ Each rank gets the env:// variables that Loom's rendezvous (and PyTorch's) reads
                     (cuda:LOCAL_RANK) before any other CUDA call
   LOCAL_WORLD_SIZE  N
   MASTER_ADDR, MASTER_PORT   where rank 0 serves the rendezvous store
+  LOOM_NUM_THREADS  the rank's share of the CPUs loomrun may use (its affinity mask)
+                    divided among the N ranks, unless the environment sets it: each
+                    rank's CPU kernels run that many threads, not one per CPU each
 CUDA_VISIBLE_DEVICES and the rest of the environment are passed on unchanged.
 
 Flags (--flag value or --flag=value; --nproc_per_node style is accepted too):
@@ -43,6 +47,10 @@ Flags (--flag value or --flag=value; --nproc_per_node style is accepted too):
   --master-port P  TCP port for the rendezvous store (default: $MASTER_PORT; on one
                    node, else a free port that loomrun picks); required when M > 1.
                    On node 0 loomrun checks that the port is free before starting.
+  --cpu-bind       pin each rank to a share of its own of the CPUs loomrun may use,
+                   whole cores together (sizes differ by at most one): the operating
+                   system then cannot move one rank's threads onto another's cores, so
+                   CPU ranks keep one speed. Needs a CPU per rank.
   -h, --help       this text.
 
 Output: every line a rank prints is prefixed with "[rank K] " (stdout to stdout,
@@ -111,7 +119,10 @@ int run(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError{flag + " expects a value, got nothing"};
       value = argv[++i];
     }
-    if (flag == "--nproc-per-node") {
+    if (flag == "--cpu-bind") {
+      if (arg.find('=') != std::string::npos) throw UsageError{"--cpu-bind takes no value, got '" + arg + "'"};
+      options.bind_cpus = true;
+    } else if (flag == "--nproc-per-node") {
       nproc = value;
     } else if (flag == "--nnodes") {
       options.nnodes = parse_count(flag, value, 1, "a number of nodes >= 1");
@@ -131,6 +142,14 @@ int run(int argc, char** argv) {
 
   options.nproc_per_node = nproc == "auto" ? loom::dist::auto_nproc_per_node()
                                            : parse_count("--nproc-per-node", nproc, 1, "a number of ranks >= 1 or 'auto'");
+  if (options.bind_cpus) {
+    const std::vector<int> cpus = loom::dist::usable_cpus();
+    if (size_t(options.nproc_per_node) > cpus.size())
+      throw UsageError{"--cpu-bind gives each rank CPUs of its own, but " + std::to_string(options.nproc_per_node) +
+                       " ranks need at least " + std::to_string(options.nproc_per_node) +
+                       " CPUs and loomrun may use " + std::to_string(cpus.size()) + " (" +
+                       loom::dist::cpu_list_text(cpus) + ")"};
+  }
   if (options.node_rank >= options.nnodes)
     throw UsageError{"--node-rank " + std::to_string(options.node_rank) + " is not below --nnodes " +
                      std::to_string(options.nnodes) + ": nodes are numbered 0 to M-1"};

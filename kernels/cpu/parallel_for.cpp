@@ -1,6 +1,7 @@
 #include "kernels/cpu/parallel_for.h"
 
 #include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -99,11 +100,16 @@ class Pool {
   std::exception_ptr error_;
 };
 
+// LOOM_NUM_THREADS, else the CPUs this process may run on (its affinity mask, which
+// taskset, cgroups' cpusets and loomrun --cpu-bind narrow), else every CPU of the machine.
 int configured_threads() {
   if (const char* env = std::getenv("LOOM_NUM_THREADS")) {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
   return std::max(1u, std::thread::hardware_concurrency());
 }
 

@@ -1,5 +1,5 @@
 // rank_echo: the program test_loomrun.cpp launches. It prints what the launcher told it
-// (so tests can check the environment and the output prefixes), can meet the other ranks
+// (so tests can check the environment, the CPUs it may run on and the output prefixes), can meet the other ranks
 // through the env:// rendezvous store, and can fail on purpose in a chosen rank.
 //
 //   rank_echo [--store] [--fail-rank K --code C] [--kill-rank K] [--ignore-term] [--sleep S]
@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "kernels/core/error.h"
+#include "parallel/cpu_shares.h"
 #include "parallel/rendezvous.h"
 
 int main(int argc, char** argv) {
@@ -43,6 +44,8 @@ int main(int argc, char** argv) {
   std::printf("rank=%s world=%s local=%s/%s master=%s:%s\n", env("RANK").c_str(), env("WORLD_SIZE").c_str(),
               env("LOCAL_RANK").c_str(), env("LOCAL_WORLD_SIZE").c_str(), env("MASTER_ADDR").c_str(),
               env("MASTER_PORT").c_str());
+  std::printf("threads=%s cpus=%s\n", env("LOOM_NUM_THREADS").c_str(),
+              loom::dist::cpu_list_text(loom::dist::usable_cpus()).c_str());
   std::fflush(stdout);
   std::fprintf(stderr, "stderr of %d\n", rank);
 

@@ -7,11 +7,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "kernels/core/error.h"
+#include "parallel/cpu_shares.h"
 #include "parallel/socket.h"
 
 namespace loom::dist {
@@ -31,11 +35,26 @@ struct Outcome {
   Clock::duration took{};
 };
 
-// A running loomrun whose stdout and stderr come back through one pipe.
+extern "C" char** environ;
+
+// A running loomrun whose stdout and stderr come back through one pipe. `env` holds
+// NAME=VALUE entries that replace this process's NAME, and bare NAMEs that it drops.
 class Loomrun {
  public:
-  explicit Loomrun(std::vector<std::string> args) {
+  explicit Loomrun(std::vector<std::string> args, const std::vector<std::string>& env = {}) {
     args.insert(args.begin(), program("LOOMRUN"));
+    std::vector<std::string> vars;
+    auto name_of = [](const std::string& v) { return v.substr(0, v.find('=')); };
+    for (char** e = environ; *e; ++e) {
+      const std::string var = *e;
+      if (std::none_of(env.begin(), env.end(), [&](const std::string& x) { return name_of(x) == name_of(var); }))
+        vars.push_back(var);
+    }
+    for (const std::string& x : env)
+      if (x.find('=') != std::string::npos) vars.push_back(x);
+    std::vector<char*> envp;
+    for (auto& v : vars) envp.push_back(v.data());
+    envp.push_back(nullptr);
     int fds[2];
     EXPECT_EQ(::pipe(fds), 0);
     start_ = Clock::now();
@@ -47,7 +66,7 @@ class Loomrun {
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
+      ::execve(argv[0], argv.data(), envp.data());
       ::_exit(126);
     }
     ::close(fds[1]);
@@ -104,7 +123,9 @@ class Loomrun {
   Clock::time_point start_;
 };
 
-Outcome loomrun(std::vector<std::string> args) { return Loomrun(std::move(args)).finish(); }
+Outcome loomrun(std::vector<std::string> args, const std::vector<std::string>& env = {}) {
+  return Loomrun(std::move(args), env).finish();
+}
 
 bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
@@ -203,6 +224,65 @@ TEST_F(LoomrunTest, BadCommandLinesNameTheFlag) {
   }
 }
 
+TEST(CpuShares, SharesAreContiguousRunsWhoseSizesDifferByAtMostOne) {
+  const std::vector<int> cpus{0, 8, 1, 9, 2, 10, 3};  // core order, as usable_cpus() gives it
+  const auto shares = cpu_shares(cpus, 3);
+  ASSERT_EQ(shares.size(), 3u);
+  EXPECT_EQ(shares[0], (std::vector<int>{0, 8, 1}));
+  EXPECT_EQ(shares[1], (std::vector<int>{9, 2}));
+  EXPECT_EQ(shares[2], (std::vector<int>{10, 3}));
+  EXPECT_EQ(cpu_shares(cpus, 7).back(), std::vector<int>{3});
+  EXPECT_THROW(cpu_shares(cpus, 8), Error);
+  EXPECT_THROW(cpu_shares(cpus, 0), Error);
+  EXPECT_EQ(cpu_list_text({3, 0, 1, 2, 8, 10, 11}), "0-3,8,10-11");
+  EXPECT_EQ(cpu_list_text({5}), "5");
+  const std::vector<int> usable = usable_cpus();
+  ASSERT_FALSE(usable.empty());
+  EXPECT_EQ(std::set<int>(usable.begin(), usable.end()).size(), usable.size());
+}
+
+// Each rank's LOOM_NUM_THREADS and the CPUs it may run on, from rank_echo's second line.
+std::string share_line(int rank, int threads, const std::string& cpus) {
+  return "[rank " + std::to_string(rank) + "] threads=" + std::to_string(threads) + " cpus=" + cpus + "\n";
+}
+
+TEST_F(LoomrunTest, EachRankGetsItsShareOfTheCpusAsThreads) {
+  const std::vector<int> cpus = usable_cpus();
+  const auto shares = cpu_shares(cpus, std::min<int>(3, int(cpus.size())));
+  Outcome run = loomrun({"--nproc-per-node", "3", echo}, {"LOOM_NUM_THREADS"});
+  EXPECT_EQ(run.code, 0) << run.output;
+  for (int r = 0; r < 3; ++r)  // without --cpu-bind every rank may run on every CPU
+    EXPECT_TRUE(contains(run.output, share_line(r, int(shares[size_t(r) % shares.size()].size()), cpu_list_text(cpus))))
+        << run.output;
+  // The user's own setting is passed on unchanged.
+  run = loomrun({"--nproc-per-node", "2", echo}, {"LOOM_NUM_THREADS=5"});
+  EXPECT_EQ(run.code, 0) << run.output;
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(contains(run.output, share_line(r, 5, cpu_list_text(cpus)))) << run.output;
+}
+
+TEST_F(LoomrunTest, CpuBindPinsEachRankToItsOwnCpus) {
+  const std::vector<int> cpus = usable_cpus();
+  if (cpus.size() < 2) GTEST_SKIP() << "one CPU: no two ranks can have CPUs of their own";
+  const auto shares = cpu_shares(cpus, 2);
+  Outcome run = loomrun({"--nproc-per-node", "2", "--cpu-bind", echo}, {"LOOM_NUM_THREADS"});
+  EXPECT_EQ(run.code, 0) << run.output;
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(contains(run.output, share_line(r, int(shares[size_t(r)].size()), cpu_list_text(shares[size_t(r)]))))
+        << run.output;
+  // More ranks than CPUs, or a value given to the flag, is a bad command line.
+  const std::string too_many = std::to_string(cpus.size() + 1);
+  run = loomrun({"--nproc-per-node", too_many, "--cpu-bind", echo});
+  EXPECT_EQ(run.code, 2) << run.output;
+  EXPECT_TRUE(contains(run.output, "--cpu-bind gives each rank CPUs of its own, but " + too_many + " ranks need at least " +
+                                       too_many + " CPUs and loomrun may use " + std::to_string(cpus.size()) + " (" +
+                                       cpu_list_text(cpus) + ")"))
+      << run.output;
+  EXPECT_FALSE(contains(run.output, "[rank ")) << run.output;
+  run = loomrun({"--cpu-bind=yes", echo});
+  EXPECT_EQ(run.code, 2) << run.output;
+  EXPECT_TRUE(contains(run.output, "--cpu-bind takes no value, got '--cpu-bind=yes'")) << run.output;
+}
+
 TEST_F(LoomrunTest, AMissingProgramIsNamed) {
   Outcome run = loomrun({"--nproc-per-node", "2", "no-such-program-loom"});
   EXPECT_EQ(run.code, 127) << run.output;
@@ -213,7 +293,7 @@ TEST_F(LoomrunTest, HelpDocumentsTheFlagsAndTheEnvironment) {
   Outcome run = loomrun({"--help"});
   EXPECT_EQ(run.code, 0);
   for (const char* text : {"--nproc-per-node N|auto", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                           "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "at most 4", "128+N"})
+                           "--cpu-bind", "LOOM_NUM_THREADS", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "at most 4", "128+N"})
     EXPECT_TRUE(contains(run.output, text)) << "--help does not mention " << text;
 }
 
