@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <fstream>
 #include <thread>
 #include <tuple>
@@ -20,44 +21,73 @@ int topology_value(int cpu, const char* name) {
   return value;
 }
 
+// The ids in this process's affinity mask, the mask sized up until the kernel's fits.
+std::vector<int> affinity_ids() {
+  std::vector<int> ids;
+  for (int size = CPU_SETSIZE; size <= (1 << 20); size *= 2) {
+    cpu_set_t* set = CPU_ALLOC(size);
+    if (!set) break;
+    const size_t bytes = CPU_ALLOC_SIZE(size);
+    CPU_ZERO_S(bytes, set);
+    const int got = ::sched_getaffinity(0, bytes, set);
+    const int error = errno;
+    if (got == 0)
+      for (int c = 0; c < size; ++c)
+        if (CPU_ISSET_S(c, bytes, set)) ids.push_back(c);
+    CPU_FREE(set);
+    if (got == 0 || error != EINVAL) break;
+  }
+  return ids;
+}
+
+bool same_core(const Cpu& a, const Cpu& b) {
+  return a.core >= 0 && std::tie(a.package, a.die, a.core) == std::tie(b.package, b.die, b.core);
+}
+
 }  // namespace
 
-std::vector<int> usable_cpus() {
-  std::vector<int> cpus;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) == 0) {
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  }
-  if (cpus.empty()) {
+std::vector<Cpu> usable_cpus() {
+  std::vector<int> ids = affinity_ids();
+  if (ids.empty()) {
     const int n = int(std::max(1u, std::thread::hardware_concurrency()));
-    for (int c = 0; c < n; ++c) cpus.push_back(c);
+    for (int c = 0; c < n; ++c) ids.push_back(c);
   }
-  struct Place {
-    int package, core, cpu;
-  };
-  std::vector<Place> places;
-  for (int c : cpus) places.push_back({topology_value(c, "physical_package_id"), topology_value(c, "core_id"), c});
-  std::stable_sort(places.begin(), places.end(), [](const Place& a, const Place& b) {
-    return std::tie(a.package, a.core, a.cpu) < std::tie(b.package, b.core, b.cpu);
+  std::vector<Cpu> cpus;
+  for (int c : ids)
+    cpus.push_back({c, topology_value(c, "physical_package_id"), topology_value(c, "die_id"),
+                    topology_value(c, "core_id")});
+  std::stable_sort(cpus.begin(), cpus.end(), [](const Cpu& a, const Cpu& b) {
+    return std::tie(a.package, a.die, a.core, a.id) < std::tie(b.package, b.die, b.core, b.id);
   });
-  for (size_t i = 0; i < places.size(); ++i) cpus[i] = places[i].cpu;
   return cpus;
 }
 
-std::vector<std::vector<int>> cpu_shares(const std::vector<int>& cpus, int ranks) {
+std::vector<std::vector<int>> cpu_shares(const std::vector<Cpu>& cpus, int ranks) {
   LOOM_CHECK(ranks >= 1 && size_t(ranks) <= cpus.size(), "cannot share ", cpus.size(), " CPUs among ", ranks,
              " ranks: each needs at least one");
-  const size_t base = cpus.size() / size_t(ranks), extra = cpus.size() % size_t(ranks);
-  std::vector<std::vector<int>> shares;
-  size_t at = 0;
-  for (size_t r = 0; r < size_t(ranks); ++r) {
-    const size_t n = base + (r < extra ? 1 : 0);
-    shares.emplace_back(cpus.begin() + ptrdiff_t(at), cpus.begin() + ptrdiff_t(at + n));
-    at += n;
+  // The units dealt out: whole cores when there are enough of them, else single CPUs.
+  std::vector<std::vector<int>> cores;
+  for (size_t i = 0; i < cpus.size(); ++i) {
+    if (i == 0 || !same_core(cpus[i - 1], cpus[i])) cores.emplace_back();
+    cores.back().push_back(cpus[i].id);
   }
+  std::vector<std::vector<int>> units;
+  if (cores.size() >= size_t(ranks)) units = cores;
+  else
+    for (const Cpu& c : cpus) units.push_back({c.id});
+  const size_t base = units.size() / size_t(ranks), extra = units.size() % size_t(ranks);
+  std::vector<std::vector<int>> shares(static_cast<size_t>(ranks));
+  size_t at = 0;
+  for (size_t r = 0; r < size_t(ranks); ++r)
+    for (size_t k = 0; k < base + (r < extra ? 1 : 0); ++k, ++at)
+      shares[r].insert(shares[r].end(), units[at].begin(), units[at].end());
   return shares;
+}
+
+std::vector<int> cpu_ids(const std::vector<Cpu>& cpus) {
+  std::vector<int> ids;
+  for (const Cpu& c : cpus) ids.push_back(c.id);
+  return ids;
 }
 
 std::string cpu_list_text(std::vector<int> cpus) {

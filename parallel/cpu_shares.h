@@ -4,10 +4,12 @@
 // rank's threads preempting the others' mid-product. So loomrun gives each rank a share:
 // LOOM_NUM_THREADS set to its share of the CPUs (unless the user set it), and with
 // --cpu-bind the rank is also pinned to its own CPUs, so the operating system cannot move
-// its threads onto another rank's cores and every rank of a pipeline runs at one speed.
+// its threads onto another rank's cores.
 //
-// A share is a run of CPUs in core order (by package, then core, from sysfs): on a machine
-// with two hardware threads a core, a share of 4 holds two whole cores, not four halves.
+// Shares are runs of whole cores (the hardware threads of one core, by package, die and
+// core id from sysfs) when there are at least as many cores as ranks, their core counts
+// differing by at most one; with fewer cores than ranks, runs of CPUs in core order whose
+// sizes differ by at most one.
 #pragma once
 
 #include <string>
@@ -15,14 +17,23 @@
 
 namespace loom::dist {
 
-// The CPUs this process may run on (its affinity mask), in core order: the CPUs of one
-// core side by side, cores of one package side by side; in number order where sysfs does
-// not say. Never empty.
-std::vector<int> usable_cpus();
+// A CPU and the core it belongs to (-1 where sysfs does not say).
+struct Cpu {
+  int id;
+  int package = -1, die = -1, core = -1;
+};
 
-// `cpus` cut into `ranks` contiguous shares whose sizes differ by at most one (the first
-// ones get the extra CPU). Needs 1 <= ranks <= cpus.size().
-std::vector<std::vector<int>> cpu_shares(const std::vector<int>& cpus, int ranks);
+// The CPUs this process may run on (its affinity mask), in core order: the CPUs of one
+// core side by side, cores of one die and package side by side; in number order where
+// sysfs does not say. Never empty.
+std::vector<Cpu> usable_cpus();
+
+// The ids of `cpus` (in core order, as usable_cpus() gives them) cut into `ranks` shares as
+// the header says. Needs 1 <= ranks <= cpus.size().
+std::vector<std::vector<int>> cpu_shares(const std::vector<Cpu>& cpus, int ranks);
+
+// The ids of `cpus`.
+std::vector<int> cpu_ids(const std::vector<Cpu>& cpus);
 
 // "0-3,8,10-11": a CPU list as taskset and /proc print it (sorted).
 std::string cpu_list_text(std::vector<int> cpus);

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include "kernels/core/error.h"
@@ -106,9 +107,13 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env, const st
   const bool threads_set =
       std::any_of(env.begin(), env.end(), [](const std::string& v) { return v.starts_with("LOOM_NUM_THREADS="); });
   if (!threads_set) env.push_back("LOOM_NUM_THREADS=" + std::to_string(cpus.size()));
-  cpu_set_t cpu_set;
-  CPU_ZERO(&cpu_set);
-  for (int c : cpus) CPU_SET(c, &cpu_set);
+  // The rank's CPU mask, sized for its largest id (hosts may have more than CPU_SETSIZE).
+  const int highest = cpus.empty() ? 0 : *std::max_element(cpus.begin(), cpus.end());
+  std::unique_ptr<cpu_set_t, void (*)(cpu_set_t*)> cpu_set(CPU_ALLOC(highest + 1), [](cpu_set_t* p) { CPU_FREE(p); });
+  LOOM_CHECK(cpu_set, "cannot allocate a CPU mask for ", highest + 1, " CPUs");
+  const size_t cpu_set_bytes = CPU_ALLOC_SIZE(highest + 1);
+  CPU_ZERO_S(cpu_set_bytes, cpu_set.get());
+  for (int c : cpus) CPU_SET_S(c, cpu_set_bytes, cpu_set.get());
   env.push_back("RANK=" + std::to_string(r.rank));
   env.push_back("WORLD_SIZE=" + std::to_string(world));
   env.push_back("LOCAL_RANK=" + std::to_string(r.rank - o_.node_rank * o_.nproc_per_node));
@@ -147,7 +152,7 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env, const st
     dfl.sa_handler = SIG_DFL;
     for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
     ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
-    if (bind && ::sched_setaffinity(0, sizeof cpu_set, &cpu_set) != 0) {
+    if (bind && ::sched_setaffinity(0, cpu_set_bytes, cpu_set.get()) != 0) {
       const char* why = std::strerror(errno);
       [[maybe_unused]] ssize_t n = ::write(2, bind_failed.data(), bind_failed.size());
       n = ::write(2, why, std::strlen(why));
@@ -281,7 +286,7 @@ int Launcher::run() {
   run_id_ = job_run_id(o_.nnodes);
   for (int i = 0; i < o_.nproc_per_node; ++i) ranks_.push_back(Rank{o_.node_rank * o_.nproc_per_node + i});
   // More ranks than CPUs (allowed without --cpu-bind): each gets one thread.
-  const std::vector<int> cpus = usable_cpus();
+  const std::vector<Cpu> cpus = usable_cpus();
   const std::vector<std::vector<int>> shares =
       cpu_shares(cpus, std::min(o_.nproc_per_node, int(cpus.size())));
   try {
@@ -364,10 +369,10 @@ int launch(const LaunchOptions& options) {
   LOOM_CHECK(options.master_port >= 1 && options.master_port <= 65535, "master_port ", options.master_port,
              " is not a port number 1-65535");
   if (options.bind_cpus) {
-    const std::vector<int> cpus = usable_cpus();
+    const std::vector<Cpu> cpus = usable_cpus();
     LOOM_CHECK(size_t(options.nproc_per_node) <= cpus.size(), "--cpu-bind gives each rank CPUs of its own, but ",
                options.nproc_per_node, " ranks need at least ", options.nproc_per_node, " CPUs and this process may use ",
-               cpus.size(), " (", cpu_list_text(cpus), ")");
+               cpus.size(), " (", cpu_list_text(cpu_ids(cpus)), ")");
   }
   return Launcher(options).run();
 }

@@ -47,10 +47,11 @@ Flags (--flag value or --flag=value; --nproc_per_node style is accepted too):
   --master-port P  TCP port for the rendezvous store (default: $MASTER_PORT; on one
                    node, else a free port that loomrun picks); required when M > 1.
                    On node 0 loomrun checks that the port is free before starting.
-  --cpu-bind       pin each rank to a share of its own of the CPUs loomrun may use,
-                   whole cores together (sizes differ by at most one): the operating
-                   system then cannot move one rank's threads onto another's cores, so
-                   CPU ranks keep one speed. Needs a CPU per rank.
+  --cpu-bind       pin each rank to a share of its own of the CPUs loomrun may use:
+                   whole cores (their counts differing by at most one) when there are
+                   at least as many cores as ranks, else single CPUs. The operating
+                   system then cannot move one rank's threads onto another's cores.
+                   Needs a CPU per rank.
   -h, --help       this text.
 
 Output: every line a rank prints is prefixed with "[rank K] " (stdout to stdout,
@@ -143,13 +144,17 @@ int run(int argc, char** argv) {
   options.nproc_per_node = nproc == "auto" ? loom::dist::auto_nproc_per_node()
                                            : parse_count("--nproc-per-node", nproc, 1, "a number of ranks >= 1 or 'auto'");
   if (options.bind_cpus) {
-    const std::vector<int> cpus = loom::dist::usable_cpus();
+    const std::vector<loom::dist::Cpu> cpus = loom::dist::usable_cpus();
     if (size_t(options.nproc_per_node) > cpus.size())
       throw UsageError{"--cpu-bind gives each rank CPUs of its own, but " + std::to_string(options.nproc_per_node) +
                        " ranks need at least " + std::to_string(options.nproc_per_node) +
                        " CPUs and loomrun may use " + std::to_string(cpus.size()) + " (" +
-                       loom::dist::cpu_list_text(cpus) + ")"};
+                       loom::dist::cpu_list_text(loom::dist::cpu_ids(cpus)) + ")"};
   }
+  // A thread count the ranks would ignore (parallel_for.cpp reads positive integers only)
+  // would leave each with a thread per CPU: named here instead.
+  if (auto threads = loom::dist::process_env("LOOM_NUM_THREADS"); threads && !threads->empty())
+    parse_count("LOOM_NUM_THREADS", *threads, 1, "a number of threads >= 1, or unset for each rank's share of the CPUs");
   if (options.node_rank >= options.nnodes)
     throw UsageError{"--node-rank " + std::to_string(options.node_rank) + " is not below --nnodes " +
                      std::to_string(options.nnodes) + ": nodes are numbered 0 to M-1"};

@@ -17,6 +17,8 @@
 #include "parallel/cpu_shares.h"
 #include "parallel/rendezvous.h"
 
+extern char** environ;
+
 int main(int argc, char** argv) {
   int fail_rank = -1, code = 1, kill_rank = -1;
   double sleep_s = 0;
@@ -44,8 +46,10 @@ int main(int argc, char** argv) {
   std::printf("rank=%s world=%s local=%s/%s master=%s:%s\n", env("RANK").c_str(), env("WORLD_SIZE").c_str(),
               env("LOCAL_RANK").c_str(), env("LOCAL_WORLD_SIZE").c_str(), env("MASTER_ADDR").c_str(),
               env("MASTER_PORT").c_str());
-  std::printf("threads=%s cpus=%s\n", env("LOOM_NUM_THREADS").c_str(),
-              loom::dist::cpu_list_text(loom::dist::usable_cpus()).c_str());
+  int thread_entries = 0;  // a variable set twice would read differently in other programs
+  for (char** e = environ; *e; ++e) thread_entries += std::strncmp(*e, "LOOM_NUM_THREADS=", 17) == 0;
+  std::printf("threads=%s (%d set) cpus=%s\n", env("LOOM_NUM_THREADS").c_str(), thread_entries,
+              loom::dist::cpu_list_text(loom::dist::cpu_ids(loom::dist::usable_cpus())).c_str());
   std::fflush(stdout);
   std::fprintf(stderr, "stderr of %d\n", rank);
 

@@ -3,6 +3,7 @@
 // Every run has a deadline, so a launcher that hangs fails the test instead of the suite.
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,10 +12,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <set>
+#include <tuple>
 #include <string>
 #include <vector>
 
 #include "kernels/core/error.h"
+#include "kernels/cpu/parallel_for.h"
 #include "parallel/cpu_shares.h"
 #include "parallel/socket.h"
 
@@ -224,44 +227,99 @@ TEST_F(LoomrunTest, BadCommandLinesNameTheFlag) {
   }
 }
 
-TEST(CpuShares, SharesAreContiguousRunsWhoseSizesDifferByAtMostOne) {
-  const std::vector<int> cpus{0, 8, 1, 9, 2, 10, 3};  // core order, as usable_cpus() gives it
-  const auto shares = cpu_shares(cpus, 3);
-  ASSERT_EQ(shares.size(), 3u);
-  EXPECT_EQ(shares[0], (std::vector<int>{0, 8, 1}));
-  EXPECT_EQ(shares[1], (std::vector<int>{9, 2}));
-  EXPECT_EQ(shares[2], (std::vector<int>{10, 3}));
-  EXPECT_EQ(cpu_shares(cpus, 7).back(), std::vector<int>{3});
-  EXPECT_THROW(cpu_shares(cpus, 8), Error);
-  EXPECT_THROW(cpu_shares(cpus, 0), Error);
-  EXPECT_EQ(cpu_list_text({3, 0, 1, 2, 8, 10, 11}), "0-3,8,10-11");
-  EXPECT_EQ(cpu_list_text({5}), "5");
-  const std::vector<int> usable = usable_cpus();
-  ASSERT_FALSE(usable.empty());
-  EXPECT_EQ(std::set<int>(usable.begin(), usable.end()).size(), usable.size());
+// A machine of `cores` cores of `threads` hardware threads, CPU c + k * cores being thread k
+// of core c (Linux's usual numbering), in the core order usable_cpus() gives.
+std::vector<Cpu> machine(int cores, int threads) {
+  std::vector<Cpu> cpus;
+  for (int c = 0; c < cores; ++c)
+    for (int k = 0; k < threads; ++k) cpus.push_back({c + k * cores, 0, 0, c});
+  return cpus;
 }
 
-// Each rank's LOOM_NUM_THREADS and the CPUs it may run on, from rank_echo's second line.
+TEST(CpuShares, RanksGetWholeCoresWhenThereAreEnough) {
+  // 8 cores of 2 threads among 3 ranks: 3, 3 and 2 cores, no core split between two ranks.
+  const auto shares = cpu_shares(machine(8, 2), 3);
+  ASSERT_EQ(shares.size(), 3u);
+  EXPECT_EQ(shares[0], (std::vector<int>{0, 8, 1, 9, 2, 10}));
+  EXPECT_EQ(shares[1], (std::vector<int>{3, 11, 4, 12, 5, 13}));
+  EXPECT_EQ(shares[2], (std::vector<int>{6, 14, 7, 15}));
+  // Fewer cores than ranks: single CPUs in core order, sizes differing by at most one.
+  const auto many = cpu_shares(machine(2, 2), 3);
+  EXPECT_EQ(many, (std::vector<std::vector<int>>{{0, 2}, {1}, {3}}));
+  // Where sysfs says nothing of cores, every CPU is a core of its own.
+  const auto plain = cpu_shares({{0}, {1}, {2}, {3}, {4}}, 2);
+  EXPECT_EQ(plain, (std::vector<std::vector<int>>{{0, 1, 2}, {3, 4}}));
+  EXPECT_THROW(cpu_shares(machine(2, 2), 5), Error);
+  EXPECT_THROW(cpu_shares(machine(2, 2), 0), Error);
+  EXPECT_EQ(cpu_list_text({3, 0, 1, 2, 8, 10, 11}), "0-3,8,10-11");
+  EXPECT_EQ(cpu_list_text({5}), "5");
+}
+
+TEST(CpuShares, UsableCpusAreTheAffinityMaskInCoreOrder) {
+  const std::vector<Cpu> usable = usable_cpus();
+  ASSERT_FALSE(usable.empty());
+  const std::vector<int> ids = cpu_ids(usable);
+  EXPECT_EQ(std::set<int>(ids.begin(), ids.end()).size(), ids.size());
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof mask, &mask), 0);
+  EXPECT_EQ(int(ids.size()), CPU_COUNT(&mask));
+  for (int id : ids) EXPECT_TRUE(CPU_ISSET(id, &mask)) << id;
+  for (size_t i = 1; i < usable.size(); ++i)  // core order: (package, die, core) never goes back
+    EXPECT_LE(std::tie(usable[i - 1].package, usable[i - 1].die, usable[i - 1].core),
+              std::tie(usable[i].package, usable[i].die, usable[i].core));
+}
+
+// CPU kernels' threads default to the CPUs the process may run on, not the machine's.
+TEST(CpuShares, TheKernelsThreadsDefaultToTheAffinityMask) {
+  const std::vector<int> ids = cpu_ids(usable_cpus());
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::unsetenv("LOOM_NUM_THREADS");
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(ids.front(), &one);
+    if (::sched_setaffinity(0, sizeof one, &one) != 0) ::_exit(2);
+    ::_exit(cpu::num_threads() == 1 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+}
+
+// Each rank's LOOM_NUM_THREADS (and how many times it is set) and the CPUs it may run on,
+// from rank_echo's second line.
 std::string share_line(int rank, int threads, const std::string& cpus) {
-  return "[rank " + std::to_string(rank) + "] threads=" + std::to_string(threads) + " cpus=" + cpus + "\n";
+  return "[rank " + std::to_string(rank) + "] threads=" + std::to_string(threads) + " (1 set) cpus=" + cpus + "\n";
 }
 
 TEST_F(LoomrunTest, EachRankGetsItsShareOfTheCpusAsThreads) {
-  const std::vector<int> cpus = usable_cpus();
+  const std::vector<Cpu> cpus = usable_cpus();
+  const std::string all = cpu_list_text(cpu_ids(cpus));
   const auto shares = cpu_shares(cpus, std::min<int>(3, int(cpus.size())));
-  Outcome run = loomrun({"--nproc-per-node", "3", echo}, {"LOOM_NUM_THREADS"});
+  for (const std::vector<std::string>& env :
+       {std::vector<std::string>{"LOOM_NUM_THREADS"}, std::vector<std::string>{"LOOM_NUM_THREADS="}}) {
+    Outcome run = loomrun({"--nproc-per-node", "3", echo}, env);  // unset, or set but empty
+    EXPECT_EQ(run.code, 0) << run.output;
+    for (int r = 0; r < 3; ++r)  // without --cpu-bind every rank may run on every CPU
+      EXPECT_TRUE(contains(run.output, share_line(r, int(shares[size_t(r) % shares.size()].size()), all)))
+          << run.output;
+  }
+  // The user's own setting is passed on unchanged, and alone.
+  Outcome run = loomrun({"--nproc-per-node", "2", echo}, {"LOOM_NUM_THREADS=5"});
   EXPECT_EQ(run.code, 0) << run.output;
-  for (int r = 0; r < 3; ++r)  // without --cpu-bind every rank may run on every CPU
-    EXPECT_TRUE(contains(run.output, share_line(r, int(shares[size_t(r) % shares.size()].size()), cpu_list_text(cpus))))
-        << run.output;
-  // The user's own setting is passed on unchanged.
-  run = loomrun({"--nproc-per-node", "2", echo}, {"LOOM_NUM_THREADS=5"});
-  EXPECT_EQ(run.code, 0) << run.output;
-  for (int r = 0; r < 2; ++r) EXPECT_TRUE(contains(run.output, share_line(r, 5, cpu_list_text(cpus)))) << run.output;
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(contains(run.output, share_line(r, 5, all))) << run.output;
+  // One the ranks could not use is named before any starts.
+  run = loomrun({"--nproc-per-node", "2", echo}, {"LOOM_NUM_THREADS=many"});
+  EXPECT_EQ(run.code, 2) << run.output;
+  EXPECT_TRUE(contains(run.output, "LOOM_NUM_THREADS expects a number of threads >= 1, or unset for each rank's "
+                                   "share of the CPUs, got 'many'"))
+      << run.output;
+  EXPECT_FALSE(contains(run.output, "[rank ")) << run.output;
 }
 
 TEST_F(LoomrunTest, CpuBindPinsEachRankToItsOwnCpus) {
-  const std::vector<int> cpus = usable_cpus();
+  const std::vector<Cpu> cpus = usable_cpus();
   if (cpus.size() < 2) GTEST_SKIP() << "one CPU: no two ranks can have CPUs of their own";
   const auto shares = cpu_shares(cpus, 2);
   Outcome run = loomrun({"--nproc-per-node", "2", "--cpu-bind", echo}, {"LOOM_NUM_THREADS"});
@@ -275,7 +333,7 @@ TEST_F(LoomrunTest, CpuBindPinsEachRankToItsOwnCpus) {
   EXPECT_EQ(run.code, 2) << run.output;
   EXPECT_TRUE(contains(run.output, "--cpu-bind gives each rank CPUs of its own, but " + too_many + " ranks need at least " +
                                        too_many + " CPUs and loomrun may use " + std::to_string(cpus.size()) + " (" +
-                                       cpu_list_text(cpus) + ")"))
+                                       cpu_list_text(cpu_ids(cpus)) + ")"))
       << run.output;
   EXPECT_FALSE(contains(run.output, "[rank ")) << run.output;
   run = loomrun({"--cpu-bind=yes", echo});
