@@ -1,10 +1,7 @@
-// The CPUs a node's ranks run on. Several ranks on one machine each make a pool of
-// threads for the CPU kernels (kernels/cpu/parallel_for.h), sized by default to every CPU
-// the process may use: four CPU ranks on 16 CPUs would run 64 threads on 16 CPUs, each
-// rank's threads preempting the others' mid-product. So loomrun gives each rank a share:
-// LOOM_NUM_THREADS set to its share of the CPUs (unless the user set it), and with
-// --cpu-bind the rank is also pinned to its own CPUs, so the operating system cannot move
-// its threads onto another rank's cores.
+// The CPUs a node's ranks run on under loomrun --cpu-bind: each rank is pinned to a share
+// of its own, so the operating system cannot move its threads onto another rank's cores,
+// and its CPU kernels' pool (kernels/cpu/parallel_for.h, sized by default to the CPUs the
+// process may use) makes a thread per CPU of the share.
 //
 // Shares are runs of whole cores (the hardware threads of one core, by package, die and
 // core id from sysfs) when there are at least as many cores as ranks, their core counts

@@ -99,14 +99,10 @@ std::string job_run_id(int nnodes) {
 std::string prefix_of(const Rank& r) { return "[rank " + std::to_string(r.rank) + "] "; }
 
 // cpus: the rank's share of the node's CPUs (cpu_shares.h); with `bind` the rank runs on
-// those alone. Its threads default to their count.
+// those alone (and its CPU kernels' threads default to their count).
 void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env, const std::vector<int>& cpus, bool bind) {
   int world = o_.nproc_per_node * o_.nnodes;
   std::vector<std::string> env = base_env;
-  std::erase(env, std::string("LOOM_NUM_THREADS="));  // set but empty: as if unset
-  const bool threads_set =
-      std::any_of(env.begin(), env.end(), [](const std::string& v) { return v.starts_with("LOOM_NUM_THREADS="); });
-  if (!threads_set) env.push_back("LOOM_NUM_THREADS=" + std::to_string(cpus.size()));
   // The rank's CPU mask, sized for its largest id (hosts may have more than CPU_SETSIZE).
   const int highest = cpus.empty() ? 0 : *std::max_element(cpus.begin(), cpus.end());
   std::unique_ptr<cpu_set_t, void (*)(cpu_set_t*)> cpu_set(CPU_ALLOC(highest + 1), [](cpu_set_t* p) { CPU_FREE(p); });
@@ -285,7 +281,7 @@ int Launcher::run() {
   }
   run_id_ = job_run_id(o_.nnodes);
   for (int i = 0; i < o_.nproc_per_node; ++i) ranks_.push_back(Rank{o_.node_rank * o_.nproc_per_node + i});
-  // More ranks than CPUs (allowed without --cpu-bind): each gets one thread.
+  // Each rank's share of the CPUs, used with bind_cpus (which needs a CPU per rank).
   const std::vector<Cpu> cpus = usable_cpus();
   const std::vector<std::vector<int>> shares =
       cpu_shares(cpus, std::min(o_.nproc_per_node, int(cpus.size())));

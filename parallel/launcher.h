@@ -16,9 +16,10 @@
 // - Each child runs in its own process group: Ctrl-C reaches loomrun alone, which passes
 //   it on once, and stopping a rank also stops any processes it started. The price: a rank
 //   cannot read from the terminal (stdin from a file or pipe works).
-// - Each rank gets a share of the node's CPUs (cpu_shares.h): LOOM_NUM_THREADS is set to
-//   its size unless the environment sets it, so N ranks do not each start a thread per CPU;
-//   with bind_cpus (--cpu-bind) each rank is also pinned to its share.
+// - With bind_cpus (--cpu-bind) each rank is pinned to a share of the node's CPUs of its own
+//   (cpu_shares.h), and its CPU kernels' threads default to the share's size. Without it
+//   the ranks share every CPU, each making a thread per CPU unless LOOM_NUM_THREADS says
+//   otherwise: while one rank of a pipeline waits, another's threads use its cores.
 // - CUDA_VISIBLE_DEVICES is passed on unchanged: every rank sees every GPU and a Loom
 //   program selects its device from LOCAL_RANK before any other CUDA call.
 // - A child's stdout is a pipe, so C stdio buffers it fully; Loom's logging flushes each

@@ -31,9 +31,6 @@ Each rank gets the env:// variables that Loom's rendezvous (and PyTorch's) reads
                     (cuda:LOCAL_RANK) before any other CUDA call
   LOCAL_WORLD_SIZE  N
   MASTER_ADDR, MASTER_PORT   where rank 0 serves the rendezvous store
-  LOOM_NUM_THREADS  the rank's share of the CPUs loomrun may use (its affinity mask)
-                    divided among the N ranks, unless the environment sets it: each
-                    rank's CPU kernels run that many threads, not one per CPU each
 CUDA_VISIBLE_DEVICES and the rest of the environment are passed on unchanged.
 
 Flags (--flag value or --flag=value; --nproc_per_node style is accepted too):
@@ -50,8 +47,10 @@ Flags (--flag value or --flag=value; --nproc_per_node style is accepted too):
   --cpu-bind       pin each rank to a share of its own of the CPUs loomrun may use:
                    whole cores (their counts differing by at most one) when there are
                    at least as many cores as ranks, else single CPUs. The operating
-                   system then cannot move one rank's threads onto another's cores.
-                   Needs a CPU per rank.
+                   system then cannot move one rank's threads onto another's cores,
+                   and each rank's CPU kernels run a thread per CPU of its share.
+                   Needs a CPU per rank. Without it every rank may use every CPU and
+                   runs a thread per CPU, or LOOM_NUM_THREADS threads when that is set.
   -h, --help       this text.
 
 Output: every line a rank prints is prefixed with "[rank K] " (stdout to stdout,
@@ -152,9 +151,9 @@ int run(int argc, char** argv) {
                        loom::dist::cpu_list_text(loom::dist::cpu_ids(cpus)) + ")"};
   }
   // A thread count the ranks would ignore (parallel_for.cpp reads positive integers only)
-  // would leave each with a thread per CPU: named here instead.
+  // is named here instead.
   if (auto threads = loom::dist::process_env("LOOM_NUM_THREADS"); threads && !threads->empty())
-    parse_count("LOOM_NUM_THREADS", *threads, 1, "a number of threads >= 1, or unset for each rank's share of the CPUs");
+    parse_count("LOOM_NUM_THREADS", *threads, 1, "a number of threads >= 1, or unset for a thread per CPU");
   if (options.node_rank >= options.nnodes)
     throw UsageError{"--node-rank " + std::to_string(options.node_rank) + " is not below --nnodes " +
                      std::to_string(options.nnodes) + ": nodes are numbered 0 to M-1"};

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "kernels/core/error.h"
+#include "kernels/cpu/parallel_for.h"
 #include "parallel/cpu_shares.h"
 #include "parallel/rendezvous.h"
 
@@ -48,7 +49,8 @@ int main(int argc, char** argv) {
               env("MASTER_PORT").c_str());
   int thread_entries = 0;  // a variable set twice would read differently in other programs
   for (char** e = environ; *e; ++e) thread_entries += std::strncmp(*e, "LOOM_NUM_THREADS=", 17) == 0;
-  std::printf("threads=%s (%d set) cpus=%s\n", env("LOOM_NUM_THREADS").c_str(), thread_entries,
+  std::printf("threads=%s (%d set) pool=%d cpus=%s\n", env("LOOM_NUM_THREADS").c_str(), thread_entries,
+              loom::cpu::num_threads(),
               loom::dist::cpu_list_text(loom::dist::cpu_ids(loom::dist::usable_cpus())).c_str());
   std::fflush(stdout);
   std::fprintf(stderr, "stderr of %d\n", rank);

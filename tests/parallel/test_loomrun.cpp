@@ -287,33 +287,29 @@ TEST(CpuShares, TheKernelsThreadsDefaultToTheAffinityMask) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
 }
 
-// Each rank's LOOM_NUM_THREADS (and how many times it is set) and the CPUs it may run on,
-// from rank_echo's second line.
-std::string share_line(int rank, int threads, const std::string& cpus) {
-  return "[rank " + std::to_string(rank) + "] threads=" + std::to_string(threads) + " (1 set) cpus=" + cpus + "\n";
+// Each rank's LOOM_NUM_THREADS ("?" when unset) and how many times it is set, its CPU
+// kernels' threads and the CPUs it may run on, from rank_echo's second line.
+std::string share_line(int rank, const std::string& threads, int set, int pool, const std::string& cpus) {
+  return "[rank " + std::to_string(rank) + "] threads=" + threads + " (" + std::to_string(set) +
+         " set) pool=" + std::to_string(pool) + " cpus=" + cpus + "\n";
 }
 
-TEST_F(LoomrunTest, EachRankGetsItsShareOfTheCpusAsThreads) {
+TEST_F(LoomrunTest, WithoutCpuBindRanksShareEveryCpuAndTheThreadSetting) {
   const std::vector<Cpu> cpus = usable_cpus();
   const std::string all = cpu_list_text(cpu_ids(cpus));
-  const auto shares = cpu_shares(cpus, std::min<int>(3, int(cpus.size())));
-  for (const std::vector<std::string>& env :
-       {std::vector<std::string>{"LOOM_NUM_THREADS"}, std::vector<std::string>{"LOOM_NUM_THREADS="}}) {
-    Outcome run = loomrun({"--nproc-per-node", "3", echo}, env);  // unset, or set but empty
-    EXPECT_EQ(run.code, 0) << run.output;
-    for (int r = 0; r < 3; ++r)  // without --cpu-bind every rank may run on every CPU
-      EXPECT_TRUE(contains(run.output, share_line(r, int(shares[size_t(r) % shares.size()].size()), all)))
-          << run.output;
-  }
-  // The user's own setting is passed on unchanged, and alone.
-  Outcome run = loomrun({"--nproc-per-node", "2", echo}, {"LOOM_NUM_THREADS=5"});
+  const int n = int(cpus.size());
+  Outcome run = loomrun({"--nproc-per-node", "2", echo}, {"LOOM_NUM_THREADS"});
   EXPECT_EQ(run.code, 0) << run.output;
-  for (int r = 0; r < 2; ++r) EXPECT_TRUE(contains(run.output, share_line(r, 5, all))) << run.output;
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(contains(run.output, share_line(r, "?", 0, n, all))) << run.output;
+  // The user's own setting is passed on unchanged, and once.
+  run = loomrun({"--nproc-per-node", "2", echo}, {"LOOM_NUM_THREADS=5"});
+  EXPECT_EQ(run.code, 0) << run.output;
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(contains(run.output, share_line(r, "5", 1, 5, all))) << run.output;
   // One the ranks could not use is named before any starts.
   run = loomrun({"--nproc-per-node", "2", echo}, {"LOOM_NUM_THREADS=many"});
   EXPECT_EQ(run.code, 2) << run.output;
-  EXPECT_TRUE(contains(run.output, "LOOM_NUM_THREADS expects a number of threads >= 1, or unset for each rank's "
-                                   "share of the CPUs, got 'many'"))
+  EXPECT_TRUE(contains(run.output, "LOOM_NUM_THREADS expects a number of threads >= 1, or unset for a thread per "
+                                   "CPU, got 'many'"))
       << run.output;
   EXPECT_FALSE(contains(run.output, "[rank ")) << run.output;
 }
@@ -324,8 +320,9 @@ TEST_F(LoomrunTest, CpuBindPinsEachRankToItsOwnCpus) {
   const auto shares = cpu_shares(cpus, 2);
   Outcome run = loomrun({"--nproc-per-node", "2", "--cpu-bind", echo}, {"LOOM_NUM_THREADS"});
   EXPECT_EQ(run.code, 0) << run.output;
-  for (int r = 0; r < 2; ++r)
-    EXPECT_TRUE(contains(run.output, share_line(r, int(shares[size_t(r)].size()), cpu_list_text(shares[size_t(r)]))))
+  for (int r = 0; r < 2; ++r)  // pinned, and a thread per CPU of the share
+    EXPECT_TRUE(contains(run.output, share_line(r, "?", 0, int(shares[size_t(r)].size()),
+                                                cpu_list_text(shares[size_t(r)]))))
         << run.output;
   // More ranks than CPUs, or a value given to the flag, is a bad command line.
   const std::string too_many = std::to_string(cpus.size() + 1);
