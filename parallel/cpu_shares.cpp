@@ -90,6 +90,14 @@ std::vector<int> cpu_ids(const std::vector<Cpu>& cpus) {
   return ids;
 }
 
+std::string cpu_bind_problem(int ranks) {
+  const std::vector<Cpu> cpus = usable_cpus();
+  if (size_t(ranks) <= cpus.size()) return "";
+  return "--cpu-bind gives each rank CPUs of its own, but " + std::to_string(ranks) + " ranks need at least " +
+         std::to_string(ranks) + " CPUs and loomrun may use " + std::to_string(cpus.size()) + " (" +
+         cpu_list_text(cpu_ids(cpus)) + ")";
+}
+
 std::string cpu_list_text(std::vector<int> cpus) {
   std::sort(cpus.begin(), cpus.end());
   std::string text;

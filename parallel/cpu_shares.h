@@ -32,6 +32,10 @@ std::vector<std::vector<int>> cpu_shares(const std::vector<Cpu>& cpus, int ranks
 // The ids of `cpus`.
 std::vector<int> cpu_ids(const std::vector<Cpu>& cpus);
 
+// Why `ranks` ranks cannot each be pinned to CPUs of their own (fewer usable CPUs than
+// ranks), naming the counts and the CPUs; empty when they can.
+std::string cpu_bind_problem(int ranks);
+
 // "0-3,8,10-11": a CPU list as taskset and /proc print it (sorted).
 std::string cpu_list_text(std::vector<int> cpus);
 

@@ -68,7 +68,7 @@ class Launcher {
   int run();
 
  private:
-  void spawn(Rank& r, const std::vector<std::string>& base_env, const std::vector<int>& cpus, bool bind);
+  void spawn(Rank& r, const std::vector<std::string>& base_env, const std::vector<int>* cpus);
   void pump(Stream& s, const std::string& prefix);
   void emit(Stream& s, const std::string& prefix, bool flush_partial);
   void reap();
@@ -98,18 +98,21 @@ std::string job_run_id(int nnodes) {
 
 std::string prefix_of(const Rank& r) { return "[rank " + std::to_string(r.rank) + "] "; }
 
-// cpus: the rank's share of the node's CPUs (cpu_shares.h); with `bind` the rank runs on
-// those alone (and its CPU kernels' threads default to their count).
-void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env, const std::vector<int>& cpus, bool bind) {
+// cpus: with bind_cpus, the rank's share of the node's CPUs (cpu_shares.h), which it then
+// runs on alone (and its CPU kernels' threads default to their count); else null.
+void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env, const std::vector<int>* cpus) {
   int world = o_.nproc_per_node * o_.nnodes;
   std::vector<std::string> env = base_env;
   // The rank's CPU mask, sized for its largest id (hosts may have more than CPU_SETSIZE).
-  const int highest = cpus.empty() ? 0 : *std::max_element(cpus.begin(), cpus.end());
-  std::unique_ptr<cpu_set_t, void (*)(cpu_set_t*)> cpu_set(CPU_ALLOC(highest + 1), [](cpu_set_t* p) { CPU_FREE(p); });
-  LOOM_CHECK(cpu_set, "cannot allocate a CPU mask for ", highest + 1, " CPUs");
+  const int highest = cpus ? *std::max_element(cpus->begin(), cpus->end()) : 0;
+  std::unique_ptr<cpu_set_t, void (*)(cpu_set_t*)> cpu_set(cpus ? CPU_ALLOC(highest + 1) : nullptr,
+                                                           [](cpu_set_t* p) { if (p) CPU_FREE(p); });
+  LOOM_CHECK(!cpus || cpu_set, "cannot allocate a CPU mask for ", highest + 1, " CPUs");
   const size_t cpu_set_bytes = CPU_ALLOC_SIZE(highest + 1);
-  CPU_ZERO_S(cpu_set_bytes, cpu_set.get());
-  for (int c : cpus) CPU_SET_S(c, cpu_set_bytes, cpu_set.get());
+  if (cpus) {
+    CPU_ZERO_S(cpu_set_bytes, cpu_set.get());
+    for (int c : *cpus) CPU_SET_S(c, cpu_set_bytes, cpu_set.get());
+  }
   env.push_back("RANK=" + std::to_string(r.rank));
   env.push_back("WORLD_SIZE=" + std::to_string(world));
   env.push_back("LOCAL_RANK=" + std::to_string(r.rank - o_.node_rank * o_.nproc_per_node));
@@ -124,7 +127,8 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env, const st
   for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
   std::string exec_failed = "loomrun: cannot run '" + o_.command[0] + "': ";
-  std::string bind_failed = "loomrun: cannot bind rank " + std::to_string(r.rank) + " to CPUs " + cpu_list_text(cpus) + ": ";
+  std::string bind_failed =
+      cpus ? "loomrun: cannot bind rank " + std::to_string(r.rank) + " to CPUs " + cpu_list_text(*cpus) + ": " : "";
   const pid_t supervisor = ::getpid();
 
   int out[2], err[2];
@@ -148,7 +152,7 @@ void Launcher::spawn(Rank& r, const std::vector<std::string>& base_env, const st
     dfl.sa_handler = SIG_DFL;
     for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
     ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
-    if (bind && ::sched_setaffinity(0, cpu_set_bytes, cpu_set.get()) != 0) {
+    if (cpus && ::sched_setaffinity(0, cpu_set_bytes, cpu_set.get()) != 0) {
       const char* why = std::strerror(errno);
       [[maybe_unused]] ssize_t n = ::write(2, bind_failed.data(), bind_failed.size());
       n = ::write(2, why, std::strlen(why));
@@ -281,12 +285,11 @@ int Launcher::run() {
   }
   run_id_ = job_run_id(o_.nnodes);
   for (int i = 0; i < o_.nproc_per_node; ++i) ranks_.push_back(Rank{o_.node_rank * o_.nproc_per_node + i});
-  // Each rank's share of the CPUs, used with bind_cpus (which needs a CPU per rank).
-  const std::vector<Cpu> cpus = usable_cpus();
+  // With bind_cpus, each rank's share of the CPUs (launch() checked there is a CPU per rank).
   const std::vector<std::vector<int>> shares =
-      cpu_shares(cpus, std::min(o_.nproc_per_node, int(cpus.size())));
+      o_.bind_cpus ? cpu_shares(usable_cpus(), o_.nproc_per_node) : std::vector<std::vector<int>>{};
   try {
-    for (size_t i = 0; i < ranks_.size(); ++i) spawn(ranks_[i], base_env, shares[i % shares.size()], o_.bind_cpus);
+    for (size_t i = 0; i < ranks_.size(); ++i) spawn(ranks_[i], base_env, o_.bind_cpus ? &shares[i] : nullptr);
   } catch (const Error& e) {
     say(e.what());
     exit_code_ = 1;
@@ -365,10 +368,8 @@ int launch(const LaunchOptions& options) {
   LOOM_CHECK(options.master_port >= 1 && options.master_port <= 65535, "master_port ", options.master_port,
              " is not a port number 1-65535");
   if (options.bind_cpus) {
-    const std::vector<Cpu> cpus = usable_cpus();
-    LOOM_CHECK(size_t(options.nproc_per_node) <= cpus.size(), "--cpu-bind gives each rank CPUs of its own, but ",
-               options.nproc_per_node, " ranks need at least ", options.nproc_per_node, " CPUs and this process may use ",
-               cpus.size(), " (", cpu_list_text(cpu_ids(cpus)), ")");
+    const std::string problem = cpu_bind_problem(options.nproc_per_node);
+    LOOM_CHECK(problem.empty(), problem);
   }
   return Launcher(options).run();
 }

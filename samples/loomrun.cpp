@@ -142,14 +142,9 @@ int run(int argc, char** argv) {
 
   options.nproc_per_node = nproc == "auto" ? loom::dist::auto_nproc_per_node()
                                            : parse_count("--nproc-per-node", nproc, 1, "a number of ranks >= 1 or 'auto'");
-  if (options.bind_cpus) {
-    const std::vector<loom::dist::Cpu> cpus = loom::dist::usable_cpus();
-    if (size_t(options.nproc_per_node) > cpus.size())
-      throw UsageError{"--cpu-bind gives each rank CPUs of its own, but " + std::to_string(options.nproc_per_node) +
-                       " ranks need at least " + std::to_string(options.nproc_per_node) +
-                       " CPUs and loomrun may use " + std::to_string(cpus.size()) + " (" +
-                       loom::dist::cpu_list_text(loom::dist::cpu_ids(cpus)) + ")"};
-  }
+  if (options.bind_cpus)
+    if (std::string problem = loom::dist::cpu_bind_problem(options.nproc_per_node); !problem.empty())
+      throw UsageError{problem};
   // A thread count the ranks would ignore (parallel_for.cpp reads positive integers only)
   // is named here instead.
   if (auto threads = loom::dist::process_env("LOOM_NUM_THREADS"); threads && !threads->empty())

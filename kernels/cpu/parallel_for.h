@@ -1,7 +1,7 @@
 // Threads over the outer loop, for the CPU kernels. A fixed pool sized to the CPUs the
-// process may run on (LOOM_NUM_THREADS overrides; loomrun sets it to each rank's share)
-// runs `body(begin, end)` over contiguous chunks of [0, n); small ranges run inline so tiny
-// tensors pay no thread hand-off.
+// process may run on (its affinity mask; LOOM_NUM_THREADS overrides) runs `body(begin,
+// end)` over contiguous chunks of [0, n); small ranges run inline so tiny tensors pay no
+// thread hand-off.
 #pragma once
 
 #include <cstdint>
