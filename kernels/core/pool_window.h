@@ -15,23 +15,26 @@
 
 namespace loom::pool {
 
-struct Span {
-  int64_t begin, end;  // [begin, end)
+// I: the index type, int64_t on the CPU; the CUDA kernels use int32_t where every index of
+// a call fits, since 64-bit division costs the GPU several times 32-bit's.
+template <class I> struct SpanOf {
+  I begin, end;  // [begin, end)
 };
+using Span = SpanOf<int64_t>;
 
 // Input positions read by output position o, clipped to [0, size): the padding outside
 // contributes nothing (max) or zeros (average).
-LOOM_HOST_DEVICE Span input_span(int64_t o, int64_t stride, int64_t pad, int64_t kernel, int64_t size) {
-  const int64_t start = o * stride - pad;
-  return {start < 0 ? 0 : start, start + kernel < size ? start + kernel : size};
+template <class I> LOOM_HOST_DEVICE SpanOf<I> input_span(I o, I stride, I pad, I kernel, I size) {
+  const I start = o * stride - pad;
+  return {start < 0 ? I(0) : start, start + kernel < size ? start + kernel : size};
 }
 
 // Output positions whose windows contain input position i, clipped to [0, out_size):
 // o * stride - pad <= i < o * stride - pad + kernel.
-LOOM_HOST_DEVICE Span output_span(int64_t i, int64_t stride, int64_t pad, int64_t kernel, int64_t out_size) {
-  const int64_t lo = i + pad - kernel + 1;  // smallest o * stride allowed
-  const int64_t begin = lo <= 0 ? 0 : (lo + stride - 1) / stride;
-  const int64_t last = (i + pad) / stride;  // i + pad >= 0 always
+template <class I> LOOM_HOST_DEVICE SpanOf<I> output_span(I i, I stride, I pad, I kernel, I out_size) {
+  const I lo = i + pad - kernel + 1;  // smallest o * stride allowed
+  const I begin = lo <= 0 ? I(0) : (lo + stride - 1) / stride;
+  const I last = (i + pad) / stride;  // i + pad >= 0 always
   return {begin, last + 1 < out_size ? last + 1 : out_size};
 }
 

@@ -63,6 +63,9 @@ void max_pool2d_backward(const Pool2dArgs& args, void* dx, const void* dy, const
                          StreamHandle stream);
 void avg_pool2d_forward(const Pool2dArgs& args, void* y, const void* x, StreamHandle stream);
 void avg_pool2d_backward(const Pool2dArgs& args, void* dx, const void* dy, StreamHandle stream);
+// For tests: pooling indexes in 32 bits when a call's buffers hold fewer than `elements`
+// elements (at most 2^30, the default), else in 64; returns the previous limit.
+int64_t set_pool_index32_limit(int64_t elements);
 
 
 // batch_norm.cu (channels-last calls go on to batch_norm_channels_last.cu)

@@ -8,6 +8,14 @@
 // order. No atomics, so the gradients are bitwise reproducible, and every element of dx
 // is written, so dx needs no zero-fill first. With the small windows of CNN pooling
 // (2x2, 3x3) a thread reads at most a few outputs.
+//
+// Index arithmetic. Finding an element's image, channel, row and column takes divisions,
+// a handful per element; in 64 bits each is a long instruction sequence, and the backward
+// passes (a thread per input element, little memory traffic each) were bound by them. So
+// every kernel is compiled for 32- and 64-bit indices, and a call whose buffers hold fewer
+// than kIndex32Limit elements (every CNN's pooling in practice) runs the 32-bit copy.
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -19,56 +27,64 @@ namespace loom::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// Below this many elements in every buffer of a call, and so below it in every index and
+// every step of a grid-stride loop (blocks_for launches fewer threads than 2^30), the
+// kernels index in 32 bits. Tests lower it (set_pool_index32_limit) to run the 64-bit copy.
+constexpr int64_t kIndex32Limit = int64_t(1) << 30;
+std::atomic<int64_t> index32_limit{kIndex32Limit};
 
-// Pool2dArgs by value, trimmed to what the device needs.
-struct Geom {
-  int64_t c, h, w, out_h, out_w, kh, kw, stride_h, stride_w, pad_h, pad_w;
+// Pool2dArgs by value, trimmed to what the device needs, in the index type I.
+template <class I> struct Geom {
+  I c, h, w, out_h, out_w, kh, kw, stride_h, stride_w, pad_h, pad_w;
   bool channels_last;
 };
 
-Geom geom(const Pool2dArgs& a) {
+template <class I> Geom<I> geom(const Pool2dArgs& a) {
   const bool channels_last = a.layout == ChannelLayout::channels_last;
-  return {a.c, a.h, a.w, a.out_h, a.out_w, a.kh, a.kw, a.stride_h, a.stride_w, a.pad_h, a.pad_w, channels_last};
+  return {I(a.c),  I(a.h),        I(a.w),        I(a.out_h), I(a.out_w), I(a.kh),
+          I(a.kw), I(a.stride_h), I(a.stride_w), I(a.pad_h), I(a.pad_w), channels_last};
 }
 
 // Element e (in memory order) of a buffer of (N, C) planes of rows x cols, in the Geom's
 // layout: its image n, channel c, row and column.
-struct Place {
-  int64_t n, c, row, col;
+template <class I> struct Place {
+  I n, c, row, col;
 };
 
-__device__ __forceinline__ Place place(int64_t e, int64_t rows, int64_t cols, const Geom& g) {
+template <class I> __device__ __forceinline__ Place<I> place(I e, I rows, I cols, const Geom<I>& g) {
   if (g.channels_last) {
-    const int64_t pixel = e / g.c;
+    const I pixel = e / g.c;
     return {pixel / (cols * rows), e % g.c, pixel / cols % rows, pixel % cols};
   }
-  const int64_t plane = e / (cols * rows);
+  const I plane = e / (cols * rows);
   return {plane / g.c, plane % g.c, e / cols % rows, e % cols};
 }
 
 // Where the plane of p starts in a buffer of rows x cols planes; its element (r, q) is then
 // (r * cols + q) * stride(g) further on.
-__device__ __forceinline__ int64_t plane_start(const Place& p, int64_t rows, int64_t cols, const Geom& g) {
+template <class I>
+__device__ __forceinline__ I plane_start(const Place<I>& p, I rows, I cols, const Geom<I>& g) {
   return g.channels_last ? p.n * rows * cols * g.c + p.c : (p.n * g.c + p.c) * rows * cols;
 }
-__device__ __forceinline__ int64_t stride(const Geom& g) { return g.channels_last ? g.c : 1; }
+
+template <class I> __device__ __forceinline__ I stride(const Geom<I>& g) { return g.channels_last ? g.c : I(1); }
 
 #define LOOM_GRID_STRIDE(e, n) \
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < (n); e += int64_t(gridDim.x) * blockDim.x)
+  for (I e = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); e < (n); e += I(gridDim.x) * I(blockDim.x))
 
-template <class T>
-__global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, Geom g, int64_t n) {
+template <class T, class I>
+__global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, Geom<I> g, I n) {
   using A = acc_t<T>;
-  const int64_t step = stride(g);
+  const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const Place p = place(e, g.out_h, g.out_w, g);
+    const Place<I> p = place(e, g.out_h, g.out_w, g);
     const T* in = x + plane_start(p, g.h, g.w, g);
-    const pool::Span rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
-    const pool::Span cols = pool::input_span(p.col, g.stride_w, g.pad_w, g.kw, g.w);
+    const pool::SpanOf<I> rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
+    const pool::SpanOf<I> cols = pool::input_span(p.col, g.stride_w, g.pad_w, g.kw, g.w);
     A best = -std::numeric_limits<A>::infinity();
-    int64_t best_at = rows.begin * g.w + cols.begin;
-    for (int64_t ih = rows.begin; ih < rows.end; ++ih)
-      for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
+    I best_at = rows.begin * g.w + cols.begin;
+    for (I ih = rows.begin; ih < rows.end; ++ih)
+      for (I iw = cols.begin; iw < cols.end; ++iw) {
         const A v = to_acc(in[(ih * g.w + iw) * step]);
         if (v > best || v != v) {
           best = v;
@@ -76,61 +92,61 @@ __global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, Geom g, i
         }
       }
     y[e] = from_acc<T>(best);
-    indices[e] = best_at;
+    indices[e] = int64_t(best_at);
   }
 }
 
-template <class T>
-__global__ void max_backward_kernel(T* dx, const T* dy, const int64_t* indices, Geom g, int64_t n) {
+template <class T, class I>
+__global__ void max_backward_kernel(T* dx, const T* dy, const int64_t* indices, Geom<I> g, I n) {
   using A = acc_t<T>;
-  const int64_t step = stride(g);
+  const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const Place p = place(e, g.h, g.w, g);
-    const int64_t self = p.row * g.w + p.col, start = plane_start(p, g.out_h, g.out_w, g);
+    const Place<I> p = place(e, g.h, g.w, g);
+    const I self = p.row * g.w + p.col, start = plane_start(p, g.out_h, g.out_w, g);
     const T* go = dy + start;
     const int64_t* idx = indices + start;
-    const pool::Span rows = pool::output_span(p.row, g.stride_h, g.pad_h, g.kh, g.out_h);
-    const pool::Span cols = pool::output_span(p.col, g.stride_w, g.pad_w, g.kw, g.out_w);
+    const pool::SpanOf<I> rows = pool::output_span(p.row, g.stride_h, g.pad_h, g.kh, g.out_h);
+    const pool::SpanOf<I> cols = pool::output_span(p.col, g.stride_w, g.pad_w, g.kw, g.out_w);
     A sum = A(0);
-    for (int64_t oh = rows.begin; oh < rows.end; ++oh)
-      for (int64_t ow = cols.begin; ow < cols.end; ++ow) {
-        const int64_t at = (oh * g.out_w + ow) * step;
-        if (idx[at] == self) sum += to_acc(go[at]);
+    for (I oh = rows.begin; oh < rows.end; ++oh)
+      for (I ow = cols.begin; ow < cols.end; ++ow) {
+        const I at = (oh * g.out_w + ow) * step;
+        if (idx[at] == int64_t(self)) sum += to_acc(go[at]);
       }
     dx[e] = from_acc<T>(sum);
   }
 }
 
-template <class T>
-__global__ void avg_forward_kernel(T* y, const T* x, Geom g, int64_t n) {
+template <class T, class I>
+__global__ void avg_forward_kernel(T* y, const T* x, Geom<I> g, I n) {
   using A = acc_t<T>;
   const A scale = A(1) / A(g.kh * g.kw);
-  const int64_t step = stride(g);
+  const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const Place p = place(e, g.out_h, g.out_w, g);
+    const Place<I> p = place(e, g.out_h, g.out_w, g);
     const T* in = x + plane_start(p, g.h, g.w, g);
-    const pool::Span rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
-    const pool::Span cols = pool::input_span(p.col, g.stride_w, g.pad_w, g.kw, g.w);
+    const pool::SpanOf<I> rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
+    const pool::SpanOf<I> cols = pool::input_span(p.col, g.stride_w, g.pad_w, g.kw, g.w);
     A sum = A(0);
-    for (int64_t ih = rows.begin; ih < rows.end; ++ih)
-      for (int64_t iw = cols.begin; iw < cols.end; ++iw) sum += to_acc(in[(ih * g.w + iw) * step]);
+    for (I ih = rows.begin; ih < rows.end; ++ih)
+      for (I iw = cols.begin; iw < cols.end; ++iw) sum += to_acc(in[(ih * g.w + iw) * step]);
     y[e] = from_acc<T>(sum * scale);
   }
 }
 
-template <class T>
-__global__ void avg_backward_kernel(T* dx, const T* dy, Geom g, int64_t n) {
+template <class T, class I>
+__global__ void avg_backward_kernel(T* dx, const T* dy, Geom<I> g, I n) {
   using A = acc_t<T>;
   const A scale = A(1) / A(g.kh * g.kw);
-  const int64_t step = stride(g);
+  const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const Place p = place(e, g.h, g.w, g);
+    const Place<I> p = place(e, g.h, g.w, g);
     const T* go = dy + plane_start(p, g.out_h, g.out_w, g);
-    const pool::Span rows = pool::output_span(p.row, g.stride_h, g.pad_h, g.kh, g.out_h);
-    const pool::Span cols = pool::output_span(p.col, g.stride_w, g.pad_w, g.kw, g.out_w);
+    const pool::SpanOf<I> rows = pool::output_span(p.row, g.stride_h, g.pad_h, g.kh, g.out_h);
+    const pool::SpanOf<I> cols = pool::output_span(p.col, g.stride_w, g.pad_w, g.kw, g.out_w);
     A sum = A(0);
-    for (int64_t oh = rows.begin; oh < rows.end; ++oh)
-      for (int64_t ow = cols.begin; ow < cols.end; ++ow) sum += to_acc(go[(oh * g.out_w + ow) * step]);
+    for (I oh = rows.begin; oh < rows.end; ++oh)
+      for (I ow = cols.begin; ow < cols.end; ++ow) sum += to_acc(go[(oh * g.out_w + ow) * step]);
     dx[e] = from_acc<T>(sum * scale);
   }
 }
@@ -140,15 +156,30 @@ __global__ void avg_backward_kernel(T* dx, const T* dy, Geom g, int64_t n) {
 int64_t input_numel(const Pool2dArgs& a) { return a.n * a.c * a.h * a.w; }
 int64_t output_numel(const Pool2dArgs& a) { return a.n * a.c * a.out_h * a.out_w; }
 
+// Calls f(I{}) with I = int32_t when both buffers of the call hold fewer than
+// index32_limit elements, else int64_t.
+template <class F> void with_index(const Pool2dArgs& a, F&& f) {
+  const int64_t limit = index32_limit.load();
+  if (input_numel(a) < limit && output_numel(a) < limit) f(int32_t{});
+  else f(int64_t{});
+}
+
 }  // namespace
+
+int64_t set_pool_index32_limit(int64_t elements) {
+  return index32_limit.exchange(std::min(elements, kIndex32Limit));
+}
 
 void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const void* x, StreamHandle stream) {
   const int64_t n = output_numel(a);
   if (n == 0) return;
   dispatch_floating(a.dtype, "max_pool2d", [&](auto tag) {
     using T = decltype(tag);
-    max_forward_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
-        static_cast<T*>(y), indices, static_cast<const T*>(x), geom(a), n);
+    with_index(a, [&](auto index) {
+      using I = decltype(index);
+      max_forward_kernel<T, I><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
+          static_cast<T*>(y), indices, static_cast<const T*>(x), geom<I>(a), I(n));
+    });
   });
   LOOM_CUDA_LAUNCH();
 }
@@ -159,8 +190,11 @@ void max_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, const in
   if (n == 0) return;
   dispatch_floating(a.dtype, "max_pool2d backward", [&](auto tag) {
     using T = decltype(tag);
-    max_backward_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
-        static_cast<T*>(dx), static_cast<const T*>(dy), indices, geom(a), n);
+    with_index(a, [&](auto index) {
+      using I = decltype(index);
+      max_backward_kernel<T, I><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
+          static_cast<T*>(dx), static_cast<const T*>(dy), indices, geom<I>(a), I(n));
+    });
   });
   LOOM_CUDA_LAUNCH();
 }
@@ -170,8 +204,11 @@ void avg_pool2d_forward(const Pool2dArgs& a, void* y, const void* x, StreamHandl
   if (n == 0) return;
   dispatch_floating(a.dtype, "avg_pool2d", [&](auto tag) {
     using T = decltype(tag);
-    avg_forward_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
-        static_cast<T*>(y), static_cast<const T*>(x), geom(a), n);
+    with_index(a, [&](auto index) {
+      using I = decltype(index);
+      avg_forward_kernel<T, I><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
+          static_cast<T*>(y), static_cast<const T*>(x), geom<I>(a), I(n));
+    });
   });
   LOOM_CUDA_LAUNCH();
 }
@@ -181,8 +218,11 @@ void avg_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, StreamHa
   if (n == 0) return;
   dispatch_floating(a.dtype, "avg_pool2d backward", [&](auto tag) {
     using T = decltype(tag);
-    avg_backward_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
-        static_cast<T*>(dx), static_cast<const T*>(dy), geom(a), n);
+    with_index(a, [&](auto index) {
+      using I = decltype(index);
+      avg_backward_kernel<T, I><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
+          static_cast<T*>(dx), static_cast<const T*>(dy), geom<I>(a), I(n));
+    });
   });
   LOOM_CUDA_LAUNCH();
 }

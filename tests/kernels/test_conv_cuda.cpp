@@ -278,6 +278,15 @@ TEST(PoolCuda, MatchesCpuF16) {
   LOOM_REQUIRE_CUDA();
   for (const auto& p : pool_cases()) check_pools<f16>(p, 2e-3);
 }
+// The tests above run the kernels' 32-bit index copy; this one the 64-bit copy that
+// buffers of 2^30 elements or more take.
+TEST(PoolCuda, The64BitIndexCopyMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  const int64_t limit = cuda::set_pool_index32_limit(0);
+  for (const auto& p : pool_cases()) check_pools<float>(p, 1e-6);
+  for (const auto& p : pool_cases()) check_pools<bf16>(p, 1e-2);
+  cuda::set_pool_index32_limit(limit);
+}
 
 }  // namespace
 }  // namespace loom
