@@ -240,7 +240,10 @@ void batch_norm_forward_train(const BatchNormArgs& a, void* y, void* save_mean, 
       stats_kernel<T, V><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(x), g, out, partials, h);
       LOOM_CUDA_LAUNCH();
       if (g.groups > 1) {
-        stats_combine_kernel<A><<<combine_blocks(a.c), kCombineThreads, 0, s>>>(partials, g.groups, out, h);
+        with_combine_lanes(a.c, g.groups, [&](auto lanes, unsigned grid) {
+          stats_combine_kernel<A, decltype(lanes)::value>
+              <<<grid, kCombineThreads, 0, s>>>(partials, a.c, g.groups, out, h);
+        });
         LOOM_CUDA_LAUNCH();
       }
       with_relu(a.relu, [&](auto relu) {
@@ -305,7 +308,10 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
                                                                   out, g, ch, partials);
         LOOM_CUDA_LAUNCH();
         if (g.groups > 1) {
-          grad_combine_kernel<A><<<combine_blocks(a.c), kCombineThreads, 0, s>>>(partials, g.groups, ch);
+          with_combine_lanes(a.c, g.groups, [&](auto lanes, unsigned grid) {
+            grad_combine_kernel<A, decltype(lanes)::value>
+                <<<grid, kCombineThreads, 0, s>>>(partials, a.c, g.groups, ch);
+          });
           LOOM_CUDA_LAUNCH();
         }
         grad_input_kernel<T, V, kRelu><<<blocks, kThreads, 0, s>>>(

@@ -17,10 +17,13 @@
 
 namespace loom::cuda::batch_norm {
 
-// The combine kernels take a block of kCombineThreads per channel: thread t merges partials
-// t, t + kCombineThreads, ... (at most a few: a call has at most about kTargetBlocks row
-// ranges), then the block merges its threads' states in a fixed pattern (group_reduce). A
-// warp per channel walking a thousand partials one load after another was latency-bound.
+// The combine kernels give each channel kLanes threads of a kCombineThreads block: lane t
+// merges partials t, t + kLanes, ... (at most a few), then the lanes merge their states in
+// a fixed pattern (group_reduce). A channel split over more than 32 row ranges takes a
+// whole block (kLanes = kCombineThreads): a warp walking a thousand partials one load after
+// another was latency-bound. One split over at most 32 takes a warp (kLanes = 32, each lane
+// one load at most), so a call of many channels and few ranges (channels-last, wide C)
+// does not launch a block per channel for a few loads each. with_combine_lanes picks.
 constexpr int kCombineThreads = 256;
 
 // Scalars of the call, in double on the host; the kernels round them to the accumulation type.
@@ -60,17 +63,20 @@ template <class A> __device__ __forceinline__ void finish_stats(const Welford<A>
   if (out.running_var) out.running_var[c] = (A(1) - momentum) * out.running_var[c] + momentum * (st.m2 / (m - A(1)));
 }
 
-// Block c merges channel c's `groups` partial states, always in the same order; launched
-// with one block per channel.
-template <class A>
-__global__ void __launch_bounds__(kCombineThreads) stats_combine_kernel(const Welford<A>* partials, int groups,
-                                                                        Stats<A> out, Hyper h) {
-  const int64_t c = blockIdx.x;
+// Channel c's `groups` partial states merged, always in the same order, by kLanes threads
+// (see kCombineThreads).
+template <class A, int kLanes>
+__global__ void __launch_bounds__(kCombineThreads) stats_combine_kernel(const Welford<A>* partials, int64_t channels,
+                                                                        int groups, Stats<A> out, Hyper h) {
+  static_assert(kLanes == 32 || kLanes == kCombineThreads, "a warp or the whole block per channel");
+  const int lane = threadIdx.x % kLanes;
+  const int64_t c = int64_t(blockIdx.x) * (kCombineThreads / kLanes) + threadIdx.x / kLanes;
+  if (kLanes == 32 && c >= channels) return;  // the whole warp leaves; a warp's merge has no barrier
   const Welford<A>* channel = partials + c * groups;
   Welford<A> st{A(0), A(0), A(0)};
-  for (int k = threadIdx.x; k < groups; k += kCombineThreads) st = WelfordMerge{}(st, channel[k]);
-  st = group_reduce<kCombineThreads>(st, WelfordMerge{});
-  if (threadIdx.x == 0) finish_stats(st, c, out, h);
+  for (int k = lane; k < groups; k += kLanes) st = WelfordMerge{}(st, channel[k]);
+  st = group_reduce<kLanes>(st, WelfordMerge{});
+  if (lane == 0) finish_stats(st, c, out, h);
 }
 
 // Where a channel's mean and spread come from: the batch (save_mean, save_invstd) or the
@@ -136,25 +142,34 @@ __device__ __forceinline__ void finish_grads(const GradSums<A>& s, int64_t c, co
 }
 
 // As stats_combine_kernel, for the backward's sums.
-template <class A>
-__global__ void __launch_bounds__(kCombineThreads) grad_combine_kernel(const GradSums<A>* partials, int groups,
-                                                                       GradChannel<A> ch) {
-  const int64_t c = blockIdx.x;
+template <class A, int kLanes>
+__global__ void __launch_bounds__(kCombineThreads) grad_combine_kernel(const GradSums<A>* partials, int64_t channels,
+                                                                       int groups, GradChannel<A> ch) {
+  static_assert(kLanes == 32 || kLanes == kCombineThreads, "a warp or the whole block per channel");
+  const int lane = threadIdx.x % kLanes;
+  const int64_t c = int64_t(blockIdx.x) * (kCombineThreads / kLanes) + threadIdx.x / kLanes;
+  if (kLanes == 32 && c >= channels) return;  // the whole warp leaves; a warp's merge has no barrier
   const GradSums<A>* channel = partials + c * groups;
   GradSums<A> acc{A(0), A(0)};
-  for (int k = threadIdx.x; k < groups; k += kCombineThreads) acc = GradSumsAdd{}(acc, channel[k]);
-  acc = group_reduce<kCombineThreads>(acc, GradSumsAdd{});
-  if (threadIdx.x == 0) finish_grads(acc, c, ch);
+  for (int k = lane; k < groups; k += kLanes) acc = GradSumsAdd{}(acc, channel[k]);
+  acc = group_reduce<kLanes>(acc, GradSumsAdd{});
+  if (lane == 0) finish_grads(acc, c, ch);
 }
 
 // ---- launch planning -------------------------------------------------------------------
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The combine kernels' grid: a block per channel.
-inline unsigned combine_blocks(int64_t channels) {
-  LOOM_ASSERT(channels <= int64_t(INT32_MAX), "batch_norm: ", channels, " channels need too many blocks");
-  return unsigned(channels);
+// Calls launch(std::integral_constant<int, kLanes>{}, blocks): the combine kernels' threads
+// per channel for `groups` partials a channel (see kCombineThreads) and their grid.
+template <class F> void with_combine_lanes(int64_t channels, int groups, F&& launch) {
+  auto go = [&](auto lanes) {
+    const int64_t blocks = ceil_div(channels, kCombineThreads / decltype(lanes)::value);
+    LOOM_ASSERT(blocks <= int64_t(INT32_MAX), "batch_norm: ", channels, " channels need too many blocks");
+    launch(lanes, unsigned(blocks));
+  };
+  if (groups <= 32) go(std::integral_constant<int, 32>{});
+  else go(std::integral_constant<int, kCombineThreads>{});
 }
 
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

@@ -353,7 +353,10 @@ void forward_train_channels_last(const BatchNormArgs& a, void* y, void* save_mea
       stats_kernel<T, V><<<blocks_of(g), kThreads, 0, s>>>(static_cast<const T*>(x), g, out, scratch.partials, h);
       LOOM_CUDA_LAUNCH();
       if (g.groups > 1) {
-        stats_combine_kernel<A><<<combine_blocks(a.c), kCombineThreads, 0, s>>>(scratch.partials, g.groups, out, h);
+        with_combine_lanes(a.c, g.groups, [&](auto lanes, unsigned grid) {
+          stats_combine_kernel<A, decltype(lanes)::value>
+              <<<grid, kCombineThreads, 0, s>>>(scratch.partials, a.c, g.groups, out, h);
+        });
         LOOM_CUDA_LAUNCH();
       }
       with_relu(a.relu, [&](auto relu) {
@@ -404,7 +407,10 @@ void backward_channels_last(const BatchNormArgs& a, void* dx, void* dgamma, void
             static_cast<const T*>(dy), static_cast<const T*>(x), out, g, ch, scratch.partials);
         LOOM_CUDA_LAUNCH();
         if (g.groups > 1) {
-          grad_combine_kernel<A><<<combine_blocks(a.c), kCombineThreads, 0, s>>>(scratch.partials, g.groups, ch);
+          with_combine_lanes(a.c, g.groups, [&](auto lanes, unsigned grid) {
+            grad_combine_kernel<A, decltype(lanes)::value>
+                <<<grid, kCombineThreads, 0, s>>>(scratch.partials, a.c, g.groups, ch);
+          });
           LOOM_CUDA_LAUNCH();
         }
         grad_input_kernel<T, V, kRelu><<<blocks_of(g), kThreads, 0, s>>>(
