@@ -154,6 +154,11 @@ struct Pool2dArgs {
   int64_t out_h = 0, out_w = 0;        // output (N, C, OH, OW)
   int64_t kh = 1, kw = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
   ChannelLayout layout = ChannelLayout::channels_first;
+  // Max pooling's forward only, null elsewhere: C values of `dtype`, one a channel, added to
+  // every element of x before its window is searched, the sum rounded to `dtype` as add's
+  // is. y and the indices are then those of max pooling over x + bias, in one pass over x
+  // (a convolution's bias, added while pooling its output: max_pool2d_bias, engine/ops.h).
+  const void* bias = nullptr;
 };
 
 // Batch normalisation over the channel axis of a contiguous (N, C, S) buffer (NCHW with
@@ -417,7 +422,8 @@ struct KernelTable {
                                  StreamHandle stream);
   // y = max over each window (padding never wins); indices (N, C, OH, OW) i64 = ih * W + iw,
   // the position within its input plane of the first maximum in row-major window order
-  // (a NaN counts as the maximum, the last NaN seen wins, as PyTorch).
+  // (a NaN counts as the maximum, the last NaN seen wins, as PyTorch). With args.bias, of
+  // x + bias (Pool2dArgs).
   void (*max_pool2d_forward)(const Pool2dArgs& args, void* y, int64_t* indices, const void* x,
                              StreamHandle stream);
   // dx (N, C, H, W) = sum of dy over the outputs whose index points at each input element;

@@ -31,10 +31,23 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, std::array<int, 2> ker
   }
 }
 
+namespace {
+
+void check_input(const Tensor& input, int64_t in_channels, int64_t out_channels) {
+  LOOM_CHECK(input.dim() == 4 && input.size(1) == in_channels, "Conv2d(", in_channels, ", ", out_channels,
+             "): expected input (N, ", in_channels, ", H, W), got ", shape_str(input.shape()));
+}
+
+}  // namespace
+
 Tensor Conv2d::forward(const Tensor& input) {
-  LOOM_CHECK(input.dim() == 4 && input.size(1) == in_channels_, "Conv2d(", in_channels_, ", ", out_channels_,
-             "): expected input (N, ", in_channels_, ", H, W), got ", shape_str(input.shape()));
+  check_input(input, in_channels_, out_channels_);
   return conv2d(input, weight, bias, options_.stride, options_.padding, options_.dilation, options_.groups);
+}
+
+Tensor Conv2d::convolve(const Tensor& input) {
+  check_input(input, in_channels_, out_channels_);
+  return conv2d(input, weight, Tensor(), options_.stride, options_.padding, options_.dilation, options_.groups);
 }
 
 }  // namespace loom::nn

@@ -15,6 +15,9 @@ class MaxPool2d : public Module {
   explicit MaxPool2d(int kernel_size, std::optional<int> stride = std::nullopt, int padding = 0);
   Tensor forward(const Tensor& input) override;
   std::string type_name() const override { return "MaxPool2d"; }
+  std::array<int, 2> kernel_size() const { return kernel_; }
+  std::array<int, 2> stride() const { return stride_; }
+  std::array<int, 2> padding() const { return padding_; }
 
  private:
   std::array<int, 2> kernel_, stride_, padding_;

@@ -2,6 +2,12 @@
 // from Module unchanged.
 #include "layers/sequential.h"
 
+#include <typeinfo>
+
+#include "engine/ops.h"
+#include "layers/conv.h"
+#include "layers/pool.h"
+
 namespace loom::nn {
 
 Sequential::Sequential(std::vector<std::shared_ptr<Module>> modules) {
@@ -15,9 +21,29 @@ std::shared_ptr<Module> Sequential::operator[](size_t i) const {
   return named_children()[i].second;
 }
 
+namespace {
+
+// The stage as a T when it is exactly a T (a derived class may override forward), else null.
+template <class T> T* exactly(const std::shared_ptr<Module>& stage) {
+  return typeid(*stage) == typeid(T) ? static_cast<T*>(stage.get()) : nullptr;
+}
+
+}  // namespace
+
 Tensor Sequential::forward(const Tensor& input) {
   Tensor x = input;
-  for (const auto& [_, stage] : named_children()) x = stage->forward(x);
+  const auto& stages = named_children();
+  for (size_t i = 0; i < stages.size(); ++i) {
+    Conv2d* conv = exactly<Conv2d>(stages[i].second);
+    MaxPool2d* pool = i + 1 < stages.size() ? exactly<MaxPool2d>(stages[i + 1].second) : nullptr;
+    if (conv && pool && conv->bias.defined() && conv->bias.dtype() == conv->weight.dtype()) {
+      const Tensor y = conv->convolve(x);
+      x = max_pool2d_bias(y, conv->bias.to(y.dtype()), pool->kernel_size(), pool->stride(), pool->padding());
+      ++i;
+      continue;
+    }
+    x = stages[i].second->forward(x);
+  }
   return x;
 }
 

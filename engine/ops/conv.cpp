@@ -12,6 +12,10 @@
 // memory in stream order, so freeing it right after the launch is safe.
 //
 // max_pool2d saves its argmax indices for backward; avg_pool2d saves nothing.
+// max_pool2d_bias is max_pool2d(x + bias) in one pass over x: the kernel adds each
+// channel's bias while searching the windows, rounding each sum as add does, so the values,
+// the indices and both gradients are the bits of the add and the pooling run one after
+// the other, without writing and reading back x + bias (a convolution's output).
 // adaptive_avg_pool2d is a composite (a mean, or an avg_pool2d) with no backward of its own.
 #include <string>
 
@@ -78,23 +82,38 @@ Pool2dArgs pool_args(const char* op, const Tensor& x, std::array<int, 2> kernel,
   return a;
 }
 
-Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 2> kernel, std::array<int, 2> stride,
-                 std::array<int, 2> padding) {
+// max_pool2d (is_max) or avg_pool2d of x; max_pool2d of x + bias when bias is defined
+// (max_pool2d_bias), its gradient the sum of dx over N, H and W, as add's would be.
+Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, const Tensor& bias0, std::array<int, 2> kernel,
+                 std::array<int, 2> stride, std::array<int, 2> padding) {
   ops::check_defined(x0, op, "x");
   ops::check_floating(x0, op);
   const MemoryFormat format = x0.memory_format();
   Tensor x = x0.contiguous(format);
   Pool2dArgs a = pool_args(op, x, kernel, stride, padding);
   a.layout = ops::channel_layout(format);
+  Tensor bias;
+  if (bias0.defined()) {
+    ops::check_same_device(x0, bias0, op);
+    LOOM_CHECK(bias0.dim() == 1 && bias0.size(0) == a.c, op, " expects bias (C) = (", a.c, ") for input ",
+               shape_str(x0.shape()), ", got ", shape_str(bias0.shape()));
+    LOOM_CHECK(bias0.dtype() == x0.dtype(), op, ": bias is ", dtype_name(bias0.dtype()), " and x ",
+               dtype_name(x0.dtype()), "; pass them in one dtype (bias.to(x.dtype()))");
+    bias = bias0.contiguous();
+  }
   const Device dev = x.device();
   Tensor y = Tensor::empty({a.n, a.c, a.out_h, a.out_w}, x.dtype(), dev, format);
   Tensor indices = is_max ? Tensor::empty(y.shape(), DType::i64, dev, format) : Tensor();
   if (y.numel() > 0) {
-    if (is_max) kernels(dev).max_pool2d_forward(a, y.data_ptr(), indices.data<int64_t>(), x.data_ptr(), ops::stream(x));
+    Pool2dArgs fa = a;
+    fa.bias = bias.defined() ? bias.data_ptr() : nullptr;
+    if (is_max) kernels(dev).max_pool2d_forward(fa, y.data_ptr(), indices.data<int64_t>(), x.data_ptr(), ops::stream(x));
     else kernels(dev).avg_pool2d_forward(a, y.data_ptr(), x.data_ptr(), ops::stream(x));
   }
-  if (any_requires_grad({x})) {
-    record(op, {x}, {y}, [a, indices, is_max, dev, format](const TensorList& g) {
+  const TensorList inputs = bias.defined() ? TensorList{x, bias} : TensorList{x};
+  if (any_requires_grad(inputs)) {
+    const bool has_bias = bias.defined(), need_dbias = has_bias && bias.requires_grad();
+    record(op, inputs, {y}, [a, indices, is_max, has_bias, need_dbias, dev, format](const TensorList& g) {
       Tensor gy = g[0].to(a.dtype).contiguous(format);
       Tensor gx = Tensor::empty({a.n, a.c, a.h, a.w}, a.dtype, dev, format);
       if (gx.numel() > 0) {
@@ -103,7 +122,9 @@ Tensor pool_impl(const char* op, bool is_max, const Tensor& x0, std::array<int, 
         else
           kernels(dev).avg_pool2d_backward(a, gx.data_ptr(), gy.data_ptr(), ops::stream(gx));
       }
-      return TensorList{gx};
+      if (!has_bias) return TensorList{gx};
+      if (!need_dbias) return TensorList{gx, Tensor()};
+      return TensorList{gx, sum_to(gx, {1, a.c, 1, 1}).reshape({a.c})};
     });
   }
   return y;
@@ -198,13 +219,19 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
 
 Tensor max_pool2d(const Tensor& x, std::array<int, 2> kernel, std::array<int, 2> stride,
                   std::array<int, 2> padding) {
-  return pool_impl("max_pool2d", true, x, kernel, stride, padding);
+  return pool_impl("max_pool2d", true, x, Tensor(), kernel, stride, padding);
 }
 Tensor max_pool2d(const Tensor& x, std::array<int, 2> kernel) { return max_pool2d(x, kernel, kernel); }
 
+Tensor max_pool2d_bias(const Tensor& x, const Tensor& bias, std::array<int, 2> kernel, std::array<int, 2> stride,
+                       std::array<int, 2> padding) {
+  ops::check_defined(bias, "max_pool2d_bias", "bias");
+  return pool_impl("max_pool2d_bias", true, x, bias, kernel, stride, padding);
+}
+
 Tensor avg_pool2d(const Tensor& x, std::array<int, 2> kernel, std::array<int, 2> stride,
                   std::array<int, 2> padding) {
-  return pool_impl("avg_pool2d", false, x, kernel, stride, padding);
+  return pool_impl("avg_pool2d", false, x, Tensor(), kernel, stride, padding);
 }
 Tensor avg_pool2d(const Tensor& x, std::array<int, 2> kernel) { return avg_pool2d(x, kernel, kernel); }
 

@@ -3,7 +3,8 @@
 // for average pooling's backward, the N images for max pooling's), each pixel's C channels
 // handled together in the innermost loop. Either way a channel sees its window's elements
 // in the same order, so both layouts give the same bits, and the same max-pool indices
-// (ih * W + iw within the plane).
+// (ih * W + iw within the plane). Max pooling's forward adds a channel's bias (Pool2dArgs)
+// to each element as add would, before comparing.
 //
 // Average pooling's backward gathers: each input element sums the gradients of the outputs
 // whose windows cover it (kernels/core/pool_window.h), outputs in order, as the CUDA
@@ -61,6 +62,7 @@ void max_forward_cl(const Pool2dArgs& a, void* y, int64_t* indices, const void* 
   for_each_row(a, "max_pool2d", a.out_h, work, [&](auto tag, int64_t n, int64_t oh, auto* best, int64_t* best_at) {
     using T = decltype(tag);
     using A = acc_t<T>;
+    const T* bias = static_cast<const T*>(a.bias);
     const pool::Span rows = pool::input_span(oh, a.stride_h, a.pad_h, a.kh, a.h);
     for (int64_t ow = 0; ow < a.out_w; ++ow) {
       const pool::Span cols = pool::input_span(ow, a.stride_w, a.pad_w, a.kw, a.w);
@@ -71,7 +73,7 @@ void max_forward_cl(const Pool2dArgs& a, void* y, int64_t* indices, const void* 
           const T* in = static_cast<const T*>(x) + ((n * a.h + ih) * a.w + iw) * a.c;
           const int64_t here = ih * a.w + iw;
           for (int64_t c = 0; c < a.c; ++c) {  // without a branch (masked_select.h)
-            const A v = A(in[c]);
+            const A v = bias ? A(T(A(in[c]) + A(bias[c]))) : A(in[c]);
             const bool take = (v > best[c]) | (v != v);  // larger, or NaN
             best[c] = masked_select(take, v, best[c]);
             best_at[c] = masked_select(take, here, best_at[c]);
@@ -158,6 +160,8 @@ void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const vo
     const T* in = static_cast<const T*>(x) + p * hw;
     T* out = static_cast<T*>(y) + p * ohw;
     int64_t* idx = indices + p * ohw;
+    const bool biased = a.bias != nullptr;
+    const A shift = biased ? A(static_cast<const T*>(a.bias)[p % a.c]) : A(0);
     for (int64_t oh = 0; oh < a.out_h; ++oh) {
       const pool::Span rows = pool::input_span(oh, a.stride_h, a.pad_h, a.kh, a.h);
       for (int64_t ow = 0; ow < a.out_w; ++ow) {
@@ -168,7 +172,7 @@ void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const vo
           for (int64_t iw = cols.begin; iw < cols.end; ++iw) {
             // A larger value or a NaN takes over, chosen by bit masks rather than a branch,
             // which random data would mispredict every other time.
-            const A v = A(in[ih * a.w + iw]);
+            const A v = biased ? A(T(A(in[ih * a.w + iw]) + shift)) : A(in[ih * a.w + iw]);
             const bool take = (v > best) | (v != v);
             best = masked_select(take, v, best);
             best_at = masked_select(take, ih * a.w + iw, best_at);

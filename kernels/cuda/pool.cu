@@ -72,20 +72,23 @@ template <class I> __device__ __forceinline__ I stride(const Geom<I>& g) { retur
 #define LOOM_GRID_STRIDE(e, n) \
   for (I e = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); e < (n); e += I(gridDim.x) * I(blockDim.x))
 
+// With a bias (Pool2dArgs::bias), each element is x + bias[c] rounded to T, as add rounds it.
 template <class T, class I>
-__global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, Geom<I> g, I n) {
+__global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, const T* bias, Geom<I> g, I n) {
   using A = acc_t<T>;
   const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
     const Place<I> p = place(e, g.out_h, g.out_w, g);
     const T* in = x + plane_start(p, g.h, g.w, g);
+    const A shift = bias ? to_acc(bias[p.c]) : A(0);
     const pool::SpanOf<I> rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
     const pool::SpanOf<I> cols = pool::input_span(p.col, g.stride_w, g.pad_w, g.kw, g.w);
     A best = -std::numeric_limits<A>::infinity();
     I best_at = rows.begin * g.w + cols.begin;
     for (I ih = rows.begin; ih < rows.end; ++ih)
       for (I iw = cols.begin; iw < cols.end; ++iw) {
-        const A v = to_acc(in[(ih * g.w + iw) * step]);
+        const T e = in[(ih * g.w + iw) * step];
+        const A v = bias ? to_acc(from_acc<T>(to_acc(e) + shift)) : to_acc(e);
         if (v > best || v != v) {
           best = v;
           best_at = ih * g.w + iw;
@@ -178,7 +181,7 @@ void max_pool2d_forward(const Pool2dArgs& a, void* y, int64_t* indices, const vo
     with_index(a, [&](auto index) {
       using I = decltype(index);
       max_forward_kernel<T, I><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
-          static_cast<T*>(y), indices, static_cast<const T*>(x), geom<I>(a), I(n));
+          static_cast<T*>(y), indices, static_cast<const T*>(x), static_cast<const T*>(a.bias), geom<I>(a), I(n));
     });
   });
   LOOM_CUDA_LAUNCH();

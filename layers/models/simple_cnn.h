@@ -13,7 +13,9 @@
 // unless every term of a sum is zero; tests/layers/test_models.cpp compares both orders'
 // outputs and gradients bit for bit. What it saves: the ReLU passes, forward and backward,
 // run over the pooled maps, a quarter of the values, and backward keeps the pooled ReLU
-// output instead of the full one.
+// output instead of the full one. Each convolution is followed by its pool, so `features`
+// (a Sequential) adds the convolution's bias while pooling (layers/sequential.h), the same
+// bits without a pass over the convolution's output.
 #pragma once
 
 #include <memory>

@@ -12,6 +12,7 @@
 #include "layers/optim/clip.h"
 #include "layers/optim/sgd.h"
 #include "tests/common/gpu.h"
+#include "tests/layers/conv_pool_fusion.h"
 
 namespace loom::nn {
 namespace {
@@ -98,6 +99,21 @@ TEST(OptimCuda, ClipGradNormMatchesTheCpu) {
   EXPECT_NEAR(norm.item(), 7.0, 1e-5);
   std::vector<float> g = a.grad().to_vector<float>();
   EXPECT_NEAR(g[2], 3.0, 1e-5);
+}
+
+TEST(ConvPoolFusionCuda, MaxPoolBiasIsTheAddThenThePooling) {
+  LOOM_REQUIRE_CUDA();
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16})
+    for (MemoryFormat format : {MemoryFormat::contiguous, MemoryFormat::channels_last}) {
+      test::expect_max_pool_bias_is_add_then_pool(kGpu, dtype, format, {{2, 2}, {2, 2}, {0, 0}});
+      test::expect_max_pool_bias_is_add_then_pool(kGpu, dtype, format, {{3, 3}, {2, 2}, {1, 1}});
+    }
+}
+
+TEST(ConvPoolFusionCuda, SequentialConvThenPoolChangesNoBit) {
+  LOOM_REQUIRE_CUDA();
+  test::expect_sequential_fusion_changes_no_bit(kGpu, MemoryFormat::contiguous);
+  test::expect_sequential_fusion_changes_no_bit(kGpu, MemoryFormat::channels_last);
 }
 
 }  // namespace
