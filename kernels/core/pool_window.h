@@ -29,13 +29,27 @@ template <class I> LOOM_HOST_DEVICE SpanOf<I> input_span(I o, I stride, I pad, I
   return {start < 0 ? I(0) : start, start + kernel < size ? start + kernel : size};
 }
 
+// Division by a fixed positive number, as the output spans need it: plainly here; the CUDA
+// kernels pass a divisor that multiplies and shifts instead (kernels/cuda/pool.cu), with
+// the same quotients.
+template <class I> struct PlainDivisor {
+  I d;
+  LOOM_HOST_DEVICE I value() const { return d; }
+  LOOM_HOST_DEVICE I div(I n) const { return n / d; }
+};
+
 // Output positions whose windows contain input position i, clipped to [0, out_size):
-// o * stride - pad <= i < o * stride - pad + kernel.
-template <class I> LOOM_HOST_DEVICE SpanOf<I> output_span(I i, I stride, I pad, I kernel, I out_size) {
+// o * stride - pad <= i < o * stride - pad + kernel. Every division has a dividend >= 0.
+template <class I, class Divisor>
+LOOM_HOST_DEVICE SpanOf<I> output_span_by(I i, Divisor stride, I pad, I kernel, I out_size) {
   const I lo = i + pad - kernel + 1;  // smallest o * stride allowed
-  const I begin = lo <= 0 ? I(0) : (lo + stride - 1) / stride;
-  const I last = (i + pad) / stride;  // i + pad >= 0 always
+  const I begin = lo <= 0 ? I(0) : stride.div(lo + stride.value() - 1);
+  const I last = stride.div(i + pad);  // i + pad >= 0 always
   return {begin, last + 1 < out_size ? last + 1 : out_size};
+}
+
+template <class I> LOOM_HOST_DEVICE SpanOf<I> output_span(I i, I stride, I pad, I kernel, I out_size) {
+  return output_span_by(i, PlainDivisor<I>{stride}, pad, kernel, out_size);
 }
 
 }  // namespace loom::pool

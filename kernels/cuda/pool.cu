@@ -13,11 +13,13 @@
 // a handful per element; in 64 bits each is a long instruction sequence, and the backward
 // passes (a thread per input element, little memory traffic each) were bound by them. So
 // every kernel is compiled for 32- and 64-bit indices, and a call whose buffers hold fewer
-// than kIndex32Limit elements (every CNN's pooling in practice) runs the 32-bit copy.
+// than kIndex32Limit elements (every CNN's pooling in practice) runs the 32-bit copy, which
+// divides by multiplying with numbers found on the host (FastDivisor).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/core/pool_window.h"
 #include "kernels/cuda/common.cuh"
@@ -33,16 +35,60 @@ constexpr int kThreads = 256;
 constexpr int64_t kIndex32Limit = int64_t(1) << 30;
 std::atomic<int64_t> index32_limit{kIndex32Limit};
 
-// Pool2dArgs by value, trimmed to what the device needs, in the index type I.
+// n / d for 0 <= n, d < 2^31 by a multiply, an add and a shift: q = (umulhi(n, m) + n) >> s,
+// with s the least such that 2^s >= d and m = floor(2^32 (2^s - d) / d) + 1, found once on
+// the host (Granlund and Montgomery's method, as PyTorch's IntDivider). The quotient is
+// exact in that range, and t + n stays below 2^32.
+struct FastDivisor {
+  int32_t d;
+  uint32_t m, s;
+  explicit FastDivisor(int64_t divisor) : d(int32_t(divisor)), s(0) {
+    while ((int64_t(1) << s) < divisor) ++s;
+    m = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << s) - uint64_t(divisor)) / uint64_t(divisor) + 1);
+  }
+  __device__ __forceinline__ int32_t value() const { return d; }
+  __device__ __forceinline__ int32_t div(int32_t n) const {
+    return int32_t((__umulhi(uint32_t(n), m) + uint32_t(n)) >> s);
+  }
+};
+
+// The 32-bit kernels divide by multiplying (FastDivisor); the 64-bit ones plainly.
+template <class I>
+using Divisor = std::conditional_t<std::is_same_v<I, int32_t>, FastDivisor, pool::PlainDivisor<I>>;
+
+template <class I> Divisor<I> divisor(int64_t d) {
+  if constexpr (std::is_same_v<I, int32_t>) return FastDivisor(d);
+  else return pool::PlainDivisor<I>{I(d)};
+}
+
+// Pool2dArgs by value, trimmed to what the device needs, in the index type I, with a
+// divisor for each extent the kernels divide by.
 template <class I> struct Geom {
   I c, h, w, out_h, out_w, kh, kw, stride_h, stride_w, pad_h, pad_w;
+  Divisor<I> div_c, div_h, div_w, div_out_h, div_out_w, div_stride_h, div_stride_w;
   bool channels_last;
 };
 
 template <class I> Geom<I> geom(const Pool2dArgs& a) {
-  const bool channels_last = a.layout == ChannelLayout::channels_last;
-  return {I(a.c),  I(a.h),        I(a.w),        I(a.out_h), I(a.out_w), I(a.kh),
-          I(a.kw), I(a.stride_h), I(a.stride_w), I(a.pad_h), I(a.pad_w), channels_last};
+  return {I(a.c),
+          I(a.h),
+          I(a.w),
+          I(a.out_h),
+          I(a.out_w),
+          I(a.kh),
+          I(a.kw),
+          I(a.stride_h),
+          I(a.stride_w),
+          I(a.pad_h),
+          I(a.pad_w),
+          divisor<I>(a.c),
+          divisor<I>(a.h),
+          divisor<I>(a.w),
+          divisor<I>(a.out_h),
+          divisor<I>(a.out_w),
+          divisor<I>(a.stride_h),
+          divisor<I>(a.stride_w),
+          a.layout == ChannelLayout::channels_last};
 }
 
 // Element e (in memory order) of a buffer of (N, C) planes of rows x cols, in the Geom's
@@ -51,13 +97,15 @@ template <class I> struct Place {
   I n, c, row, col;
 };
 
-template <class I> __device__ __forceinline__ Place<I> place(I e, I rows, I cols, const Geom<I>& g) {
-  if (g.channels_last) {
-    const I pixel = e / g.c;
-    return {pixel / (cols * rows), e % g.c, pixel / cols % rows, pixel % cols};
+template <class I>
+__device__ __forceinline__ Place<I> place(I e, const Divisor<I>& rows, const Divisor<I>& cols, const Geom<I>& g) {
+  if (g.channels_last) {  // e = ((n * rows + row) * cols + col) * C + c
+    const I pixel = g.div_c.div(e), t = cols.div(pixel), n = rows.div(t);
+    return {n, e - pixel * g.c, t - n * rows.value(), pixel - t * cols.value()};
   }
-  const I plane = e / (cols * rows);
-  return {plane / g.c, plane % g.c, e / cols % rows, e % cols};
+  // e = ((n * C + c) * rows + row) * cols + col
+  const I t = cols.div(e), plane = rows.div(t), n = g.div_c.div(plane);
+  return {n, plane - n * g.c, t - plane * rows.value(), e - t * cols.value()};
 }
 
 // Where the plane of p starts in a buffer of rows x cols planes; its element (r, q) is then
@@ -78,7 +126,7 @@ __global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, const T* 
   using A = acc_t<T>;
   const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const Place<I> p = place(e, g.out_h, g.out_w, g);
+    const Place<I> p = place(e, g.div_out_h, g.div_out_w, g);
     const T* in = x + plane_start(p, g.h, g.w, g);
     const A shift = bias ? to_acc(bias[p.c]) : A(0);
     const pool::SpanOf<I> rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
@@ -104,12 +152,12 @@ __global__ void max_backward_kernel(T* dx, const T* dy, const int64_t* indices, 
   using A = acc_t<T>;
   const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const Place<I> p = place(e, g.h, g.w, g);
+    const Place<I> p = place(e, g.div_h, g.div_w, g);
     const I self = p.row * g.w + p.col, start = plane_start(p, g.out_h, g.out_w, g);
     const T* go = dy + start;
     const int64_t* idx = indices + start;
-    const pool::SpanOf<I> rows = pool::output_span(p.row, g.stride_h, g.pad_h, g.kh, g.out_h);
-    const pool::SpanOf<I> cols = pool::output_span(p.col, g.stride_w, g.pad_w, g.kw, g.out_w);
+    const pool::SpanOf<I> rows = pool::output_span_by(p.row, g.div_stride_h, g.pad_h, g.kh, g.out_h);
+    const pool::SpanOf<I> cols = pool::output_span_by(p.col, g.div_stride_w, g.pad_w, g.kw, g.out_w);
     A sum = A(0);
     for (I oh = rows.begin; oh < rows.end; ++oh)
       for (I ow = cols.begin; ow < cols.end; ++ow) {
@@ -126,7 +174,7 @@ __global__ void avg_forward_kernel(T* y, const T* x, Geom<I> g, I n) {
   const A scale = A(1) / A(g.kh * g.kw);
   const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const Place<I> p = place(e, g.out_h, g.out_w, g);
+    const Place<I> p = place(e, g.div_out_h, g.div_out_w, g);
     const T* in = x + plane_start(p, g.h, g.w, g);
     const pool::SpanOf<I> rows = pool::input_span(p.row, g.stride_h, g.pad_h, g.kh, g.h);
     const pool::SpanOf<I> cols = pool::input_span(p.col, g.stride_w, g.pad_w, g.kw, g.w);
@@ -143,10 +191,10 @@ __global__ void avg_backward_kernel(T* dx, const T* dy, Geom<I> g, I n) {
   const A scale = A(1) / A(g.kh * g.kw);
   const I step = stride(g);
   LOOM_GRID_STRIDE(e, n) {
-    const Place<I> p = place(e, g.h, g.w, g);
+    const Place<I> p = place(e, g.div_h, g.div_w, g);
     const T* go = dy + plane_start(p, g.out_h, g.out_w, g);
-    const pool::SpanOf<I> rows = pool::output_span(p.row, g.stride_h, g.pad_h, g.kh, g.out_h);
-    const pool::SpanOf<I> cols = pool::output_span(p.col, g.stride_w, g.pad_w, g.kw, g.out_w);
+    const pool::SpanOf<I> rows = pool::output_span_by(p.row, g.div_stride_h, g.pad_h, g.kh, g.out_h);
+    const pool::SpanOf<I> cols = pool::output_span_by(p.col, g.div_stride_w, g.pad_w, g.kw, g.out_w);
     A sum = A(0);
     for (I oh = rows.begin; oh < rows.end; ++oh)
       for (I ow = cols.begin; ow < cols.end; ++ow) sum += to_acc(go[(oh * g.out_w + ow) * step]);

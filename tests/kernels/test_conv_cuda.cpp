@@ -233,15 +233,17 @@ const std::vector<PoolCase>& pool_cases() {
       {"3x3_stride1_pad1", 2, 3, 9, 10, 3, 3, 1, 1, 1, 1},
       {"rect_2x3_pad", 2, 2, 7, 9, 2, 3, 1, 2, 1, 1},
       {"stride_past_kernel", 1, 2, 10, 10, 2, 2, 3, 3},
+      {"odd_extents", 3, 7, 37, 29, 3, 3, 3, 3, 1, 1},
   };
   return table;
 }
 
 template <class T>
-void check_pools(const PoolCase& p, double tol) {
-  SCOPED_TRACE(p.name);
+void check_pools(const PoolCase& p, ChannelLayout layout, double tol) {
+  SCOPED_TRACE(p.name + (layout == ChannelLayout::channels_last ? " channels-last" : " NCHW"));
   std::mt19937 rng(29);
-  const Pool2dArgs a = test::pool_args(p, dtype_of<T>());
+  Pool2dArgs a = test::pool_args(p, dtype_of<T>());
+  a.layout = layout;
   const int64_t nx = a.n * a.c * a.h * a.w, ny = a.n * a.c * a.out_h * a.out_w;
   const auto x = random_values<T>(nx, rng), dy = random_values<T>(ny, rng);
   const std::vector<double> ones_y(static_cast<size_t>(ny), 1.0), ones_x(static_cast<size_t>(nx), 1.0);
@@ -264,6 +266,11 @@ void check_pools(const PoolCase& p, double tol) {
   cuda::avg_pool2d_backward(a, gdx.get(), gdy.get(), nullptr);
   expect_near_scaled(gy.to_host(), y, ones_y, tol, "avg y");
   expect_near_scaled(gdx.to_host(), dx, ones_x, tol, "avg dx");
+}
+
+template <class T> void check_pools(const PoolCase& p, double tol) {
+  for (ChannelLayout layout : {ChannelLayout::channels_first, ChannelLayout::channels_last})
+    check_pools<T>(p, layout, tol);
 }
 
 TEST(PoolCuda, MatchesCpuF32) {
