@@ -151,8 +151,19 @@ __global__ void __launch_bounds__(kThreads) reduce_cols_kernel(void* out, const 
     const int64_t r0 = split * chunk, r1 = min(R, r0 + chunk);
     const T* p = in + o * R * inner + i;
     State<A> s = identity<op, A>();
-#pragma unroll 4
-    for (int64_t r = r0; r < r1; ++r) s = Combine<op, A>{}(s, State<A>{A(to_acc(p[r * inner])), r});
+    // kLoads loads issued before their values are combined, in order: a call with few
+    // outputs (a channels-last bias gradient: C columns) has few threads, each walking a
+    // long column, and one load in flight each would leave it waiting on memory.
+    constexpr int kLoads = 16;
+    int64_t r = r0;
+    for (; r + kLoads <= r1; r += kLoads) {
+      T v[kLoads];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) v[k] = p[(r + k) * inner];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) s = Combine<op, A>{}(s, State<A>{A(to_acc(v[k])), r + k});
+    }
+    for (; r < r1; ++r) s = Combine<op, A>{}(s, State<A>{A(to_acc(p[r * inner])), r});
     if (splits == 1) store<op, T>(out, j, s, R);
     else slot_partials<A>(slot)[j * splits + split] = s;
   }
