@@ -197,8 +197,7 @@ Tensor max_pool2d(const Tensor& x, std::array<int, 2> kernel, std::array<int, 2>
 Tensor max_pool2d(const Tensor& x, std::array<int, 2> kernel);
 // max_pool2d(x + bias.reshape({1, C, 1, 1})) without x + bias in memory: bias (C) has x's
 // dtype, and the result and the gradients of x and bias are bit for bit those of the add
-// and the pooling one after the other. Sequential runs a Conv2d with a bias followed by a
-// MaxPool2d this way (layers/sequential.h).
+// and the pooling one after the other: a convolution's bias added while pooling its output.
 Tensor max_pool2d_bias(const Tensor& x, const Tensor& bias, std::array<int, 2> kernel, std::array<int, 2> stride,
                        std::array<int, 2> padding = {0, 0});
 // Mean over each window, padding counted as zeros (PyTorch's count_include_pad = true).

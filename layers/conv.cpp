@@ -45,7 +45,7 @@ Tensor Conv2d::forward(const Tensor& input) {
   return conv2d(input, weight, bias, options_.stride, options_.padding, options_.dilation, options_.groups);
 }
 
-Tensor Conv2d::convolve(const Tensor& input) {
+Tensor Conv2d::forward_without_bias(const Tensor& input) {
   check_input(input, in_channels_, out_channels_);
   return conv2d(input, weight, Tensor(), options_.stride, options_.padding, options_.dilation, options_.groups);
 }

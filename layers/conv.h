@@ -27,8 +27,8 @@ class Conv2d : public Module {
 
   // (N, C_in, H, W) -> (N, C_out, OH, OW)
   Tensor forward(const Tensor& input) override;
-  // The convolution without the bias: forward adds the bias to this.
-  Tensor convolve(const Tensor& input);
+  // The convolution alone, the bias left out: forward adds the bias to this.
+  Tensor forward_without_bias(const Tensor& input);
   std::string type_name() const override { return "Conv2d"; }
 
   int64_t in_channels() const { return in_channels_; }

@@ -37,7 +37,7 @@ Tensor Sequential::forward(const Tensor& input) {
     Conv2d* conv = exactly<Conv2d>(stages[i].second);
     MaxPool2d* pool = i + 1 < stages.size() ? exactly<MaxPool2d>(stages[i + 1].second) : nullptr;
     if (conv && pool && conv->bias.defined() && conv->bias.dtype() == conv->weight.dtype()) {
-      const Tensor y = conv->convolve(x);
+      const Tensor y = conv->forward_without_bias(x);
       x = max_pool2d_bias(y, conv->bias.to(y.dtype()), pool->kernel_size(), pool->stride(), pool->padding());
       ++i;
       continue;

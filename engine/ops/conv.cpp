@@ -72,6 +72,8 @@ Pool2dArgs pool_args(const char* op, const Tensor& x, std::array<int, 2> kernel,
   check_positive(op, "padding", padding, 0);
   LOOM_CHECK(padding[0] <= kernel[0] / 2 && padding[1] <= kernel[1] / 2, op, ": padding ", pair_str(padding),
              " must be at most half the kernel ", pair_str(kernel), " (as in PyTorch), so no window is all padding");
+  LOOM_CHECK(x.size(2) > 0 && x.size(3) > 0, op, " expects input (N, C, H, W) with H and W at least 1 (as in PyTorch), got ",
+             shape_str(x.shape()));
   Pool2dArgs a;
   a.dtype = x.dtype();
   a.n = x.size(0), a.c = x.size(1), a.h = x.size(2), a.w = x.size(3);

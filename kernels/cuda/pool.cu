@@ -35,7 +35,7 @@ constexpr int kThreads = 256;
 constexpr int64_t kIndex32Limit = int64_t(1) << 30;
 std::atomic<int64_t> index32_limit{kIndex32Limit};
 
-// n / d for 0 <= n, d < 2^31 by a multiply, an add and a shift: q = (umulhi(n, m) + n) >> s,
+// n / d for 0 <= n < 2^31 and 1 <= d < 2^31 by a multiply, an add and a shift: q = (umulhi(n, m) + n) >> s,
 // with s the least such that 2^s >= d and m = floor(2^32 (2^s - d) / d) + 1, found once on
 // the host (Granlund and Montgomery's method, as PyTorch's IntDivider). The quotient is
 // exact in that range, and t + n stays below 2^32.
@@ -43,6 +43,7 @@ struct FastDivisor {
   int32_t d;
   uint32_t m, s;
   explicit FastDivisor(int64_t divisor) : d(int32_t(divisor)), s(0) {
+    LOOM_ASSERT(divisor >= 1 && divisor < (int64_t(1) << 31), "FastDivisor: divisor ", divisor, " out of range");
     while ((int64_t(1) << s) < divisor) ++s;
     m = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << s) - uint64_t(divisor)) / uint64_t(divisor) + 1);
   }
@@ -135,8 +136,8 @@ __global__ void max_forward_kernel(T* y, int64_t* indices, const T* x, const T* 
     I best_at = rows.begin * g.w + cols.begin;
     for (I ih = rows.begin; ih < rows.end; ++ih)
       for (I iw = cols.begin; iw < cols.end; ++iw) {
-        const T e = in[(ih * g.w + iw) * step];
-        const A v = bias ? to_acc(from_acc<T>(to_acc(e) + shift)) : to_acc(e);
+        const T value = in[(ih * g.w + iw) * step];
+        const A v = bias ? to_acc(from_acc<T>(to_acc(value) + shift)) : to_acc(value);
         if (v > best || v != v) {
           best = v;
           best_at = ih * g.w + iw;
@@ -208,10 +209,12 @@ int64_t input_numel(const Pool2dArgs& a) { return a.n * a.c * a.h * a.w; }
 int64_t output_numel(const Pool2dArgs& a) { return a.n * a.c * a.out_h * a.out_w; }
 
 // Calls f(I{}) with I = int32_t when both buffers of the call hold fewer than
-// index32_limit elements, else int64_t.
+// index32_limit elements and the window's extents are below it too (the output spans add
+// the stride, the padding and the kernel to a position), else int64_t.
 template <class F> void with_index(const Pool2dArgs& a, F&& f) {
   const int64_t limit = index32_limit.load();
-  if (input_numel(a) < limit && output_numel(a) < limit) f(int32_t{});
+  const int64_t window = std::max(a.stride_h + a.pad_h + a.kh, a.stride_w + a.pad_w + a.kw);
+  if (input_numel(a) < limit && output_numel(a) < limit && window < limit) f(int32_t{});
   else f(int64_t{});
 }
 

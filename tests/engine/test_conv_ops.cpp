@@ -41,6 +41,8 @@ TEST(ConvOps, ShapeErrorsNameWhatToChange) {
   expect_error([] { conv2d(zeros({1, 3, 8, 8}), zeros({4, 3, 3, 3}), zeros({5})); }, "bias (4)");
   expect_error([] { conv2d(zeros({1, 3, 8, 8}), zeros({4, 3, 3, 3}), Tensor(), {0, 1}); }, "stride");
   expect_error([] { max_pool2d(zeros({1, 1, 4, 4}), {2, 2}, {2, 2}, {2, 2}); }, "at most half the kernel");
+  expect_error([] { max_pool2d(zeros({1, 1, 0, 4}), {2, 2}, {2, 2}, {1, 1}); }, "H and W at least 1");
+  expect_error([] { avg_pool2d(zeros({1, 1, 4, 0}), {2, 2}, {2, 2}, {1, 1}); }, "got (1, 1, 4, 0)");
   expect_error([] { adaptive_avg_pool2d(zeros({1, 1, 5, 5}), {2, 2}); }, "does not divide");
   expect_error([] { max_pool2d_bias(zeros({1, 3, 4, 4}), zeros({4}), {2, 2}, {2, 2}); }, "bias (C) = (3)");
   expect_error([] { max_pool2d_bias(zeros({1, 3, 4, 4}), zeros({3}, DType::f64), {2, 2}, {2, 2}); },

@@ -7,8 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/autograd.h"
 #include "engine/ops.h"
@@ -25,9 +29,10 @@ struct PoolWindow {
 };
 
 // max_pool2d_bias(x, b) against max_pool2d(x + b): y, dx and db bit for bit, in `dtype` and
-// `format` on `device`. Half the channels get a bias much larger than x, so that many
-// window elements round to the same sum (in bf16 above all): the gradient must still reach
-// the first of them, as it does after a separate add.
+// `format` on `device`, with gradients wanted for both, x alone and b alone. Half the channels
+// get a bias much larger than x, so that many window elements round to the same sum (in bf16
+// above all): the gradient must still reach the first of them, as it does after a separate
+// add. A NaN and both infinities sit among the values.
 inline void expect_max_pool_bias_is_add_then_pool(Device device, DType dtype, MemoryFormat format, PoolWindow win) {
   const std::string what = std::string(dtype_name(dtype)) +
                            (format == MemoryFormat::channels_last ? " channels-last" : " NCHW") + " window " +
@@ -35,27 +40,37 @@ inline void expect_max_pool_bias_is_add_then_pool(Device device, DType dtype, Me
                            std::to_string(win.padding[0]) + " on " + device.str();
   manual_seed(11);
   const int64_t c = 6;
-  const Tensor x0 = mul(randn({3, c, 9, 13}), 0.01).to(dtype).to(device).contiguous(format);
+  const Shape shape{3, c, 9, 13};
+  std::vector<double> values = mul(randn(shape), 0.01).to(DType::f64).to_vector<double>();
+  values[5] = std::nan("");
+  values[200] = std::numeric_limits<double>::infinity();
+  values[401] = -std::numeric_limits<double>::infinity();
+  const Tensor x0 = from_vector(values, shape).to(dtype).to(device).contiguous(format);
   const Tensor b0 =
       add(randn({c}), from_vector(std::vector<double>{64, 0, 64, 0, 64, 0}, {c})).to(dtype).to(device);
-  TensorList outputs, grads;
-  for (bool fused : {true, false}) {
-    Tensor x = x0.detach(), b = b0.detach();
-    x.set_requires_grad();
-    b.set_requires_grad();
-    Tensor y = fused ? max_pool2d_bias(x, b, win.kernel, win.stride, win.padding)
-                     : max_pool2d(add(x, b.reshape({1, c, 1, 1})), win.kernel, win.stride, win.padding);
-    manual_seed(12);
-    const Tensor gy = randn(y.shape()).to(dtype).to(device);
-    sum(mul(y, gy)).backward();
-    outputs.push_back(y);
-    grads.push_back(x.grad());
-    grads.push_back(b.grad());
+  for (const auto& [x_grad, b_grad] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
+    const std::string wants = what + (x_grad && b_grad ? ", both gradients" : x_grad ? ", dx alone" : ", dbias alone");
+    TensorList outputs, grads;
+    for (bool fused : {true, false}) {
+      Tensor x = x0.detach(), b = b0.detach();
+      if (x_grad) x.set_requires_grad();
+      if (b_grad) b.set_requires_grad();
+      Tensor y = fused ? max_pool2d_bias(x, b, win.kernel, win.stride, win.padding)
+                       : max_pool2d(add(x, b.reshape({1, c, 1, 1})), win.kernel, win.stride, win.padding);
+      manual_seed(12);
+      const Tensor gy = randn(y.shape()).to(dtype).to(device);
+      sum(mul(y, gy)).backward();
+      outputs.push_back(y);
+      grads.push_back(x.grad());
+      grads.push_back(b.grad());
+    }
+    EXPECT_EQ(outputs[0].memory_format(), format) << wants;
+    expect_same_bits(outputs[0], outputs[1], "y, " + wants);
+    if (x_grad) expect_same_bits(grads[0], grads[2], "dx, " + wants);
+    else EXPECT_FALSE(grads[0].defined()) << wants;
+    if (b_grad) expect_same_bits(grads[1], grads[3], "dbias, " + wants);
+    else EXPECT_FALSE(grads[1].defined()) << wants;
   }
-  EXPECT_EQ(outputs[0].memory_format(), format) << what;
-  expect_same_bits(outputs[0], outputs[1], "y, " + what);
-  expect_same_bits(grads[0], grads[2], "dx, " + what);
-  expect_same_bits(grads[1], grads[3], "dbias, " + what);
 }
 
 // Conv2d(bias) -> MaxPool2d -> ReLU -> Conv2d(bias) -> MaxPool2d in one Sequential (fused)
