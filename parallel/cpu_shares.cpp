@@ -1,14 +1,12 @@
 #include "parallel/cpu_shares.h"
 
-#include <sched.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <fstream>
 #include <thread>
 #include <tuple>
 
 #include "kernels/core/error.h"
+#include "kernels/cpu/parallel_for.h"
 
 namespace loom::dist {
 namespace {
@@ -21,25 +19,6 @@ int topology_value(int cpu, const char* name) {
   return value;
 }
 
-// The ids in this process's affinity mask, the mask sized up until the kernel's fits.
-std::vector<int> affinity_ids() {
-  std::vector<int> ids;
-  for (int size = CPU_SETSIZE; size <= (1 << 20); size *= 2) {
-    cpu_set_t* set = CPU_ALLOC(size);
-    if (!set) break;
-    const size_t bytes = CPU_ALLOC_SIZE(size);
-    CPU_ZERO_S(bytes, set);
-    const int got = ::sched_getaffinity(0, bytes, set);
-    const int error = errno;
-    if (got == 0)
-      for (int c = 0; c < size; ++c)
-        if (CPU_ISSET_S(c, bytes, set)) ids.push_back(c);
-    CPU_FREE(set);
-    if (got == 0 || error != EINVAL) break;
-  }
-  return ids;
-}
-
 bool same_core(const Cpu& a, const Cpu& b) {
   return a.core >= 0 && std::tie(a.package, a.die, a.core) == std::tie(b.package, b.die, b.core);
 }
@@ -47,7 +26,7 @@ bool same_core(const Cpu& a, const Cpu& b) {
 }  // namespace
 
 std::vector<Cpu> usable_cpus() {
-  std::vector<int> ids = affinity_ids();
+  std::vector<int> ids = cpu::affinity_cpus();
   if (ids.empty()) {
     const int n = int(std::max(1u, std::thread::hardware_concurrency()));
     for (int c = 0; c < n; ++c) ids.push_back(c);

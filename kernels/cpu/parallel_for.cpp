@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -100,6 +101,28 @@ class Pool {
   std::exception_ptr error_;
 };
 
+}  // namespace
+
+std::vector<int> affinity_cpus() {
+  std::vector<int> ids;
+  for (int size = CPU_SETSIZE; size <= (1 << 20); size *= 2) {
+    cpu_set_t* set = CPU_ALLOC(size);
+    if (!set) break;
+    const size_t bytes = CPU_ALLOC_SIZE(size);
+    CPU_ZERO_S(bytes, set);
+    const int got = ::sched_getaffinity(0, bytes, set);
+    const int error = errno;
+    if (got == 0)
+      for (int c = 0; c < size; ++c)
+        if (CPU_ISSET_S(c, bytes, set)) ids.push_back(c);
+    CPU_FREE(set);
+    if (got == 0 || error != EINVAL) break;
+  }
+  return ids;
+}
+
+namespace {
+
 // LOOM_NUM_THREADS, else the CPUs this process may run on (its affinity mask, which
 // taskset, cgroups' cpusets and loomrun --cpu-bind narrow), else every CPU of the machine.
 int configured_threads() {
@@ -107,9 +130,7 @@ int configured_threads() {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  if (const size_t allowed = affinity_cpus().size()) return int(allowed);
   return std::max(1u, std::thread::hardware_concurrency());
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 #include <functional>
 
 namespace loom::cpu {
@@ -14,5 +15,10 @@ namespace loom::cpu {
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
 
 int num_threads();
+
+// The ids of the CPUs this process may run on (its affinity mask, read with a mask sized
+// up until the kernel's fits, so hosts with more than CPU_SETSIZE CPUs are read whole), in
+// number order; empty where the mask cannot be read.
+std::vector<int> affinity_cpus();
 
 }  // namespace loom::cpu

@@ -35,10 +35,11 @@ constexpr int kThreads = 256;
 constexpr int64_t kIndex32Limit = int64_t(1) << 30;
 std::atomic<int64_t> index32_limit{kIndex32Limit};
 
-// n / d for 0 <= n < 2^31 and 1 <= d < 2^31 by a multiply, an add and a shift: q = (umulhi(n, m) + n) >> s,
-// with s the least such that 2^s >= d and m = floor(2^32 (2^s - d) / d) + 1, found once on
-// the host (Granlund and Montgomery's method, as PyTorch's IntDivider). The quotient is
-// exact in that range, and t + n stays below 2^32.
+// n / d for 0 <= n < 2^31 and 1 <= d < 2^31 by a multiply, an add and a shift:
+// q = (umulhi(n, m) + n) >> s, with s the least such that 2^s >= d and
+// m = floor(2^32 (2^s - d) / d) + 1, found once on the host (Granlund and Montgomery's
+// method, as PyTorch's IntDivider). The quotient is exact in that range, and t + n stays
+// below 2^32.
 struct FastDivisor {
   int32_t d;
   uint32_t m, s;
