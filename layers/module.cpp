@@ -183,6 +183,12 @@ void Module::to(DType dtype) {
   for (Tensor& t : buffers()) move_in_place(t, convert);
 }
 
+void Module::to(MemoryFormat format) {
+  auto convert = [&](const Tensor& x) { return x.dim() == 4 ? x.contiguous(format) : x; };
+  for (Tensor& t : parameters()) move_in_place(t, convert);
+  for (Tensor& t : buffers()) move_in_place(t, convert);
+}
+
 void Module::zero_grad() {
   for (Tensor& p : parameters()) p.zero_grad();
 }

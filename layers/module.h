@@ -110,6 +110,12 @@ class Module {
   // Converts floating-point parameters (with their gradients) and buffers to `dtype`;
   // integer buffers keep their dtype, as in PyTorch.
   void to(DType dtype);
+  // Lays every 4-d parameter (with its gradient) and buffer out in `format`, values and
+  // shapes unchanged, as PyTorch's module.to(memory_format=...): channels-last keeps a
+  // convolution's weight (C_out, KH, KW, C_in) in memory, the layout cuDNN's NHWC kernels
+  // read, so a channels-last step converts no weight. Call it before a DDP or FSDP wrapper
+  // takes the parameters.
+  void to(MemoryFormat format);
   // Drops every parameter's gradient (PyTorch's set_to_none=True).
   void zero_grad();
 

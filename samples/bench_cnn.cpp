@@ -8,7 +8,8 @@
 //             [--profile-step] [--no-conv-autotuning]
 // --device cpu steps the model on the CPU (eagerly, in f32, timed by the host's clock): its
 // step time and the most memory a step holds, where there is no GPU. --channels-last lays the
-// batch out channels-last (MemoryFormat), which the CNN ops then keep.
+// batch out channels-last (MemoryFormat), which the CNN ops then keep, and on the GPU
+// (without --ddp) the model's 4-d weights too (Module::to(MemoryFormat)).
 // By default the step is captured as one CUDA graph after the first eager steps and
 // replayed (layers/optim/captured_step.h), as train_cnn does: SimpleCNN's step is bound by
 // kernel launches otherwise. --no-graph times eager steps. The peak memory of a captured
@@ -104,6 +105,9 @@ int main(int argc, char** argv) {
     if (model_name == "simplecnn") model = std::make_shared<nn::SimpleCNN>(c, side, 10);
     else model = nn::resnet18(10, c);
     model->to(dev);
+    // On the GPU the weights follow a channels-last batch (cuDNN's NHWC kernels read them
+    // that way), so no step converts one; DDP takes row-major parameters.
+    if (channels_last && !on_cpu && !ddp) model->to(MemoryFormat::channels_last);
     model->train();
     optim::SGD opt(model->parameters(), {.lr = 0.01, .momentum = 0.9, .weight_decay = 5e-4});
     std::shared_ptr<nn::Module> trained = model;

@@ -3,8 +3,10 @@
 // than a launch's parameters hold). The arithmetic is torch.optim's; kernels/table.h
 // states it.
 //
-// A call takes tensors of one device and one dtype, all contiguous: that is what lets the
-// kernel treat every tensor as a flat array behind one pointer. Mixed lists are the
+// A call takes tensors of one device and one dtype, each dense in its parameter's layout
+// (row-major, or channels-last for a channels-last 4-d parameter): that is what lets the
+// kernel treat every tensor as a flat array behind one pointer, element k of each list
+// being the same parameter element. Mixed lists are the
 // caller's to split (layers/optim does, by device and dtype). Nothing here is recorded by
 // autograd: the update writes the parameters' memory in place.
 //
@@ -34,8 +36,11 @@ void check_entry(const char* op, const char* list, size_t i, const Tensor& t, co
   LOOM_CHECK(t.dtype() == p0.dtype(), op, ": ", list, "[", i, "] is ", dtype_name(t.dtype()), " but params[0] is ",
              dtype_name(p0.dtype()),
              "; one call updates tensors of one dtype: convert it with .to(dtype) or split the call");
-  LOOM_CHECK(t.is_contiguous(), op, ": ", list, "[", i, "] of shape ", shape_str(t.shape()), " (strides ",
-             shape_str(t.strides()), ") is not contiguous: update a .contiguous() copy and copy it back");
+  const MemoryFormat format = p.memory_format();
+  LOOM_CHECK(t.is_contiguous(format) && (format == MemoryFormat::contiguous || t.shape() == p.shape()), op, ": ", list, "[", i, "] of shape ",
+             shape_str(t.shape()), " (strides ", shape_str(t.strides()), ") is not dense in params[", i,
+             "]'s layout (shape ", shape_str(p.shape()), ", strides ", shape_str(p.strides()),
+             "): update a copy laid out as the parameter and copy it back");
   LOOM_CHECK(t.numel() == p.numel(), op, ": ", list, "[", i, "] has shape ", shape_str(t.shape()), " but params[", i,
              "] has shape ", shape_str(p.shape()), "; each entry needs its parameter's number of elements");
 }
@@ -149,7 +154,7 @@ void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorL
     for (size_t i = 0; i < n; ++i) {
       Tensor& buf = momentum_buffers[i];
       if (!buf.defined()) {  // the kernel fills a new buffer with the gradient
-        buf = Tensor::empty(params[i].shape(), dtype, device);
+        buf = Tensor::empty(params[i].shape(), dtype, device, params[i].memory_format());
         first[i] = 1;
       }
       l.state1.push_back(buf.data_ptr());

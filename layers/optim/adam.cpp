@@ -53,8 +53,9 @@ void Adam::step() {
       if (!p.grad().defined()) continue;
       ParamState& s = state_of(p);
       if (s.buffers.empty()) {
-        s.buffers["exp_avg"] = zeros_like(p);
-        s.buffers["exp_avg_sq"] = zeros_like(p);
+        // In the parameter's layout, so that the update reads them as they lie.
+        s.buffers["exp_avg"] = zeros_like(p).contiguous(p.memory_format());
+        s.buffers["exp_avg_sq"] = zeros_like(p).contiguous(p.memory_format());
       }
       params.push_back(p);
       grads.push_back(p.grad());
@@ -84,9 +85,10 @@ void adam_update(const TensorList& params, const TensorList& grads, const Tensor
       LOOM_CHECK(grads[i].defined(), "adam_update: grads[", i,
                  "] is undefined; pass only parameters that have a gradient");
       ps.push_back(staging.stage(params[i]));
-      gs.push_back(grads[i].to(params[i].dtype()).contiguous());
-      ms.push_back(staging.stage(exp_avgs[i]));
-      vs.push_back(staging.stage(exp_avg_sqs[i]));
+      const MemoryFormat format = ps.back().memory_format();  // every list in the parameter's layout
+      gs.push_back(grads[i].to(params[i].dtype()).contiguous(format));
+      ms.push_back(staging.stage(exp_avgs[i], format));
+      vs.push_back(staging.stage(exp_avg_sqs[i], format));
       part_steps.push_back(steps[i]);
     }
     adam_update_fused(ps, gs, ms, vs, part_steps, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,

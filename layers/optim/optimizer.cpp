@@ -214,9 +214,9 @@ std::vector<std::vector<size_t>> split_by_device_and_dtype(const TensorList& par
   return groups;
 }
 
-Tensor ContiguousStaging::stage(const Tensor& t) {
-  if (t.is_contiguous()) return t;
-  Tensor copy = t.contiguous();
+Tensor ContiguousStaging::stage(const Tensor& t, MemoryFormat format) {
+  if (t.is_contiguous(format)) return t;
+  Tensor copy = t.contiguous(format);
   pending_.emplace_back(t, copy);
   return copy;
 }

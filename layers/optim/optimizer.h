@@ -135,18 +135,20 @@ class Optimizer {
 };
 
 // For the update functions (sgd_update, adam_update): the fused ops they call take tensors
-// of one device and one dtype, all contiguous, per call.
+// of one device and one dtype, each dense in its parameter's layout, per call.
 namespace detail {
 
 // Indices into `params` grouped by (device, dtype): list order within a group, groups in
 // the order of their first parameter. One group in the common case.
 std::vector<std::vector<size_t>> split_by_device_and_dtype(const TensorList& params);
 
-// Contiguous stand-ins for tensors a fused op updates in place: stage(t) is t itself when
-// contiguous, else a contiguous copy that copy_back() writes into t afterwards.
+// Dense stand-ins for tensors a fused op updates in place: stage(t, format) is t itself when
+// dense in `format`, else a copy in that layout that copy_back() writes into t afterwards.
+// stage(p) keeps a parameter dense in its own layout (row-major, or channels-last) as it is.
 class ContiguousStaging {
  public:
-  Tensor stage(const Tensor& t);
+  Tensor stage(const Tensor& t) { return stage(t, t.memory_format()); }
+  Tensor stage(const Tensor& t, MemoryFormat format);
   void copy_back() const;
 
  private:

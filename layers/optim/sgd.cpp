@@ -1,7 +1,7 @@
 // SGD: gathers each group's parameters that have a gradient, with their momentum buffers,
 // and runs sgd_update over them under NoGradGuard. sgd_update splits a group by device and
-// dtype and calls the fused op on each part; a non-contiguous parameter is updated through
-// a contiguous copy written back afterwards.
+// dtype and calls the fused op on each part; a parameter dense in neither row-major nor
+// channels-last order is updated through a row-major copy written back afterwards.
 #include "layers/optim/sgd.h"
 
 #include "engine/autograd.h"
@@ -65,9 +65,10 @@ void sgd_update(const TensorList& params, const TensorList& grads, TensorList& m
       LOOM_CHECK(grads[i].defined(), "sgd_update: grads[", i,
                  "] is undefined; pass only parameters that have a gradient");
       ps.push_back(staging.stage(params[i]));
-      gs.push_back(grads[i].to(params[i].dtype()).contiguous());
-      // An optimizer-owned buffer can simply be replaced by a contiguous copy.
-      bufs.push_back(momentum_buffers[i].defined() ? momentum_buffers[i].contiguous() : Tensor());
+      const MemoryFormat format = ps.back().memory_format();  // every list in the parameter's layout
+      gs.push_back(grads[i].to(params[i].dtype()).contiguous(format));
+      // An optimizer-owned buffer can simply be replaced by a copy in that layout.
+      bufs.push_back(momentum_buffers[i].defined() ? momentum_buffers[i].contiguous(format) : Tensor());
     }
     sgd_update_fused(ps, gs, bufs, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov == Nesterov::yes,
                      h.hyper_at);

@@ -23,6 +23,7 @@
 #include "layers/models/resnet.h"
 #include "layers/models/simple_cnn.h"
 #include "tests/common/gpu.h"
+#include "tests/layers/channels_last_params.h"
 
 namespace loom::nn {
 namespace {
@@ -202,6 +203,19 @@ TEST(ChannelsLastCuda, SimpleCnnWithMaxPoolingStepsLikeRowMajor) {
   // convolution reads a (N, 1, H, W) NHWC tensor.
   check([] { return std::make_shared<SimpleCNN>(1, 28, 10); }, {4, 1, 28, 28}, std::nullopt, 1e-3,
         Compare::each_parameter);
+}
+
+// Channels-last parameters (Module::to(MemoryFormat), as bench_cnn --channels-last lays them
+// out) step as row-major ones, bit for bit, under Options::deterministic: the same cuDNN calls
+// (the weights reach them channels-last either way), the optimizers updating the parameters
+// as they lie.
+TEST(ChannelsLastCuda, ChannelsLastParametersStepAsRowMajorOnes) {
+  LOOM_REQUIRE_CUDA();
+  Options o = options();
+  o.deterministic = true;
+  OptionsGuard guard(o);
+  test::expect_same_training(Device::cuda(0), MemoryFormat::channels_last, test::momentum_sgd, "SGD on cuda:0");
+  test::expect_same_training(Device::cuda(0), MemoryFormat::channels_last, test::adamw, "AdamW on cuda:0");
 }
 
 }  // namespace
