@@ -52,7 +52,8 @@ std::optional<DType> weight_copy_dtype(const Tensor& p) {
 }
 
 void set_weight_copy(const Tensor& p, const Tensor& copy) {
-  LOOM_ASSERT(copy.shape() == p.shape() && copy.is_contiguous(), "a weight copy has its parameter's shape");
+  LOOM_ASSERT(copy.shape() == p.shape() && copy.is_contiguous(p.memory_format()),
+              "a weight copy has its parameter's shape and layout");
   LOOM_ASSERT((copy.dtype() == DType::bf16 || copy.dtype() == DType::f16) && copy.storage() != p.storage(),
               "a weight copy is a 16-bit tensor of its own, not ", dtype_name(copy.dtype()));
   p.impl()->cast_copy = copy.impl_ptr();

@@ -49,16 +49,28 @@ Edge gradient_edge(const Tensor& t) {
 
 // Adds g into the leaf's gradient and fires its hooks. The first gradient is adopted
 // when nothing else can see it, copied otherwise; later ones are added in place. A leaf's
-// gradient is row-major: one whose memory channels-last describes as well (a dim of size 1)
-// and whose strides say channels-last is re-strided by contiguous(), without a copy.
+// gradient has the leaf's layout: row-major, or channels-last for a channels-last 4-d leaf
+// (Module::to(MemoryFormat)), as PyTorch's AccumulateGrad gives it its parameter's strides.
+// One whose memory the other layout describes as well (a dim of size 1) is re-strided by
+// contiguous(format), without a copy.
 void accumulate(const Node& node, const Tensor& g) {
   Tensor leaf(node.leaf);
   Tensor grad = g;
   if (grad.dtype() != leaf.dtype()) grad = grad.to(leaf.dtype());
   if (grad.shape() != leaf.shape()) grad = sum_to(grad, leaf.shape());
   if (!leaf.grad().defined()) {
-    bool exclusive = grad.impl_ptr().use_count() <= 2 && grad.storage().use_count() == 1 && grad.is_contiguous();
-    leaf.set_grad(exclusive ? grad.detach().contiguous() : grad.clone());
+    const MemoryFormat format = leaf.memory_format();
+    bool exclusive =
+        grad.impl_ptr().use_count() <= 2 && grad.storage().use_count() == 1 && grad.is_contiguous(format);
+    if (exclusive) {
+      leaf.set_grad(grad.detach().contiguous(format));
+    } else if (format == MemoryFormat::contiguous) {
+      leaf.set_grad(grad.clone());
+    } else {
+      Tensor copy = Tensor::empty(leaf.shape(), grad.dtype(), grad.device(), format);
+      copy_(copy, grad);
+      leaf.set_grad(copy);
+    }
   } else {
     add_(leaf.grad(), grad);
   }

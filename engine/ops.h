@@ -246,8 +246,10 @@ TensorList layer_norm_tee(const Tensor& x, const Tensor& weight, const Tensor& b
 
 // ---- fused optimizer updates (ops/optim.cpp) ------------------------------------
 // In-place multi-tensor updates with torch.optim's arithmetic (kernels/table.h gives the
-// formulas): every tensor of a call on one device, contiguous, one floating dtype per call;
-// on CUDA one kernel launch covers all of them. Not recorded by autograd.
+// formulas): every tensor of a call on one device, one floating dtype per call, each dense
+// in its parameter's layout (row-major, or channels-last with the parameter's shape for a
+// channels-last 4-d parameter); on CUDA one kernel launch covers all of them. Not recorded
+// by autograd.
 //
 // SGD: a momentum buffer that is undefined on entry is created (as the gradient) and stored
 // back into `momentum_buffers`; with momentum 0 the buffers are not used. `lr_at`, when
@@ -256,7 +258,8 @@ TensorList layer_norm_tee(const Tensor& x, const Tensor& weight, const Tensor& b
 void sgd_update_fused(const TensorList& params, const TensorList& grads, TensorList& momentum_buffers, double lr,
                       double momentum, double dampening, double weight_decay, bool nesterov,
                       const Tensor& lr_at = Tensor());
-// dst[i] = src[i] for every pair (same shapes, one device and floating dtype, contiguous):
+// dst[i] = src[i] for every pair (same shapes, one device and floating dtype, src[i] dense
+// in dst[i]'s layout as above):
 // one kernel launch on CUDA, as DDP gathers a bucket's gradients. Not recorded by autograd.
 void copy_many_(const TensorList& dst, const TensorList& src);
 // Adam (decoupled = false: L2 decay added to the gradient) and AdamW (decoupled = true);

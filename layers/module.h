@@ -113,8 +113,9 @@ class Module {
   // Lays every 4-d parameter (with its gradient) and buffer out in `format`, values and
   // shapes unchanged, as PyTorch's module.to(memory_format=...): channels-last keeps a
   // convolution's weight (C_out, KH, KW, C_in) in memory, the layout cuDNN's NHWC kernels
-  // read, so a channels-last step converts no weight. Call it before a DDP or FSDP wrapper
-  // takes the parameters.
+  // read, and the gradients then come in that layout (engine/autograd.h), so a channels-last
+  // step on a GPU converts no weight (the CPU's convolutions read the weight row-major and
+  // convert it). DDP and FSDP take row-major parameters only and refuse others.
   void to(MemoryFormat format);
   // Drops every parameter's gradient (PyTorch's set_to_none=True).
   void zero_grad();

@@ -37,8 +37,9 @@ void check_entry(const char* op, const char* list, size_t i, const Tensor& t, co
              dtype_name(p0.dtype()),
              "; one call updates tensors of one dtype: convert it with .to(dtype) or split the call");
   const MemoryFormat format = p.memory_format();
-  LOOM_CHECK(t.is_contiguous(format) && (format == MemoryFormat::contiguous || t.shape() == p.shape()), op, ": ", list, "[", i, "] of shape ",
-             shape_str(t.shape()), " (strides ", shape_str(t.strides()), ") is not dense in params[", i,
+  const bool dense = t.is_contiguous(format) && (format == MemoryFormat::contiguous || t.shape() == p.shape());
+  LOOM_CHECK(dense, op, ": ", list, "[", i, "] of shape ", shape_str(t.shape()), " (strides ",
+             shape_str(t.strides()), ") is not dense in params[", i,
              "]'s layout (shape ", shape_str(p.shape()), ", strides ", shape_str(p.strides()),
              "): update a copy laid out as the parameter and copy it back");
   LOOM_CHECK(t.numel() == p.numel(), op, ": ", list, "[", i, "] has shape ", shape_str(t.shape()), " but params[", i,
@@ -90,9 +91,13 @@ struct Copies {
       if (!d || (*d != DType::bf16 && *d != DType::f16) || (any && *d != dtype)) continue;
       dtype = *d;
       any = true;
+      // In the parameter's layout: the kernel writes element k of the copy from element k of
+      // the parameter's memory.
+      const MemoryFormat format = params[i].memory_format();
       Tensor kept = in_place ? kept_weight_copy(params[i]) : Tensor();
-      tensors[i] = kept.defined() && kept.dtype() == dtype ? kept
-                                                           : Tensor::empty(params[i].shape(), dtype, params[i].device());
+      tensors[i] = kept.defined() && kept.dtype() == dtype && kept.is_contiguous(format)
+                       ? kept
+                       : Tensor::empty(params[i].shape(), dtype, params[i].device(), format);
       ptrs[i] = tensors[i].data_ptr();
     }
   }

@@ -1,7 +1,8 @@
 // Adam and AdamW: state creation (zero moments on a parameter's first step), then
 // adam_update over each group's parameters that have a gradient, under NoGradGuard.
 // adam_update splits a group by device and dtype and calls the fused op on each part;
-// non-contiguous tensors are updated through contiguous copies written back afterwards.
+// every list is taken in its parameter's layout (row-major, or channels-last), and a tensor
+// dense in neither is updated through a copy written back afterwards.
 #include "layers/optim/adam.h"
 
 #include <cmath>

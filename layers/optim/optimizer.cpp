@@ -112,8 +112,13 @@ size_t Optimizer::planned_state_bytes() const {
 
 ParamState& Optimizer::state_of(const Tensor& param) {
   ParamState& s = state_[param.impl()];
-  for (auto& [_, b] : s.buffers)
+  const MemoryFormat format = param.memory_format();
+  for (auto& [_, b] : s.buffers) {
     if (b.device() != param.device() || b.dtype() != param.dtype()) b = b.to(param.device()).to(param.dtype());
+    // State made before Module::to(MemoryFormat), or loaded from a checkpoint, takes the
+    // parameter's layout once, so that the update reads it as it lies.
+    if (b.shape() == param.shape() && !b.is_contiguous(format)) b = b.contiguous(format);
+  }
   return s;
 }
 

@@ -23,8 +23,8 @@ using MakeOptimizer = std::function<std::unique_ptr<optim::Optimizer>(const Tens
 
 // Three steps of SimpleCNN on 3x12x12 images on `device`, the batch in `batch_format` and
 // the parameters in `format`; returns the model.
-inline std::shared_ptr<nn::SimpleCNN> train_simple_cnn(Device device, MemoryFormat batch_format, MemoryFormat format,
-                                            const MakeOptimizer& make) {
+inline std::shared_ptr<nn::SimpleCNN> train_simple_cnn(Device device, MemoryFormat batch_format,
+                                                       MemoryFormat format, const MakeOptimizer& make) {
   manual_seed(31);
   auto net = std::make_shared<nn::SimpleCNN>(3, 12, 10);
   net->to(device);

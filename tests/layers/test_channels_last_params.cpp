@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "engine/serialization.h"
 #include "tests/layers/channels_last_params.h"
@@ -75,9 +76,35 @@ TEST(ChannelsLastParams, OptimizerStateFollowsTheParameterLayout) {
   const Tensor w = net.features->named_parameters()[0].second;
   ASSERT_EQ(w.dim(), 4);
   EXPECT_EQ(w.memory_format(), MemoryFormat::channels_last);
+  EXPECT_EQ(w.grad().memory_format(), MemoryFormat::channels_last);  // the gradient takes the leaf's layout
   EXPECT_EQ(opt.state(w)->buffers.at("exp_avg").memory_format(), MemoryFormat::channels_last);
   EXPECT_EQ(opt.state(w)->buffers.at("exp_avg_sq").memory_format(), MemoryFormat::channels_last);
   EXPECT_EQ(sgd.state(w)->buffers.at("momentum_buffer").memory_format(), MemoryFormat::channels_last);
+}
+
+// Adam's moments made while the parameters were row-major take their new layout at the
+// next step, and the run goes on as one that never changed layout.
+TEST(ChannelsLastParams, StateMadeBeforeTheLayoutChangeFollowsIt) {
+  std::vector<nn::NamedTensors> results;
+  std::vector<Tensor> moments;
+  for (bool change : {false, true}) {
+    manual_seed(34);
+    nn::SimpleCNN net(3, 12, 10);
+    optim::Adam opt(net.parameters(), optim::AdamOptions{.lr = 1e-2});
+    for (int step = 0; step < 3; ++step) {
+      if (change && step == 1) net.to(MemoryFormat::channels_last);
+      manual_seed(200 + step);
+      net.zero_grad();
+      cross_entropy(net.forward(randn({4, 3, 12, 12})), from_vector(std::vector<int64_t>{1, 2, 3, 4}, {4})).backward();
+      opt.step();
+    }
+    results.push_back(net.state_dict());
+    moments.push_back(opt.state(net.features->named_parameters()[0].second)->buffers.at("exp_avg"));
+  }
+  EXPECT_EQ(moments[1].memory_format(), MemoryFormat::channels_last);
+  expect_same_bits(moments[1], moments[0], "exp_avg");
+  for (size_t i = 0; i < results[0].size(); ++i)
+    expect_same_bits(results[1][i].second, results[0][i].second, results[0][i].first);
 }
 
 }  // namespace
