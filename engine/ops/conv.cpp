@@ -21,6 +21,7 @@
 
 #include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
+#include "engine/ops/product.h"
 #include "engine/options.h"
 
 namespace loom {
@@ -172,7 +173,12 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
   // cuDNN's NHWC kernels want the weight laid out (C_out, KH, KW, C_in / groups) too; the
   // CPU's read it row-major in either layout.
   const MemoryFormat weight_format = x0.device().is_cuda() ? format : MemoryFormat::contiguous;
-  Tensor x = x0.to(t).contiguous(format), w = w0.to(t).contiguous(weight_format);
+  // An f32 weight under autocast is read through its kept 16-bit copy (engine/autocast.h),
+  // which the optimizer's step rewrites, and its gradient is cast back to f32 here: the
+  // bits of w0.to(t)'s node either way, without a cast pass at every forward.
+  const bool f32_weight = ops::f32_params(t, {w0});
+  const ops::Param wp = ops::param(w0, t, f32_weight);
+  Tensor x = x0.to(t).contiguous(format), w = wp.used.contiguous(weight_format);
 
   Conv2dArgs a;
   a.dtype = t;
@@ -192,10 +198,12 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
     Tensor ws = workspace_for(fa, ConvPass::forward, dev);
     kernels(dev).conv2d_forward(fa, y.data_ptr(), x.data_ptr(), w.data_ptr(), st);
   }
-  if (any_requires_grad({x, w})) {
-    const bool need_dx = x.requires_grad(), need_dw = w.requires_grad();
+  const Tensor w_input = f32_weight ? wp.input : w;
+  if (any_requires_grad({x, w_input})) {
+    const bool need_dx = x.requires_grad(), need_dw = w_input.requires_grad();
     Tensor sx = need_dw ? x.detach() : Tensor(), sw = need_dx ? w.detach() : Tensor();
-    record(op, {x, w}, {y}, [a, sx, sw, need_dx, need_dw, dev, format, weight_format](const TensorList& g) {
+    record(op, {x, w_input}, {y}, [a, sx, sw, need_dx, need_dw, dev, format, weight_format,
+                                   f32_weight](const TensorList& g) {
       Tensor gy = g[0].to(a.dtype).contiguous(format);
       StreamHandle gst = ops::stream(gy);
       Tensor gx, gw;
@@ -211,6 +219,7 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
         Tensor ws = workspace_for(fa, ConvPass::backward_filter, dev);
         if (gw.numel() > 0)
           kernels(dev).conv2d_backward_filter(fa, gw.data_ptr(), sx.data_ptr(), gy.data_ptr(), gst);
+        if (f32_weight) gw = gw.to(DType::f32);
       }
       return TensorList{gx, gw};
     });

@@ -51,6 +51,16 @@ TEST(WeightCopies, AnotherDtypeOrNewDataReplacesTheCopy) {
   expect_same_values(weight_copy(p, DType::bf16), other.to(DType::bf16), "after set_data");
 }
 
+TEST(WeightCopies, Conv2dUnderAutocastReadsTheKeptCopyAsACast) {
+  expect_conv_reads_the_copy_as_a_cast(kCpu, MemoryFormat::contiguous);
+  expect_conv_reads_the_copy_as_a_cast(kCpu, MemoryFormat::channels_last);
+}
+
+TEST(WeightCopies, CnnTrainingIsTheSameWithAndWithoutCopies) {
+  expect_cnn_training_unchanged_by_copies(kCpu, MemoryFormat::contiguous, false);
+  expect_cnn_training_unchanged_by_copies(kCpu, MemoryFormat::channels_last, true);
+}
+
 TEST(WeightCopies, LinearUnderAutocastReadsTheKeptCopy) {
   CopiesGuard on(true);
   manual_seed(6);

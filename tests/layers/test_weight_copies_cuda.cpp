@@ -29,5 +29,18 @@ TEST(WeightCopiesCuda, TrainingIsTheSameWithAndWithoutCopies) {
   expect_training_unchanged_by_copies(kGpu);
 }
 
+TEST(WeightCopiesCuda, Conv2dUnderAutocastReadsTheKeptCopyAsACast) {
+  LOOM_REQUIRE_CUDA();
+  expect_conv_reads_the_copy_as_a_cast(kGpu, MemoryFormat::contiguous);
+  expect_conv_reads_the_copy_as_a_cast(kGpu, MemoryFormat::channels_last);
+}
+
+TEST(WeightCopiesCuda, CnnTrainingIsTheSameWithAndWithoutCopies) {
+  LOOM_REQUIRE_CUDA();
+  expect_cnn_training_unchanged_by_copies(kGpu, MemoryFormat::contiguous, false);
+  expect_cnn_training_unchanged_by_copies(kGpu, MemoryFormat::channels_last, false);
+  expect_cnn_training_unchanged_by_copies(kGpu, MemoryFormat::channels_last, true);
+}
+
 }  // namespace
 }  // namespace loom::test

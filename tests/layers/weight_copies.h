@@ -17,6 +17,7 @@
 #include "engine/ops.h"
 #include "engine/options.h"
 #include "layers/models/gpt.h"
+#include "layers/models/simple_cnn.h"
 #include "layers/optim/adam.h"
 #include "layers/optim/sgd.h"
 
@@ -187,6 +188,75 @@ inline void expect_training_unchanged_by_copies(Device device) {
   for (size_t i = 0; i < with.losses.size(); ++i) EXPECT_EQ(with.losses[i], without.losses[i]) << "step " << i;
   ASSERT_EQ(with.params.size(), without.params.size());
   for (size_t i = 0; i < with.params.size(); ++i) ASSERT_EQ(with.params[i], without.params[i]) << "element " << i;
+}
+
+// conv2d under autocast reads its f32 weight through the kept copy and gives the weight the
+// gradient of the explicit casts (x.to(bf16), w.to(bf16)) bit for bit; a kept copy of other
+// values changes its output, so it is the copy that is read.
+inline void expect_conv_reads_the_copy_as_a_cast(Device device, MemoryFormat format) {
+  CopiesGuard on(true);
+  manual_seed(12);
+  const Tensor x = randn({2, 3, 6, 5}).to(device).contiguous(format), gy = randn({2, 4, 6, 5}).to(device);
+  Tensor w = mul(randn({4, 3, 3, 3}), 0.3).to(device).set_requires_grad();
+  Tensor w_cast = w.detach().clone().set_requires_grad();
+  Tensor y;
+  {
+    AutocastGuard guard(DType::bf16);
+    y = conv2d(x, w, Tensor(), {1, 1}, {1, 1});
+  }
+  ASSERT_EQ(y.dtype(), DType::bf16);
+  sum(mul(y.to(DType::f32), gy)).backward();
+  const Tensor y_cast = conv2d(x.to(DType::bf16), w_cast.to(DType::bf16), Tensor(), {1, 1}, {1, 1});
+  sum(mul(y_cast.to(DType::f32), gy)).backward();
+  expect_same_values(y, y_cast, "output");
+  ASSERT_TRUE(w.grad().defined());
+  ASSERT_EQ(w.grad().dtype(), DType::f32);
+  expect_same_values(w.grad(), w_cast.grad(), "weight gradient");
+  Tensor kept = kept_weight_copy(w);
+  ASSERT_TRUE(kept.defined()) << "conv2d under autocast kept no copy of its f32 weight";
+  {
+    NoGradGuard no_grad;
+    copy_(kept, zeros({4, 3, 3, 3}, DType::bf16, device));
+  }
+  AutocastGuard guard(DType::bf16);
+  expect_same_values(conv2d(x, w, Tensor(), {1, 1}, {1, 1}), zeros({2, 4, 6, 5}, DType::bf16, device),
+                     "output from a zeroed copy");
+}
+
+// SimpleCNN under bf16 autocast with SGD (momentum): training with kept weight copies, the
+// convolutions' included, is training without them, bit for bit; the batch in `format`, and
+// with `weights_channels_last` the 4-d weights laid out channels-last (Module::to).
+inline void expect_cnn_training_unchanged_by_copies(Device device, MemoryFormat format, bool weights_channels_last) {
+  auto train = [&](bool copies) {
+    CopiesGuard guard(copies);
+    manual_seed(3);
+    nn::SimpleCNN model(3, 16, 10);
+    model.to(device);
+    if (weights_channels_last) model.to(MemoryFormat::channels_last);
+    const Tensor x = randn({4, 3, 16, 16}).to(device).contiguous(format);
+    const Tensor targets = from_vector(std::vector<int64_t>{1, 7, 3, 0}, {4}).to(device);
+    optim::SGD opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
+    std::vector<float> out;
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      Tensor loss;
+      {
+        AutocastGuard autocast(DType::bf16);
+        loss = cross_entropy(model.forward(x).to(DType::f32), targets);
+      }
+      loss.backward();
+      opt.step();
+      out.push_back(float(loss.item()));
+    }
+    for (const Tensor& p : model.parameters()) {
+      const std::vector<float> v = p.contiguous().to(Device::cpu()).to_vector<float>();
+      out.insert(out.end(), v.begin(), v.end());
+    }
+    return out;
+  };
+  const std::vector<float> with = train(true), without = train(false);
+  ASSERT_EQ(with.size(), without.size());
+  for (size_t i = 0; i < with.size(); ++i) ASSERT_EQ(with[i], without[i]) << "value " << i << " (losses first)";
 }
 
 }  // namespace loom::test
