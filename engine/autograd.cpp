@@ -232,7 +232,9 @@ class GradientBuffers {
       const Tensor& slot = it->second[size_t(e.input_nr)];
       const OutputMeta& m = e.node->outputs[size_t(e.input_nr)];
       const bool alone = slot.defined() && slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1;
-      const bool fits = slot.is_contiguous() && slot.shape() == m.shape && slot.dtype() == m.dtype;
+      // Dense in its own layout (row-major, or channels-last for a 4-d gradient): the
+      // accumulating op checks the layout it writes.
+      const bool fits = slot.is_contiguous(slot.memory_format()) && slot.shape() == m.shape && slot.dtype() == m.dtype;
       if (alone && fits && slot.device() == m.device) into[i] = slot;
     }
     return into;

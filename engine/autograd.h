@@ -101,7 +101,9 @@ void record(const char* name, const TensorList& inputs, const TensorList& output
 // input i a gradient of its shape, dtype and device that the pass alone holds, `backward`
 // gets it as into[i] and may add into it in place, returning an undefined gradient for
 // input i: a GPT's tied token embedding then adds its rows into the output layer's
-// gradient, with no table of zeros and no sum of the two. into[i] is undefined otherwise.
+// gradient, with no table of zeros and no sum of the two, and a convolution adds its input
+// gradient into the one a residual shortcut sent. into[i] is undefined otherwise; it is
+// dense in its own layout (row-major, or channels-last when 4-d), which the op checks.
 // A backward that writes into into[i] other than through Loom's in-place ops calls
 // into[i].bump_version(), so that no copy kept on that gradient (cast_or_kept) is reused.
 void record_accumulating(const char* name, const TensorList& inputs, const TensorList& outputs,

@@ -140,6 +140,10 @@ struct Conv2dArgs {
   // Every activation buffer channels_last (see above), read and written as it lies (cuDNN's
   // tensor-core kernels without transposing).
   ChannelLayout layout = ChannelLayout::channels_first;
+  // Backward data only: dx += the input's gradient, added to it before the one rounding to
+  // the dtype (cuDNN's beta of 1), instead of dx = it. The engine sends a residual
+  // network's second gradient for one tensor this way rather than summing two in a pass.
+  bool accumulate = false;
 };
 
 // A 2-d pooling window over NCHW contiguous buffers: x (N, C, H, W), y (N, C, OH, OW),

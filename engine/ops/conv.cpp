@@ -202,16 +202,24 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
   if (any_requires_grad({x, w_input})) {
     const bool need_dx = x.requires_grad(), need_dw = w_input.requires_grad();
     Tensor sx = need_dw ? x.detach() : Tensor(), sw = need_dx ? w.detach() : Tensor();
-    record(op, {x, w_input}, {y}, [a, sx, sw, need_dx, need_dw, dev, format, weight_format,
-                                   f32_weight](const TensorList& g) {
+    // x's gradient is added into the one x already has when the pass offers it (a residual
+    // block's shortcut sent it first, record_accumulating): the sum in the convolution's
+    // own epilogue rather than in a pass of its own.
+    auto backward = [a, sx, sw, need_dx, need_dw, dev, format, weight_format, f32_weight](const TensorList& g,
+                                                                                          const TensorList& into) {
       Tensor gy = g[0].to(a.dtype).contiguous(format);
       StreamHandle gst = ops::stream(gy);
       Tensor gx, gw;
+      bool added = false;
       if (need_dx) {
-        gx = Tensor::empty({a.n, a.c_in, a.h, a.w}, a.dtype, dev, format);
         Conv2dArgs da = a;
+        added = into[0].defined() && into[0].dtype() == a.dtype && into[0].is_contiguous(format) &&
+                into[0].numel() > 0;
+        da.accumulate = added;
+        gx = added ? into[0] : Tensor::empty({a.n, a.c_in, a.h, a.w}, a.dtype, dev, format);
         Tensor ws = workspace_for(da, ConvPass::backward_data, dev);
         if (gx.numel() > 0) kernels(dev).conv2d_backward_data(da, gx.data_ptr(), gy.data_ptr(), sw.data_ptr(), gst);
+        if (added) gx.bump_version();  // a copy kept on the gradient so far is stale now
       }
       if (need_dw) {
         gw = Tensor::empty({a.c_out, a.c_in / a.groups, a.kh, a.kw}, a.dtype, dev, weight_format);
@@ -221,8 +229,9 @@ Tensor conv2d(const Tensor& x0, const Tensor& w0, const Tensor& bias, std::array
           kernels(dev).conv2d_backward_filter(fa, gw.data_ptr(), sx.data_ptr(), gy.data_ptr(), gst);
         if (f32_weight) gw = gw.to(DType::f32);
       }
-      return TensorList{gx, gw};
-    });
+      return TensorList{added ? Tensor() : gx, gw};
+    };
+    record_accumulating(op, {x, w_input}, {y}, backward);
   }
   if (bias.defined()) y = add(y, bias.to(t).reshape({1, c_out, 1, 1}));
   return y;

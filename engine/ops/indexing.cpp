@@ -149,7 +149,7 @@ Tensor token_position_embedding(const Tensor& wte0, const Tensor& wpe0, const Te
                                                                                      const TensorList& into) {
       Tensor go = g[0].to(dtype).contiguous();
       const Device d = go.device();
-      const bool add_into = need_wte && into[0].defined() && into[0].dtype() == go.dtype();
+      const bool add_into = need_wte && into[0].defined() && into[0].dtype() == go.dtype() && into[0].is_contiguous();
       Tensor d_wte = add_into ? into[0] : need_wte ? zeros(wte_shape, go.dtype(), d) : Tensor();
       Tensor d_wpe = need_wpe ? (wpe_shape[0] == T ? Tensor::empty(wpe_shape, go.dtype(), d)
                                                    : zeros(wpe_shape, go.dtype(), d))

@@ -509,10 +509,31 @@ void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, 
 
 void conv2d_backward_data(const Conv2dArgs& a, void* dx, const void* dy, const void* w, StreamHandle) {
   if (x_numel(a) == 0) return;
-  run_acc(a, "conv2d backward", dx, x_numel(a), dy, y_numel(a), w, w_numel(a),
-          [&](auto* out, const auto* dya, const auto* wa) {
-            channels_last(a) ? backward_data_cl(a, out, dya, wa) : backward_data_acc(a, out, dya, wa);
-          });
+  if (!a.accumulate) {
+    run_acc(a, "conv2d backward", dx, x_numel(a), dy, y_numel(a), w, w_numel(a),
+            [&](auto* out, const auto* dya, const auto* wa) {
+              channels_last(a) ? backward_data_cl(a, out, dya, wa) : backward_data_acc(a, out, dya, wa);
+            });
+    return;
+  }
+  // dx += the gradient: computed in the accumulation type, dx's values added, one rounding.
+  dispatch_floating(a.dtype, "conv2d backward", [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    std::vector<A> s0, s1, sum(size_t(x_numel(a)));
+    const A* dya = input_as<T>(dy, y_numel(a), s0);
+    const A* wa = input_as<T>(w, w_numel(a), s1);
+    channels_last(a) ? backward_data_cl(a, sum.data(), dya, wa) : backward_data_acc(a, sum.data(), dya, wa);
+    T* out = static_cast<T*>(dx);
+    parallel_for(x_numel(a), 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        A prior;
+        if constexpr (std::is_same_v<T, A>) prior = out[i];
+        else prior = A(float(out[i]));
+        out[i] = T(prior + sum[size_t(i)]);
+      }
+    });
+  });
 }
 
 void conv2d_backward_filter(const Conv2dArgs& a, void* dw, const void* x, const void* dy, StreamHandle) {

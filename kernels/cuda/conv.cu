@@ -172,7 +172,7 @@ std::unique_ptr<Plan> make_plan(const Conv2dArgs& a) {
 
 // The plan for these shapes on `device`, built on first use. Plans are never freed.
 Plan& plan_for(const Conv2dArgs& a, int device) {
-  using Key = std::array<int64_t, 21>;
+  using Key = std::array<int64_t, 22>;
   struct Cache {
     std::mutex mu;
     std::map<Key, std::unique_ptr<Plan>> plans;
@@ -182,7 +182,7 @@ Plan& plan_for(const Conv2dArgs& a, int device) {
                 a.c_out,    a.kh,             a.kw,       a.out_h,    a.out_w,    a.stride_h,
                 a.stride_w, a.pad_h,          a.pad_w,    a.dilation_h, a.dilation_w, a.groups,
                 int64_t(a.dtype == DType::f32 && tf32_allowed()), int64_t(a.deterministic),
-                int64_t(a.layout)};
+                int64_t(a.layout), int64_t(a.accumulate)};
   std::lock_guard lock(cache->mu);
   auto& slot = cache->plans[key];
   if (!slot) slot = make_plan(a);
@@ -283,14 +283,26 @@ size_t plan_in_use(const Plan& p, const Conv2dArgs& a, ConvPass pass) {
   return a.autotune && chosen >= 0 ? size_t(chosen) : 0;
 }
 
+// Where an accumulating backward data pass is timed: its runs would add into dx again and
+// again, so they write into scratch that follows the plans' own workspace instead.
+bool times_into_scratch(const Conv2dArgs& a, ConvPass pass) { return pass == ConvPass::backward_data && a.accumulate; }
+size_t scratch_offset(size_t plans_workspace) { return (plans_workspace + 255) / 256 * 256; }
+size_t dx_bytes(const Conv2dArgs& a) { return size_t(a.n * a.c_in * a.h * a.w) * dtype_size(a.dtype); }
+
+size_t most_workspace(const std::vector<conv_graph::PlanPtr>& plans) {
+  size_t most = 0;
+  for (const auto& plan : plans) most = std::max(most, conv_graph::workspace_size(*plan));
+  return most;
+}
+
 // The workspace the pass's graph plans need for this call: the largest of them while an
-// autotuned call has yet to time them, else that of the plan in use.
+// autotuned call has yet to time them (and the scratch it times in, for an accumulating
+// pass), else that of the plan in use.
 size_t graph_workspace(const Plan& p, const std::vector<conv_graph::PlanPtr>& plans, const Conv2dArgs& a,
                        ConvPass pass) {
   if (a.autotune && p.graph_chosen[size_t(pass)] < 0) {
-    size_t most = 0;
-    for (const auto& plan : plans) most = std::max(most, conv_graph::workspace_size(*plan));
-    return most;
+    const size_t most = most_workspace(plans);
+    return times_into_scratch(a, pass) ? scratch_offset(most) + dx_bytes(a) : most;
   }
   return conv_graph::workspace_size(*plans[plan_in_use(p, a, pass)]);
 }
@@ -298,12 +310,17 @@ size_t graph_workspace(const Plan& p, const std::vector<conv_graph::PlanPtr>& pl
 // Times each of the pass's graph plans on this call's operands and keeps the fastest (see
 // the top of the file); leaves the choice open when the stream is being captured. A plan
 // that fails to run is passed over. Called under the device lock, the workspace fitting all.
-void choose_plan(Plan& p, ConvPass pass, cudnnHandle_t h, cudaStream_t stream, const void* x, const void* w,
-                 const void* y, void* workspace) {
+void choose_plan(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h, cudaStream_t stream, const void* x,
+                 const void* w, const void* y, void* workspace) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   LOOM_CUDA(cudaStreamIsCapturing(stream, &capturing));
   if (capturing != cudaStreamCaptureStatusNone) return;
   const auto& plans = p.graph[size_t(pass)];
+  if (times_into_scratch(a, pass)) {
+    void* scratch = static_cast<char*>(workspace) + scratch_offset(most_workspace(plans));
+    LOOM_CUDA(cudaMemsetAsync(scratch, 0, dx_bytes(a), stream));
+    x = scratch;
+  }
   struct Marks {  // destroyed however the timing ends
     cudaEvent_t e[4] = {};
     Marks() {
@@ -382,7 +399,7 @@ void run_pass(const Conv2dArgs& a, ConvPass pass, StreamHandle stream, const voi
   if (const auto* plans = graph_plans(p, a, pass, dnn.handle);
       plans && aligned16(x) && aligned16(w) && aligned16(y) && aligned16(a.workspace)) {
     if (a.autotune && p.graph_chosen[size_t(pass)] < 0 && a.workspace_bytes >= graph_workspace(p, *plans, a, pass))
-      choose_plan(p, pass, dnn.handle, as_cuda(stream), x, w, y, a.workspace);
+      choose_plan(p, a, pass, dnn.handle, as_cuda(stream), x, w, y, a.workspace);
     const conv_graph::Plan& g = *(*plans)[plan_in_use(p, a, pass)];
     const size_t need = conv_graph::workspace_size(g);
     if (a.workspace_bytes >= need) {
@@ -444,11 +461,11 @@ void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, 
 void conv2d_backward_data(const Conv2dArgs& a, void* dx, const void* dy, const void* w, StreamHandle stream) {
   if (a.n == 0) return;
   const Scale s;
+  const void* beta = a.accumulate ? s.one(a.dtype) : s.zero(a.dtype);
   run_pass(a, ConvPass::backward_data, stream, dx, w, dy,
            [&](const Plan& p, cudnnHandle_t h, cudnnConvolutionDescriptor_t conv, int algo, void* ws, size_t bytes) {
              return cudnnConvolutionBackwardData(h, s.one(a.dtype), p.w, w, p.y, dy, conv,
-                                                 cudnnConvolutionBwdDataAlgo_t(algo), ws, bytes, s.zero(a.dtype), p.x,
-                                                 dx);
+                                                 cudnnConvolutionBwdDataAlgo_t(algo), ws, bytes, beta, p.x, dx);
            });
 }
 

@@ -168,7 +168,7 @@ std::vector<PlanPtr> build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t han
       .set(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, 2, padding.data())
       .finalize();
 
-  // alpha 1, beta 0, in the compute type.
+  // alpha 1, beta 0 (1 for an accumulating backward data pass), in the compute type.
   const float f1 = 1.f, f0 = 0.f;
   const double d1 = 1.0, d0 = 0.0;
   const bool dbl = compute == CUDNN_DATA_DOUBLE;
@@ -183,7 +183,7 @@ std::vector<PlanPtr> build(const Conv2dArgs& a, ConvPass pass, cudnnHandle_t han
       .set_desc(names.y, y)
       .set_desc(names.conv, conv)
       .set(names.alpha, scale_type, 1, one)
-      .set(names.beta, scale_type, 1, zero);
+      .set(names.beta, scale_type, 1, pass == ConvPass::backward_data && a.accumulate ? one : zero);
   op.finalize();
 
   Desc graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);

@@ -188,6 +188,16 @@ const std::vector<OpCase>& op_cases() {
       {"conv1x1_bias", {{{2, 3, 4, 4}}, {{5, 3, 1, 1}}, {{5}}}, [](L x) { return conv2d(x[0], x[1], x[2]); }},
       {"conv_rect_kernel_stride", {{{1, 2, 5, 7}}, {{3, 2, 2, 3}}},
        [](L x) { return conv2d(x[0], x[1], Tensor(), {1, 2}, {0, 1}); }},
+      {"conv3x3_residual", {{{2, 3, 5, 5}}, {{3, 3, 3, 3}}},
+       [](L x) {
+         const Tensor y = conv2d(x[0], x[1], Tensor(), {1, 1}, {1, 1});
+         return add(y, mul(x[0], 3.0));
+       }},
+      {"shortcut_conv3x3", {{{2, 3, 5, 5}}, {{3, 3, 3, 3}}},
+       [](L x) {
+         const Tensor shortcut = mul(x[0], 3.0);
+         return add(shortcut, conv2d(x[0], x[1], Tensor(), {1, 1}, {1, 1}));
+       }},
       {"conv_noncontig", {{{2, 5, 5, 3}}, {{4, 3, 3, 3}}},
        [](L x) { return conv2d(x[0].permute({0, 3, 1, 2}), x[1], Tensor(), {1, 1}, {1, 1}); }},
       {"max_pool2x2", {{{2, 3, 4, 6}, Init::separated}}, [](L x) { return max_pool2d(x[0], {2, 2}); }},
@@ -204,6 +214,21 @@ const std::vector<OpCase>& op_cases() {
        [](L x) { return conv2d(nhwc(x[0]), x[1], x[2], {1, 1}, {1, 1}); }},
       {"conv3x3_stride2_channels_last", {{{2, 2, 7, 6}}, {{3, 2, 3, 3}}},
        [](L x) { return conv2d(nhwc(x[0]), x[1], Tensor(), {2, 2}, {1, 0}); }},
+      // x through a convolution and a shortcut, each made first: the backward runs the later
+      // one first, so in *_residual the convolution adds its input gradient into the
+      // shortcut's (record_accumulating), in shortcut_* the sum is the pass's own.
+      {"conv3x3_residual_channels_last", {{{2, 3, 5, 5}}, {{3, 3, 3, 3}}},
+       [](L x) {
+         const Tensor h = nhwc(x[0]);
+         const Tensor y = conv2d(h, x[1], Tensor(), {1, 1}, {1, 1});
+         return add(y, mul(h, 3.0));
+       }},
+      {"shortcut_conv3x3_channels_last", {{{2, 3, 5, 5}}, {{3, 3, 3, 3}}},
+       [](L x) {
+         const Tensor h = nhwc(x[0]);
+         const Tensor shortcut = mul(h, 3.0);
+         return add(shortcut, conv2d(h, x[1], Tensor(), {1, 1}, {1, 1}));
+       }},
       {"max_pool2x2_channels_last", {{{2, 3, 4, 6}, Init::separated}},
        [](L x) { return max_pool2d(nhwc(x[0]), {2, 2}); }},
       {"max_pool3x3_bias_channels_last", {{{1, 2, 7, 6}, Init::separated}, {{2}}},

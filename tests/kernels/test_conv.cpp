@@ -108,6 +108,23 @@ void check_conv(const ConvCase& c, double tol, ChannelLayout layout = ChannelLay
   cpu::conv2d_forward(a, y.data(), x.data(), w.data(), nullptr);
   cpu::conv2d_backward_data(a, dx.data(), dy.data(), w.data(), nullptr);
   cpu::conv2d_backward_filter(a, dw.data(), x.data(), dy.data(), nullptr);
+  {
+    // Accumulating: dx += the gradient, rounded once (in f32 and f64 the sum of the two).
+    Conv2dArgs acc = a;
+    acc.accumulate = true;
+    std::vector<double> unused;
+    const std::vector<T> prior = random_values<T>(test::x_numel(a), rng, unused);
+    std::vector<T> sum = prior;
+    cpu::conv2d_backward_data(acc, sum.data(), dy.data(), w.data(), nullptr);
+    for (size_t i = 0; i < sum.size(); ++i) {
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
+        ASSERT_EQ(sum[i], prior[i] + dx[i]) << "accumulated dx element " << i;
+      else
+        ASSERT_NEAR(as_double(sum[i]), as_double(prior[i]) + as_double(dx[i]),
+                    2 * tol * (std::abs(as_double(prior[i])) + std::abs(as_double(dx[i]))) + 1e-30)
+            << "accumulated dx element " << i;
+    }
+  }
   if (cl) {
     y = test::from_channels_last(y, a.n, a.c_out, a.out_h, a.out_w);
     dx = test::from_channels_last(dx, a.n, a.c_in, a.h, a.w);

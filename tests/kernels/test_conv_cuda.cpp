@@ -150,6 +150,19 @@ void check_conv(const ConvCase& c, double tol) {
           expect_near_scaled(unpadded(gdx.to_host()), dx, sdx, tol, "dx");
         }
         {
+          // Accumulating into what dx holds: once, however the pass's plans were timed.
+          Conv2dArgs acc = a;
+          acc.accumulate = true;
+          auto ws = workspace(acc, ConvPass::backward_data);
+          const std::vector<T> prior = unpadded(gdx.to_host());
+          cuda::conv2d_backward_data(acc, gdx.get() + shift, gdy.get() + shift, gw.get() + shift, nullptr);
+          const std::vector<T> got = unpadded(gdx.to_host());
+          for (size_t i = 0; i < got.size(); ++i)
+            ASSERT_NEAR(as_double(got[i]), as_double(prior[i]) + as_double(dx[i]),
+                        2 * tol * (sdx[i] + std::abs(as_double(prior[i]))) + 1e-30)
+                << "accumulated dx element " << i;
+        }
+        {
           auto ws = workspace(a, ConvPass::backward_filter);
           cuda::conv2d_backward_filter(a, gdw.get() + shift, gx.get() + shift, gdy.get() + shift, nullptr);
           expect_near_scaled(unpadded(gdw.to_host()), dw, sdw, tol, "dw");
