@@ -254,7 +254,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
     LOOM_CHECK(t.device() == device, "DistributedDataParallel: ", named[0].first, " is on ", device.str(), " but ",
                name, " is on ", t.device().str(), ": a replica must live on one device");
     LOOM_CHECK(t.is_contiguous(), "DistributedDataParallel: parameter ", name,
-               " is not contiguous; make it contiguous before wrapping the module");
+               " is not row-major (laid out channels-last by Module::to(MemoryFormat)?): DDP's buckets hold ",
+               "row-major parameters, so leave the module's parameters row-major (a channels-last batch still ",
+               "runs as it lies)");
   }
   for (const auto& [name, t] : named_buffers) {
     LOOM_CHECK(t.device() == device, "DistributedDataParallel: buffer ", name, " is on ", t.device().str(),

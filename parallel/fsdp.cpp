@@ -536,7 +536,10 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
   for (auto& [name, t] : all) {
     LOOM_CHECK(t.device() == device, "FSDP: parameter ", name, " is on ", t.device().str(), ", the first on ",
                device.str(), ": move the module to one device before wrapping");
-    LOOM_CHECK(t.is_contiguous() && t.offset() == 0 && t.storage()->nbytes() == t.nbytes(), "FSDP: parameter ", name,
+    LOOM_CHECK(t.is_contiguous(), "FSDP: parameter ", name, " is not row-major (laid out channels-last by ",
+               "Module::to(MemoryFormat)?): FSDP shards row-major parameters, so leave the module's ",
+               "parameters row-major (a channels-last batch still runs as it lies)");
+    LOOM_CHECK(t.offset() == 0 && t.storage()->nbytes() == t.nbytes(), "FSDP: parameter ", name,
                " does not own its storage (a view of a larger tensor); its storage is released between uses");
   }
   start_equal(*module_, *group_, device, "");

@@ -260,9 +260,8 @@ int run(int argc, char** argv) {
   flags.add("workers", &o.workers, "data-loader threads", 0, 64);
   flags.add_switch("gpu-resident", &o.gpu_resident, "keep the whole dataset on the GPU (no augmentation)");
   flags.add_switch("channels-last", &o.channels_last,
-                   "lay each batch out channels-last (N, H, W, C in memory); the network keeps that layout "
-                   "(the CPU's kernels read it as it lies; on a GPU the convolutions, BatchNorm and pooling "
-                   "still take row-major copies, so there it is slower)");
+                   "lay each batch out channels-last (N, H, W, C in memory); the network keeps that layout, "
+                   "and on one GPU (not under DDP or FSDP) the convolutions' weights are laid out so too");
   flags.add("init", &o.init, "initial weights (a safetensors state dict, e.g. from PyTorch)", {}, "FILE");
   flags.add("save", &o.save, "write a training checkpoint here after every epoch (with --fsdp: a folder of shards)", {},
             "PATH");
@@ -442,6 +441,9 @@ int run(int argc, char** argv) {
     if (!o.allow_nonfinite) samples::check_finite_parameters(*model, "--init " + o.init);
   }
   model->to(device);
+  // On the GPU a channels-last run lays the weights out so too (cuDNN's NHWC kernels read them
+  // that way, and no step converts one); DDP and FSDP take row-major parameters.
+  if (o.channels_last && device.is_cuda() && !ctx.active) model->to(MemoryFormat::channels_last);
   model->train();
   // What a step of this rank's batch holds, from a probe step of one and two random images
   // (parallel/memory_plan.h) before any wrapper shards the weights; on the rank that prints

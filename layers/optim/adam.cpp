@@ -79,7 +79,7 @@ void adam_update(const TensorList& params, const TensorList& grads, const Tensor
              exp_avg_sqs.size(), " exp_avg_sqs and ", steps.size(), " steps; the lists run in parallel");
   NoGradGuard no_grad;
   for (const std::vector<size_t>& part : detail::split_by_device_and_dtype(params)) {
-    detail::ContiguousStaging staging;
+    detail::DenseStaging staging;
     TensorList ps, gs, ms, vs;
     std::vector<int64_t> part_steps;
     for (size_t i : part) {

@@ -219,14 +219,14 @@ std::vector<std::vector<size_t>> split_by_device_and_dtype(const TensorList& par
   return groups;
 }
 
-Tensor ContiguousStaging::stage(const Tensor& t, MemoryFormat format) {
+Tensor DenseStaging::stage(const Tensor& t, MemoryFormat format) {
   if (t.is_contiguous(format)) return t;
   Tensor copy = t.contiguous(format);
   pending_.emplace_back(t, copy);
   return copy;
 }
 
-void ContiguousStaging::copy_back() const {
+void DenseStaging::copy_back() const {
   NoGradGuard no_grad;
   for (const auto& [t, copy] : pending_) copy_(t, copy);
 }

@@ -145,14 +145,14 @@ std::vector<std::vector<size_t>> split_by_device_and_dtype(const TensorList& par
 // Dense stand-ins for tensors a fused op updates in place: stage(t, format) is t itself when
 // dense in `format`, else a copy in that layout that copy_back() writes into t afterwards.
 // stage(p) keeps a parameter dense in its own layout (row-major, or channels-last) as it is.
-class ContiguousStaging {
+class DenseStaging {
  public:
   Tensor stage(const Tensor& t) { return stage(t, t.memory_format()); }
   Tensor stage(const Tensor& t, MemoryFormat format);
   void copy_back() const;
 
  private:
-  std::vector<std::pair<Tensor, Tensor>> pending_;  // (tensor, its contiguous copy)
+  std::vector<std::pair<Tensor, Tensor>> pending_;  // (tensor, its dense copy)
 };
 
 }  // namespace detail

@@ -59,7 +59,7 @@ void sgd_update(const TensorList& params, const TensorList& grads, TensorList& m
              " momentum buffers; the lists run in parallel");
   NoGradGuard no_grad;
   for (const std::vector<size_t>& part : detail::split_by_device_and_dtype(params)) {
-    detail::ContiguousStaging staging;
+    detail::DenseStaging staging;
     TensorList ps, gs, bufs;
     for (size_t i : part) {
       LOOM_CHECK(grads[i].defined(), "sgd_update: grads[", i,
