@@ -283,9 +283,9 @@ size_t plan_in_use(const Plan& p, const Conv2dArgs& a, ConvPass pass) {
   return a.autotune && chosen >= 0 ? size_t(chosen) : 0;
 }
 
-// Where an accumulating backward data pass is timed: its runs would add into dx again and
+// An accumulating backward data pass (dx +=). Timing its plans on dx would add again and
 // again, so they write into scratch that follows the plans' own workspace instead.
-bool times_into_scratch(const Conv2dArgs& a, ConvPass pass) { return pass == ConvPass::backward_data && a.accumulate; }
+bool accumulates(const Conv2dArgs& a, ConvPass pass) { return pass == ConvPass::backward_data && a.accumulate; }
 size_t scratch_offset(size_t plans_workspace) { return (plans_workspace + 255) / 256 * 256; }
 size_t dx_bytes(const Conv2dArgs& a) { return size_t(a.n * a.c_in * a.h * a.w) * dtype_size(a.dtype); }
 
@@ -295,14 +295,30 @@ size_t most_workspace(const std::vector<conv_graph::PlanPtr>& plans) {
   return most;
 }
 
+// Whether the pass's plans may be timed: an accumulating pass whose scratch would take the
+// workspace past kMaxWorkspace runs the heuristics' first plan instead.
+bool can_time(const Conv2dArgs& a, ConvPass pass, const std::vector<conv_graph::PlanPtr>& plans) {
+  return !accumulates(a, pass) || scratch_offset(most_workspace(plans)) + dx_bytes(a) <= kMaxWorkspace;
+}
+
+// An accumulating pass whose attempt failed once its kernels may have run (an execution
+// error, not a refusal) may have added part of the gradient already: another attempt would
+// add it again, so the call fails instead.
+void check_no_partial_sum(const Conv2dArgs& a, ConvPass pass, cudnnStatus_t status) {
+  const bool ran = status >= CUDNN_STATUS_EXECUTION_FAILED && status < CUDNN_STATUS_EXECUTION_FAILED + 1000;
+  LOOM_CHECK(!(accumulates(a, pass) && ran), "conv2d ", pass_name(pass), ": cuDNN error ", int(status), " (",
+             cudnnGetErrorString(status), ") for ", describe(a),
+             " while adding into the input's gradient, which may now hold part of the sum; not retried");
+}
+
 // The workspace the pass's graph plans need for this call: the largest of them while an
 // autotuned call has yet to time them (and the scratch it times in, for an accumulating
 // pass), else that of the plan in use.
 size_t graph_workspace(const Plan& p, const std::vector<conv_graph::PlanPtr>& plans, const Conv2dArgs& a,
                        ConvPass pass) {
-  if (a.autotune && p.graph_chosen[size_t(pass)] < 0) {
+  if (a.autotune && p.graph_chosen[size_t(pass)] < 0 && can_time(a, pass, plans)) {
     const size_t most = most_workspace(plans);
-    return times_into_scratch(a, pass) ? scratch_offset(most) + dx_bytes(a) : most;
+    return accumulates(a, pass) ? scratch_offset(most) + dx_bytes(a) : most;
   }
   return conv_graph::workspace_size(*plans[plan_in_use(p, a, pass)]);
 }
@@ -316,7 +332,7 @@ void choose_plan(Plan& p, const Conv2dArgs& a, ConvPass pass, cudnnHandle_t h, c
   LOOM_CUDA(cudaStreamIsCapturing(stream, &capturing));
   if (capturing != cudaStreamCaptureStatusNone) return;
   const auto& plans = p.graph[size_t(pass)];
-  if (times_into_scratch(a, pass)) {
+  if (accumulates(a, pass)) {
     void* scratch = static_cast<char*>(workspace) + scratch_offset(most_workspace(plans));
     LOOM_CUDA(cudaMemsetAsync(scratch, 0, dx_bytes(a), stream));
     x = scratch;
@@ -398,12 +414,15 @@ void run_pass(const Conv2dArgs& a, ConvPass pass, StreamHandle stream, const voi
   LOOM_CUDNN(cudnnSetStream(dnn.handle, as_cuda(stream)));
   if (const auto* plans = graph_plans(p, a, pass, dnn.handle);
       plans && aligned16(x) && aligned16(w) && aligned16(y) && aligned16(a.workspace)) {
-    if (a.autotune && p.graph_chosen[size_t(pass)] < 0 && a.workspace_bytes >= graph_workspace(p, *plans, a, pass))
+    if (a.autotune && p.graph_chosen[size_t(pass)] < 0 && can_time(a, pass, *plans) &&
+        a.workspace_bytes >= graph_workspace(p, *plans, a, pass))
       choose_plan(p, a, pass, dnn.handle, as_cuda(stream), x, w, y, a.workspace);
     const conv_graph::Plan& g = *(*plans)[plan_in_use(p, a, pass)];
     const size_t need = conv_graph::workspace_size(g);
     if (a.workspace_bytes >= need) {
-      if (conv_graph::execute(g, dnn.handle, x, w, y, need ? a.workspace : nullptr) == CUDNN_STATUS_SUCCESS) return;
+      const cudnnStatus_t status = conv_graph::execute(g, dnn.handle, x, w, y, need ? a.workspace : nullptr);
+      if (status == CUDNN_STATUS_SUCCESS) return;
+      check_no_partial_sum(a, pass, status);
       p.graph_failed[size_t(pass)] = true;  // refused at run time: the convolution API from now on
     }
   }
@@ -422,6 +441,7 @@ void run_pass(const Conv2dArgs& a, ConvPass pass, StreamHandle stream, const voi
       current = i;
       return;
     }
+    check_no_partial_sum(a, pass, status);
     if (first_error == CUDNN_STATUS_SUCCESS) first_error = status;
   }
   LOOM_FAIL("conv2d ", pass_name(pass), ": cuDNN error ", int(first_error), " (", cudnnGetErrorString(first_error),
