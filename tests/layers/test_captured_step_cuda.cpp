@@ -1,6 +1,7 @@
 // Whole-step CUDA graphs (engine/cuda_graph.h, layers/optim/captured_step.h) on cuda:0: a
 // captured training step gives the eager step's losses and weights bit for bit over 20 steps
-// (SimpleCNN and ResNet-18, f32 and bf16 autocast, SGD; SimpleCNN with AdamW; a small GPT in
+// (SimpleCNN and ResNet-18, f32 and bf16 autocast, SGD; SimpleCNN with AdamW; both CNNs with
+// channels-last batches and weights in bf16; a small GPT in
 // bf16 with clipping and AdamW's two parameter groups; a batch step whose short batches run
 // eagerly), with a new
 // batch copied in and the learning rate changed before every step; the graph's memory is its own pool, handed back
@@ -55,27 +56,32 @@ Trained run_steps(nn::Module& model, optim::Optimizer& opt, double lr, const std
     out.losses.push_back(float(loss.to(Device::cpu()).item()));
   }
   out.captured = captured && captured->captured();
-  for (const Tensor& p : model.parameters()) out.weights.push_back(p.to(Device::cpu()).to_vector<float>());
+  for (const Tensor& p : model.parameters()) out.weights.push_back(p.contiguous().to(Device::cpu()).to_vector<float>());
   return out;
 }
 
-// A CNN trained by SGD (momentum, weight decay) or AdamW.
-Trained train(const std::string& model_name, std::optional<DType> autocast, bool capture, bool adamw) {
+// A CNN trained by SGD (momentum, weight decay) or AdamW; with `channels_last`, its batches
+// and 4-d weights laid out channels-last (Module::to(MemoryFormat)).
+Trained train(const std::string& model_name, std::optional<DType> autocast, bool capture, bool adamw,
+              bool channels_last = false) {
   manual_seed(7);
   std::shared_ptr<nn::Module> model;
   if (model_name == "simplecnn") model = std::make_shared<nn::SimpleCNN>(3, 32, 10);
   else model = nn::resnet18(10, 3);
   model->to(kGpu);
+  if (channels_last) model->to(MemoryFormat::channels_last);
   model->train();
   const int64_t batch = model_name == "simplecnn" ? 32 : 8;
   std::vector<Tensor> images, labels;
   for (int i = 0; i < 4; ++i) {
-    images.push_back(randn({batch, 3, 32, 32}, DType::f32, kGpu));
+    Tensor image = randn({batch, 3, 32, 32}, DType::f32, kGpu);
+    images.push_back(channels_last ? image.contiguous(MemoryFormat::channels_last) : image);
     std::vector<float> l;
     for (int64_t k = 0; k < batch; ++k) l.push_back(float((k * 7 + i) % 10));
     labels.push_back(from_vector(l, {batch}, kGpu).to(DType::i64));
   }
-  Tensor x = empty_like(images[0]), y = empty_like(labels[0]);
+  Tensor x = channels_last ? empty_like(images[0]).contiguous(MemoryFormat::channels_last) : empty_like(images[0]);
+  Tensor y = empty_like(labels[0]);
   std::unique_ptr<optim::Optimizer> made;
   if (adamw) made = std::make_unique<optim::AdamW>(model->parameters(), optim::AdamWOptions{.lr = 1e-3, .weight_decay = 0.01});
   else made = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9,
@@ -162,8 +168,9 @@ void expect_equal_runs(const std::string& model, const std::function<Trained(boo
     EXPECT_TRUE(same_bits(eager.weights[i], graph.weights[i])) << model << ": parameter " << i << " differs";
 }
 
-void expect_equal_runs(const std::string& model, std::optional<DType> autocast, bool adamw = false) {
-  expect_equal_runs(model, [&](bool capture) { return train(model, autocast, capture, adamw); });
+void expect_equal_runs(const std::string& model, std::optional<DType> autocast, bool adamw = false,
+                       bool channels_last = false) {
+  expect_equal_runs(model, [&](bool capture) { return train(model, autocast, capture, adamw, channels_last); });
 }
 
 TEST(CapturedStepCuda, SimpleCnnF32EqualsEagerBitForBit) {
@@ -191,6 +198,14 @@ TEST(CapturedStepCuda, ResNet18F32EqualsEagerBitForBit) {
 TEST(CapturedStepCuda, ResNet18Bf16EqualsEagerBitForBit) {
   LOOM_REQUIRE_CUDA();
   expect_equal_runs("resnet18", DType::bf16);
+}
+
+// Channels-last batches and weights: the optimizers update the weights as they lie and write
+// autocast's kept copies in place, and the convolutions add into the shortcuts' gradients.
+TEST(CapturedStepCuda, ChannelsLastWeightsEqualEagerBitForBit) {
+  LOOM_REQUIRE_CUDA();
+  expect_equal_runs("resnet18", DType::bf16, false, true);
+  expect_equal_runs("simplecnn", DType::bf16, true, true);
 }
 
 TEST(CapturedStepCuda, GptBf16AdamWEqualsEagerBitForBit) {
