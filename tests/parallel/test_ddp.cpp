@@ -324,6 +324,16 @@ TEST(DdpErrors, AParameterWithoutGradientIsNamedAndFreezingItWorks) {
   });
 }
 
+TEST(DdpErrors, ChannelsLastParametersAreRefusedSayingWhy) {
+  run_ranks(2, [](int, std::shared_ptr<ProcessGroup> group) {
+    auto model = std::make_shared<nn::Conv2d>(3, 4, 3);
+    model->to(MemoryFormat::channels_last);
+    require_error([&] { DistributedDataParallel ddp(model, group); },
+                  {"parameter module.weight is not row-major", "Module::to(MemoryFormat)",
+                   "leave the module's parameters row-major"});
+  });
+}
+
 TEST(DdpErrors, DifferentModelsOnTheRanksAreRefusedOnEveryRank) {
   run_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> group) {
     auto model = std::make_shared<nn::Linear>(4, rank == 0 ? 2 : 3);

@@ -584,6 +584,16 @@ class TwoLayers : public nn::Module {
   bool use_fc2 = true;
 };
 
+TEST(FsdpErrors, ChannelsLastParametersAreRefusedSayingWhy) {
+  run_ranks(2, [](int, std::shared_ptr<ProcessGroup> group) {
+    auto model = std::make_shared<nn::Conv2d>(3, 4, 3);
+    model->to(MemoryFormat::channels_last);
+    require_error([&] { FullyShardedDataParallel fsdp(model, group); },
+                  {"parameter weight is not row-major", "Module::to(MemoryFormat)",
+                   "leave the module's parameters row-major"});
+  });
+}
+
 TEST(FsdpErrors, UnusedParametersAreNamedAndReadingOutsideAStepIsRefused) {
   run_ranks(2, [](int, std::shared_ptr<ProcessGroup> group) {
     auto model = std::make_shared<TwoLayers>();
