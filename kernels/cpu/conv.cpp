@@ -453,41 +453,46 @@ const A* input_as(const void* p, int64_t n, std::vector<A>& store) {
   }
 }
 
-// Where an output of T is computed as A: in place when T is A, else in `store`;
-// finish_output converts it back.
+// Where an output of T is computed as A: in place when T is A and nothing is added to it,
+// else in `store`; finish_output converts it back, with `add_into` adding it to what the
+// output held (one rounding).
 template <class T, class A>
-A* output_as(void* p, int64_t n, std::vector<A>& store) {
-  if constexpr (std::is_same_v<T, A>) {
-    return static_cast<A*>(p);
-  } else {
-    store.resize(size_t(n));
-    return store.data();
-  }
+A* output_as(void* p, int64_t n, std::vector<A>& store, bool add_into) {
+  if (std::is_same_v<T, A> && !add_into) return static_cast<A*>(p);
+  store.resize(size_t(n));
+  return store.data();
 }
 
 template <class T, class A>
-void finish_output(void* p, int64_t n, const std::vector<A>& store) {
-  if constexpr (!std::is_same_v<T, A>) {
-    T* dst = static_cast<T*>(p);
-    parallel_for(n, 1 << 16, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) dst[i] = T(float(store[size_t(i)]));
-    });
-  }
+void finish_output(void* p, int64_t n, const std::vector<A>& store, bool add_into) {
+  if (std::is_same_v<T, A> && !add_into) return;
+  T* dst = static_cast<T*>(p);
+  parallel_for(n, 1 << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      A v = store[size_t(i)];
+      if (add_into) {
+        if constexpr (std::is_same_v<T, A>) v = dst[i] + v;
+        else v = A(float(dst[i])) + v;
+      }
+      dst[i] = T(v);
+    }
+  });
 }
 
-// Runs `core(out, in0, in1)` in the accumulation type of args.dtype.
+// Runs `core(out, in0, in1)` in the accumulation type of args.dtype; with `add_into`, the
+// result is added to what `out` held.
 template <class Core>
 void run_acc(const Conv2dArgs& a, const char* what, void* out, int64_t out_n, const void* in0, int64_t in0_n,
-             const void* in1, int64_t in1_n, Core&& core) {
+             const void* in1, int64_t in1_n, Core&& core, bool add_into = false) {
   dispatch_floating(a.dtype, what, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
     std::vector<A> s0, s1, so;
     const A* p0 = input_as<T>(in0, in0_n, s0);
     const A* p1 = input_as<T>(in1, in1_n, s1);
-    A* po = output_as<T>(out, out_n, so);
+    A* po = output_as<T>(out, out_n, so, add_into);
     core(po, p0, p1);
-    finish_output<T>(out, out_n, so);
+    finish_output<T>(out, out_n, so, add_into);
   });
 }
 
@@ -509,31 +514,12 @@ void conv2d_forward(const Conv2dArgs& a, void* y, const void* x, const void* w, 
 
 void conv2d_backward_data(const Conv2dArgs& a, void* dx, const void* dy, const void* w, StreamHandle) {
   if (x_numel(a) == 0) return;
-  if (!a.accumulate) {
-    run_acc(a, "conv2d backward", dx, x_numel(a), dy, y_numel(a), w, w_numel(a),
-            [&](auto* out, const auto* dya, const auto* wa) {
-              channels_last(a) ? backward_data_cl(a, out, dya, wa) : backward_data_acc(a, out, dya, wa);
-            });
-    return;
-  }
-  // dx += the gradient: computed in the accumulation type, dx's values added, one rounding.
-  dispatch_floating(a.dtype, "conv2d backward", [&](auto tag) {
-    using T = decltype(tag);
-    using A = acc_t<T>;
-    std::vector<A> s0, s1, sum(size_t(x_numel(a)));
-    const A* dya = input_as<T>(dy, y_numel(a), s0);
-    const A* wa = input_as<T>(w, w_numel(a), s1);
-    channels_last(a) ? backward_data_cl(a, sum.data(), dya, wa) : backward_data_acc(a, sum.data(), dya, wa);
-    T* out = static_cast<T*>(dx);
-    parallel_for(x_numel(a), 1 << 16, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        A prior;
-        if constexpr (std::is_same_v<T, A>) prior = out[i];
-        else prior = A(float(out[i]));
-        out[i] = T(prior + sum[size_t(i)]);
-      }
-    });
-  });
+  run_acc(
+      a, "conv2d backward", dx, x_numel(a), dy, y_numel(a), w, w_numel(a),
+      [&](auto* out, const auto* dya, const auto* wa) {
+        channels_last(a) ? backward_data_cl(a, out, dya, wa) : backward_data_acc(a, out, dya, wa);
+      },
+      a.accumulate);
 }
 
 void conv2d_backward_filter(const Conv2dArgs& a, void* dw, const void* x, const void* dy, StreamHandle) {
