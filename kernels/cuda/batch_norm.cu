@@ -142,17 +142,20 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward --------------------------------------------------------------------------
 
-// A block's sums over its slice; groups == 1: the channel's dbeta and dgamma.
+// A block's sums over its slice; groups == 1: the channel's dbeta and dgamma. With kRelu and
+// dres not null, the masked dy is also written to dres, the residual's gradient, which
+// grad_input_kernel then reads in place of dy and y.
 template <class T, int V, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ y, Geom g,
-                     GradChannel<acc_t<T>> ch, GradSums<acc_t<T>>* partials) {
+    grad_sums_kernel(T* __restrict__ dres, const T* __restrict__ dy, const T* __restrict__ x,
+                     const T* __restrict__ y, Geom g, GradChannel<acc_t<T>> ch, GradSums<acc_t<T>>* partials) {
   using A = acc_t<T>;
   const int64_t c = block_channel(g);
   const A mu = ch.save_mean[c];
   GradSums<A> acc{A(0), A(0)};
   for_each_vector<V>(g, c, block_group(g), [&](int64_t off) {
     const Pack<T, V> pg = masked_grad<T, V, kRelu>(dy, y, off), px = load<T, V>(x + off);
+    if (kRelu && dres) store<T, V>(dres + off, pg);
     A s = A(0), sx = A(0);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -170,19 +173,18 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // dx = gamma invstd / M (M dy - dbeta - xhat dgamma), arranged as k_dy dy - k_x (x - mean) - k_0;
-// with kRelu, dy masked by y, and the masked dy written to dres when that is not null.
+// with kRelu, dy masked by y, read from dres when grad_sums_kernel wrote it there.
 template <class T, int V, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    grad_input_kernel(T* __restrict__ dx, T* __restrict__ dres, const T* __restrict__ dy, const T* __restrict__ x,
-                      const T* __restrict__ y, Geom g, GradChannel<acc_t<T>> ch, Hyper h) {
+    grad_input_kernel(T* __restrict__ dx, const T* __restrict__ dres, const T* __restrict__ dy,
+                      const T* __restrict__ x, const T* __restrict__ y, Geom g, GradChannel<acc_t<T>> ch, Hyper h) {
   using A = acc_t<T>;
   const int64_t c = block_channel(g);
   const A m = A(h.m), mu = ch.save_mean[c], invstd = ch.save_invstd[c];
   const A k_dy = invstd * (ch.gamma ? ch.gamma[c] : A(1));
   const A k_x = k_dy * invstd * ch.dgamma[c] / m, k_0 = k_dy * ch.dbeta[c] / m;
   for_each_vector<V>(g, c, block_group(g), [&](int64_t off) {
-    const Pack<T, V> pg = masked_grad<T, V, kRelu>(dy, y, off), px = load<T, V>(x + off);
-    if (kRelu && dres) store<T, V>(dres + off, pg);
+    const Pack<T, V> pg = stored_or_masked_grad<T, V, kRelu>(dres, dy, y, off), px = load<T, V>(x + off);
     Pack<T, V> out;
 #pragma unroll
     for (int j = 0; j < V; ++j)
@@ -304,8 +306,8 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
       const T* out = static_cast<const T*>(y);
       with_relu(a.relu, [&](auto relu) {
         constexpr bool kRelu = decltype(relu)::value;
-        grad_sums_kernel<T, V, kRelu><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
-                                                                  out, g, ch, partials);
+        grad_sums_kernel<T, V, kRelu><<<blocks, kThreads, 0, s>>>(
+            static_cast<T*>(dresidual), static_cast<const T*>(dy), static_cast<const T*>(x), out, g, ch, partials);
         LOOM_CUDA_LAUNCH();
         if (g.groups > 1) {
           with_combine_lanes(a.c, g.groups, [&](auto lanes, unsigned grid) {
@@ -315,8 +317,8 @@ void batch_norm_backward(const BatchNormArgs& a, void* dx, void* dgamma, void* d
           LOOM_CUDA_LAUNCH();
         }
         grad_input_kernel<T, V, kRelu><<<blocks, kThreads, 0, s>>>(
-            static_cast<T*>(dx), static_cast<T*>(dresidual), static_cast<const T*>(dy), static_cast<const T*>(x), out,
-            g, ch, Hyper{a.eps, a.momentum, double(a.n * a.s)});
+            static_cast<T*>(dx), static_cast<const T*>(dresidual), static_cast<const T*>(dy), static_cast<const T*>(x),
+            out, g, ch, Hyper{a.eps, a.momentum, double(a.n * a.s)});
         LOOM_CUDA_LAUNCH();
       });
     });

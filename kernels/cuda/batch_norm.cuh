@@ -114,6 +114,15 @@ __device__ __forceinline__ Pack<T, V> masked_grad(const T* __restrict__ dy, cons
   return g;
 }
 
+// The masked dy as the dx pass reads it: from dres, where the sums' pass stored it as the
+// residual's gradient (not null only with kRelu), else dy masked by y.
+template <class T, int V, bool kRelu>
+__device__ __forceinline__ Pack<T, V> stored_or_masked_grad(const T* __restrict__ dres, const T* __restrict__ dy,
+                                                            const T* __restrict__ y, int64_t off) {
+  if (kRelu && dres) return load<T, V>(dres + off);
+  return masked_grad<T, V, kRelu>(dy, y, off);
+}
+
 // ---- backward --------------------------------------------------------------------------
 
 template <class A> struct GradSums {

@@ -23,6 +23,8 @@
 // row lanes of a channel then merge: within the warp by shuffles in a fixed pattern, then
 // across warps through shared memory, one thread per channel of the tile merging the
 // warps' states in warp order. The backward's sums of dy and dy (x - mean) go the same way.
+// With a fused ReLU and a residual, the sums' pass also stores the masked dy (the residual's
+// gradient), and the dx pass reads it back in place of dy and y.
 //
 // Scratch. With groups > 1 each block writes its per-channel partials into the output
 // buffer (y in the forward, dx in the backward), channel-major, from the buffer's first
@@ -233,11 +235,13 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward --------------------------------------------------------------------------
 
-// A block's sums over its tile and rows; groups == 1: the channels' dbeta and dgamma.
+// A block's sums over its tile and rows; groups == 1: the channels' dbeta and dgamma. With
+// kRelu and dres not null, the masked dy is also written to dres, the residual's gradient,
+// which grad_input_kernel then reads in place of dy and y.
 template <class T, int V, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    grad_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ y, Geom g,
-                     GradChannel<acc_t<T>> ch, GradSums<acc_t<T>>* partials) {
+    grad_sums_kernel(T* __restrict__ dres, const T* __restrict__ dy, const T* __restrict__ x,
+                     const T* __restrict__ y, Geom g, GradChannel<acc_t<T>> ch, GradSums<acc_t<T>>* partials) {
   using A = acc_t<T>;
   __shared__ GradSums<A> warps[kWarps][32 * V];
   const Lane l = lane_of<V>(g);
@@ -247,7 +251,8 @@ __global__ void __launch_bounds__(kThreads)
   SumsVec<A, V> acc{};
   for_each_row(
       g, l, [&](int64_t off) { return PackPair<T, V>{masked_grad<T, V, kRelu>(dy, y, off), load<T, V>(x + off)}; },
-      [&](const PackPair<T, V>& p, int64_t) {
+      [&](const PackPair<T, V>& p, int64_t off) {
+        if (kRelu && dres) store<T, V>(dres + off, p.dy);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const A gy = to_acc(p.dy.v[j]);
@@ -264,11 +269,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // dx = gamma invstd / M (M dy - dbeta - xhat dgamma), arranged as k_dy dy - k_x (x - mean) - k_0;
-// with kRelu, dy masked by y, and the masked dy written to dres when that is not null.
+// with kRelu, dy masked by y, read from dres when grad_sums_kernel wrote it there (one load
+// instead of two, and this pass stores dx alone).
 template <class T, int V, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
-    grad_input_kernel(T* __restrict__ dx, T* __restrict__ dres, const T* __restrict__ dy, const T* __restrict__ x,
-                      const T* __restrict__ y, Geom g, GradChannel<acc_t<T>> ch, Hyper h) {
+    grad_input_kernel(T* __restrict__ dx, const T* __restrict__ dres, const T* __restrict__ dy,
+                      const T* __restrict__ x, const T* __restrict__ y, Geom g, GradChannel<acc_t<T>> ch, Hyper h) {
   using A = acc_t<T>;
   const Lane l = lane_of<V>(g);
   if (l.row >= l.end) return;
@@ -284,9 +290,11 @@ __global__ void __launch_bounds__(kThreads)
     k_0[j] = k_dy[j] * ch.dbeta[c] / m;
   }
   for_each_row(
-      g, l, [&](int64_t off) { return PackPair<T, V>{masked_grad<T, V, kRelu>(dy, y, off), load<T, V>(x + off)}; },
+      g, l,
+      [&](int64_t off) {
+        return PackPair<T, V>{stored_or_masked_grad<T, V, kRelu>(dres, dy, y, off), load<T, V>(x + off)};
+      },
       [&](const PackPair<T, V>& p, int64_t off) {
-        if (kRelu && dres) store<T, V>(dres + off, p.dy);
         Pack<T, V> out;
 #pragma unroll
         for (int j = 0; j < V; ++j)
@@ -404,7 +412,8 @@ void backward_channels_last(const BatchNormArgs& a, void* dx, void* dgamma, void
       with_relu(a.relu, [&](auto relu) {
         constexpr bool kRelu = decltype(relu)::value;
         grad_sums_kernel<T, V, kRelu><<<blocks_of(g), kThreads, 0, s>>>(
-            static_cast<const T*>(dy), static_cast<const T*>(x), out, g, ch, scratch.partials);
+            static_cast<T*>(dresidual), static_cast<const T*>(dy), static_cast<const T*>(x), out, g, ch,
+            scratch.partials);
         LOOM_CUDA_LAUNCH();
         if (g.groups > 1) {
           with_combine_lanes(a.c, g.groups, [&](auto lanes, unsigned grid) {
@@ -414,7 +423,7 @@ void backward_channels_last(const BatchNormArgs& a, void* dx, void* dgamma, void
           LOOM_CUDA_LAUNCH();
         }
         grad_input_kernel<T, V, kRelu><<<blocks_of(g), kThreads, 0, s>>>(
-            static_cast<T*>(dx), static_cast<T*>(dresidual), static_cast<const T*>(dy), static_cast<const T*>(x), out,
+            static_cast<T*>(dx), static_cast<const T*>(dresidual), static_cast<const T*>(dy), static_cast<const T*>(x), out,
             g, ch, Hyper{a.eps, a.momentum, double(a.n * a.s)});
         LOOM_CUDA_LAUNCH();
       });
