@@ -62,15 +62,7 @@ void accumulate(const Node& node, const Tensor& g) {
     const MemoryFormat format = leaf.memory_format();
     bool exclusive =
         grad.impl_ptr().use_count() <= 2 && grad.storage().use_count() == 1 && grad.is_contiguous(format);
-    if (exclusive) {
-      leaf.set_grad(grad.detach().contiguous(format));
-    } else if (format == MemoryFormat::contiguous) {
-      leaf.set_grad(grad.clone());
-    } else {
-      Tensor copy = Tensor::empty(leaf.shape(), grad.dtype(), grad.device(), format);
-      copy_(copy, grad);
-      leaf.set_grad(copy);
-    }
+    leaf.set_grad(exclusive ? grad.detach().contiguous(format) : grad.clone(format));
   } else {
     add_(leaf.grad(), grad);
   }

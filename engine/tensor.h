@@ -166,6 +166,8 @@ class Tensor {
   // differentiable.
   Tensor contiguous(MemoryFormat format) const;
   Tensor clone() const;
+  // A copy laid out in `format` (row-major, or channels-last for a 4-d tensor); differentiable.
+  Tensor clone(MemoryFormat format) const;
   Tensor to(Device device) const;
   Tensor to(DType dtype) const;
 

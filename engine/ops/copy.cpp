@@ -112,9 +112,9 @@ Tensor Tensor::to(DType dtype) const {
   return out;
 }
 
-Tensor Tensor::clone() const {
-  return clone_as(*this, MemoryFormat::contiguous);
-}
+Tensor Tensor::clone() const { return clone(MemoryFormat::contiguous); }
+
+Tensor Tensor::clone(MemoryFormat format) const { return clone_as(*this, format); }
 
 Tensor Tensor::contiguous() const { return contiguous(MemoryFormat::contiguous); }
 
