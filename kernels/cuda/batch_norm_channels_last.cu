@@ -13,9 +13,11 @@
 // ranges; block b takes tile b % tiles of range b / tiles, so blocks that run together read
 // neighbouring memory. groups is chosen, as in batch_norm.cu, for about kTargetBlocks blocks
 // with every thread still given kMinRowsPerThread rows. In ResNet-18 on CIFAR at N = 256 in
-// bf16 the first stage (C = 64, M = 262144) is one tile of 8 lanes by 32 row lanes over 1024
-// ranges of 256 rows; the last (C = 512, M = 4096) is two tiles of 32 lanes by 8 over 128
-// ranges of 32 rows.
+// bf16 the first stage (C = 64, M = 262144) is one tile of 8 lanes by 32 row lanes over 512
+// ranges of 512 rows; the last (C = 512, M = 4096) is two tiles of 32 lanes by 8 over 32
+// ranges of 128 rows. Shorter ranges (4 rows a thread) spent more of each block's time in
+// its start and its merge than in reading, and gave the combine more partials; longer ones
+// (32 rows a thread) left the GPU short of blocks at N = 256.
 //
 // Statistics. A thread keeps a Welford state for each of its V channels, with one count
 // (they see the same rows), and updates it row by row: one division per row, shared by
@@ -44,7 +46,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;                  // rows a thread loads before it uses them
 constexpr int64_t kTargetBlocks = 1024;
-constexpr int64_t kMinRowsPerThread = 4;    // before a tile's rows are split over blocks
+constexpr int64_t kMinRowsPerThread = 16;   // before a tile's rows are split over blocks
 static_assert(32 * 8 <= kThreads, "the warps' states are merged by a thread per channel of the widest tile");
 
 // Where a block finds its channels and rows; the same for every launch of one call.
