@@ -257,6 +257,42 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[kBlockN / 8][4], float
     }
 }
 
+// One key tile's step of the online softmax for a warp's 16 rows (the 4 threads of a quad
+// share a row): scales and masks the scores s, raises the running max m, rescales the sum l
+// and the output o by the change, and leaves P = exp2(s - m) in s.
+template <int D>
+__device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float (&o)[D / 8][4], float (&m)[2],
+                                               float (&l)[2], float scale_log2, bool edge, int i_lo, int j0,
+                                               const Params& p) {
+  constexpr int NB = kBlockN / 8;
+  scale_and_mask(s, scale_log2, edge, i_lo, j0, p.kv_len, p.causal);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[r], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen no key yet stays at 0
+    const float alpha = fast_exp2(m[r] - base);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      s[nb][2 * r] = fast_exp2(s[nb][2 * r] - base);
+      s[nb][2 * r + 1] = fast_exp2(s[nb][2 * r + 1] - base);
+      sum += s[nb][2 * r] + s[nb][2 * r + 1];
+    }
+    l[r] = l[r] * alpha + sum;
+#pragma unroll
+    for (int db = 0; db < D / 8; ++db) {
+      o[db][2 * r] *= alpha;
+      o[db][2 * r + 1] *= alpha;
+    }
+  }
+}
+
 // Key tile n + 1 of k and v (rows ld apart) into the buffers sK, sV do not read in step n,
 // if there is one, then waits until tile n (and what was loaded before it) has landed for
 // the whole block. The buffers hold 2 x (kBlockN, D + 8).
