@@ -17,15 +17,15 @@
 // tile n + 1, takes the softmax of tile n's while the tensor cores work, then issues P V(n)
 // and waits for both.
 //
-// Shared memory for wgmma. K and V tiles are stored in 8 x 8 core matrices of 128 bytes
-// (8 rows of 16 bytes), no swizzle: element (row r, column c) of a tile of D columns sits at
-// core ((r / 8) * (D / 8) + c / 8), byte (r % 8) * 16 + (c % 8) * 2 in it. The descriptor of
-// an operand gives its start and two strides between cores: for K as the B of Q K^T
-// (K-major: the product's k runs along a row) the next 8 columns are 128 bytes on and the
-// next 8 keys D * 16; for V as the B of P V (MN-major, read transposed) the next 8 keys are
-// D * 16 bytes on and the next 8 columns 128. cp.async writes each core's 8 rows from 8
-// neighbouring threads, one 128-byte line. Q stays in attention_mma_tiles.cuh's padded rows,
-// which ldmatrix reads into the A fragments.
+// Shared memory for wgmma. K and V tiles are stored in the 128-byte swizzle that wgmma reads
+// without bank conflicts: a tile of D columns is D / 64 blocks of 64 columns (128 bytes a
+// row), each block kBlockN rows of 128 bytes, and the 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8) of its row (blocks start 1024-byte aligned, as the swizzle needs). The same
+// bytes serve both products: K as the B of Q K^T (K-major: the product's k runs along a
+// row; the next 16 columns are 32 bytes on inside a block, 8 rows are 1024 bytes) and V as
+// the B of P V (MN-major, read transposed: 8 keys are 1024 bytes, the next 64 columns the
+// next block). cp.async writes each row from 8 neighbouring threads. Q stays in
+// attention_mma_tiles.cuh's padded rows, which ldmatrix reads into the A fragments.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_mma_tiles.cuh"
 
@@ -43,8 +43,9 @@ using namespace mma_tiles;
 constexpr int kRows = 64;  // query rows of a block: one warpgroup's product
 static_assert(kThreads == 128 && kRows == kBlockN, "a block is one warpgroup; causal blocks end on a whole key tile");
 
+// Two K and two V tiles, Q's rows, and room to align the tiles to 1024 bytes.
 template <class T, int D> constexpr size_t wgmma_smem() {
-  return size_t(4 * kBlockN * D + kRows * (D + 8)) * sizeof(T);
+  return size_t(4 * kBlockN * D + kRows * (D + 8)) * sizeof(T) + 1024;
 }
 
 #if LOOM_WGMMA_CODE  // the device code below is built for sm_90a alone
@@ -53,11 +54,11 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- PTX wrappers ----------------------------------------------------------------------
 
-// A no-swizzle shared-memory matrix descriptor: the start and the byte strides between
-// cores along the product's k (leading) and along M or N (stride), each in 16-byte units.
+// A shared-memory matrix descriptor in the 128-byte swizzle: the start and the two byte
+// strides (leading, stride) of PTX's canonical layouts, each in 16-byte units.
 __device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leading, uint32_t stride) {
   return uint64_t((smem_addr(start) & 0x3ffff) >> 4) | uint64_t((leading >> 4) & 0x3fff) << 16 |
-         uint64_t((stride >> 4) & 0x3fff) << 32;
+         uint64_t((stride >> 4) & 0x3fff) << 32 | uint64_t(1) << 62;
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -123,18 +124,19 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
 
 // ---- tiles -----------------------------------------------------------------------------
 
-// Rows [row0, row0 + kBlockN) of a (len, D) matrix, rows ld apart, into a tile of core
-// matrices (the layout above) by cp.async; rows at or past len are zeros. Thread c % 8 of
-// each 8 takes one row of a core, so 8 threads fill one 128-byte line.
-template <int D, class T> __device__ __forceinline__ void load_cores(T* dst, const T* src, int ld, int row0, int len) {
+// Rows [row0, row0 + kBlockN) of a (len, D) matrix, rows ld apart, into a swizzled tile
+// (the layout above) by cp.async; rows at or past len are zeros. 8 neighbouring threads
+// take the 8 chunks of one row of a 64-column block.
+template <int D, class T> __device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len) {
   constexpr int kChunks = D / 8, kTotal = kBlockN * kChunks;
   const T* tile = src + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < kTotal / kThreads; ++it) {
     const int c = it * kThreads + int(threadIdx.x);
-    const int in_core = c % 8, chunk = c / 8 % kChunks, group = c / (8 * kChunks), r = group * 8 + in_core;
+    const int chunk = c % 8, r = c / 8 % kBlockN, block = c / (8 * kBlockN);
     const bool valid = row0 + r < len;
-    cp_async_16(dst + (group * kChunks + chunk) * 64 + in_core * 8, valid ? tile + (r * ld + chunk * 8) : src, valid);
+    cp_async_16(dst + block * kBlockN * 64 + r * 64 + (chunk ^ (r % 8)) * 8,
+                valid ? tile + (r * ld + block * 64 + chunk * 8) : src, valid);
   }
 }
 
@@ -143,8 +145,8 @@ template <class T, int D>
 __device__ __forceinline__ void issue_scores(float (&s)[kBlockN / 8][4], const uint32_t (&qf)[D / 16][4], const T* kt) {
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)  // columns 16 ks.. are cores 2 ks and 2 ks + 1 of each 8 keys
-    wgmma<T, kBlockN, 0>(s, qf[ks], descriptor(kt + ks * 2 * 64, 128, D * 16), ks > 0);
+  for (int ks = 0; ks < D / 16; ++ks)  // columns 16 ks.. : block ks / 4, 32 bytes a step inside it
+    wgmma<T, kBlockN, 0>(s, qf[ks], descriptor(kt + ks / 4 * kBlockN * 64 + ks % 4 * 16, 16, 1024), ks > 0);
   wgmma_commit();
 }
 
@@ -153,8 +155,8 @@ template <class T, int D>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&pa)[kBlockN / 16][4], const T* vt) {
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk)  // keys 16 kk.. are the 8-key groups 2 kk and 2 kk + 1
-    wgmma<T, D, 1>(o, pa[kk], descriptor(vt + kk * 2 * (D / 8) * 64, D * 16, 128), true);
+  for (int kk = 0; kk < kBlockN / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on
+    wgmma<T, D, 1>(o, pa[kk], descriptor(vt + kk * 16 * 64, kBlockN * 128, 1024), true);
   wgmma_commit();
 }
 
@@ -166,8 +168,8 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
 #if LOOM_WGMMA_CODE
   constexpr int S = D + 8, NB = kBlockN / 8, kTile = kBlockN * D;
   extern __shared__ __align__(128) unsigned char smem[];
-  T* sK = reinterpret_cast<T*>(smem);  // 2 tiles of cores
-  T* sV = sK + 2 * kTile;              // 2 tiles of cores
+  T* sK = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles, 1024-byte aligned
+  T* sV = sK + 2 * kTile;                                            // 2 swizzled tiles
   T* sQ = sV + 2 * kTile;              // (kRows, S); O on the way out
 
   const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
@@ -179,8 +181,8 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
   const float scale_log2 = float(p.scale_log2);
   const int r0 = q0 + warp * 16;  // this warp's first row; a thread's rows: r0 + g and r0 + g + 8
-  auto load_k = [&](int n) { load_cores<D>(sK + (n & 1) * kTile, k, int(st.k.seq), n * kBlockN, p.kv_len); };
-  auto load_v = [&](int n) { load_cores<D>(sV + (n & 1) * kTile, v, int(st.v.seq), n * kBlockN, p.kv_len); };
+  auto load_k = [&](int n) { load_swizzled<D>(sK + (n & 1) * kTile, k, int(st.k.seq), n * kBlockN, p.kv_len); };
+  auto load_v = [&](int n) { load_swizzled<D>(sV + (n & 1) * kTile, v, int(st.v.seq), n * kBlockN, p.kv_len); };
   auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 
   // Groups: {Q, K(0)}, then {V(0), K(1)}, then one {V(n + 1), K(n + 2)} a step.
