@@ -18,8 +18,6 @@ namespace {
 
 using namespace mma_tiles;
 
-constexpr float kLn2 = 0.6931471805599453f;
-
 // ---- forward ---------------------------------------------------------------------------
 
 // A forward block's query rows: one row tile of 16 a warp, as many rows as a key tile has
@@ -66,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Para
   T* sK = sQ + BM * S;                 // 2 x (kBlockN, S)
   T* sV = sK + 2 * kBlockN * S;        // 2 x (kBlockN, S)
 
-  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
+  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2;
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = query_tile_start<BM>(p), n_tiles = key_tiles<BM>(p, q0);
   const AttentionLayout& st = p.strides;
@@ -127,23 +125,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Para
   }
   cp_async_wait<0>();
   __syncthreads();
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  stage_rows<D>(sQ, o[0], warp * 16, l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f);
-  if (t == 0) {
-    float* lse = static_cast<float*>(p.lse) + bh * p.q_len;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = r0 + g + 8 * r;
-      if (i < p.q_len) lse[i] = l[r] > 0.f ? (m[r] + log2f(l[r])) * kLn2 : -INFINITY;
-    }
-  }
-  __syncthreads();
-  store_rows<D, BM>(static_cast<T*>(p.out) + p.offset(st.out, bh), int(st.out.seq), sQ, q0, p.q_len);
+  finish_forward<D, BM, T>(p, o[0], m, l, sQ, bh, q0);
 }
 
 }  // namespace

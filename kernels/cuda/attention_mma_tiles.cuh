@@ -293,6 +293,32 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float
   }
 }
 
+// A forward block's end, once every warp's products are done: each row's O divided by its
+// sum l, staged as T in the tile sQ (the block's BM rows, padded) and stored to out; each
+// row's log-sum-exp (ln, from m and l in exp2 form) to lse, -inf for a row that saw no key.
+template <int D, int BM, class T>
+__device__ __forceinline__ void finish_forward(const Params& p, const float (&o)[D / 8][4], const float (&m)[2],
+                                               float (&l)[2], T* sQ, int64_t bh, int q0) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  stage_rows<D>(sQ, o, warp * 16, l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f);
+  if (t == 0) {
+    float* lse = static_cast<float*>(p.lse) + bh * p.q_len;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = q0 + warp * 16 + g + 8 * r;
+      if (i < p.q_len) lse[i] = l[r] > 0.f ? (m[r] + log2f(l[r])) * kLn2 : -INFINITY;
+    }
+  }
+  __syncthreads();
+  store_rows<D, BM>(static_cast<T*>(p.out) + p.offset(p.strides.out, bh), int(p.strides.out.seq), sQ, q0, p.q_len);
+}
+
 // Key tile n + 1 of k and v (rows ld apart) into the buffers sK, sV do not read in step n,
 // if there is one, then waits until tile n (and what was loaded before it) has landed for
 // the whole block. The buffers hold 2 x (kBlockN, D + 8).

@@ -50,8 +50,6 @@ template <class T, int D> constexpr size_t wgmma_smem() {
 
 #if LOOM_WGMMA_CODE  // the device code below is built for sm_90a alone
 
-constexpr float kLn2 = 0.6931471805599453f;
-
 // ---- PTX wrappers ----------------------------------------------------------------------
 
 // A shared-memory matrix descriptor in the 128-byte swizzle: the start and the two byte
@@ -172,7 +170,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   T* sV = sK + 2 * kTile;                                            // 2 swizzled tiles
   T* sQ = sV + 2 * kTile;              // (kRows, S); O on the way out
 
-  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
+  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2;
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = query_tile_start<kRows>(p), n_tiles = key_tiles<kRows>(p, q0);
   const AttentionLayout& st = p.strides;
@@ -237,23 +235,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   }
   cp_async_wait<0>();
   __syncthreads();
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  stage_rows<D>(sQ, o, warp * 16, l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f);
-  if (t == 0) {
-    float* lse = static_cast<float*>(p.lse) + bh * p.q_len;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = r0 + g + 8 * r;
-      if (i < p.q_len) lse[i] = l[r] > 0.f ? (m[r] + log2f(l[r])) * kLn2 : -INFINITY;
-    }
-  }
-  __syncthreads();
-  store_rows<D, kRows>(static_cast<T*>(p.out) + p.offset(st.out, bh), int(st.out.seq), sQ, q0, p.q_len);
+  finish_forward<D, kRows, T>(p, o, m, l, sQ, bh, q0);
 #endif
 }
 
