@@ -17,8 +17,9 @@
 // tile n + 1, takes the softmax of tile n's while the tensor cores work, then issues P V(n)
 // and waits for both.
 //
-// Shared memory for wgmma. K and V tiles are stored in the 128-byte swizzle that wgmma reads
-// without bank conflicts: a tile of D columns is D / 64 blocks of 64 columns (128 bytes a
+// Shared memory for wgmma. K and V tiles are stored in wgmma's 128-byte swizzle (plain 8 x 8
+// core matrices, which wgmma also reads, made this kernel slower than the sm_80 one, whose
+// padded rows ldmatrix reads without bank conflicts): a tile of D columns is D / 64 blocks of 64 columns (128 bytes a
 // row), each block kBlockN rows of 128 bytes, and the 16-byte chunk c of row r sits at chunk
 // c ^ (r % 8) of its row (blocks start 1024-byte aligned, as the swizzle needs). The same
 // bytes serve both products: K as the B of Q K^T (K-major: the product's k runs along a
