@@ -9,6 +9,7 @@ namespace {
 // sees a half-written value. Relaxed order: an option guards no other memory.
 struct Stored {
   std::atomic<bool> deterministic{Options{}.deterministic};
+  std::atomic<bool> hopper_attention{Options{}.hopper_attention};
   std::atomic<bool> gemm_autotuning{Options{}.gemm_autotuning};
   std::atomic<bool> cudnn_graph_api{Options{}.cudnn_graph_api};
   std::atomic<bool> conv_autotuning{Options{}.conv_autotuning};
@@ -23,6 +24,7 @@ Stored stored;
 Options options() {
   constexpr auto relaxed = std::memory_order_relaxed;
   return {.deterministic = stored.deterministic.load(relaxed),
+          .hopper_attention = stored.hopper_attention.load(relaxed),
           .gemm_autotuning = stored.gemm_autotuning.load(relaxed),
           .cudnn_graph_api = stored.cudnn_graph_api.load(relaxed),
           .conv_autotuning = stored.conv_autotuning.load(relaxed),
@@ -33,6 +35,7 @@ Options options() {
 void set_options(const Options& o) {
   constexpr auto relaxed = std::memory_order_relaxed;
   stored.deterministic.store(o.deterministic, relaxed);
+  stored.hopper_attention.store(o.hopper_attention, relaxed);
   stored.gemm_autotuning.store(o.gemm_autotuning, relaxed);
   stored.cudnn_graph_api.store(o.cudnn_graph_api, relaxed);
   stored.conv_autotuning.store(o.conv_autotuning, relaxed);

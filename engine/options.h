@@ -26,6 +26,12 @@
 // convolutions chosen by timing can differ between runs (gemm_autotuning and
 // conv_autotuning below; turn them off too for the same bits from run to run).
 //
+// hopper_attention (default on). On: on an H100 or H200 in a build whose cuda-arch lists 90,
+// the attention forward on tensor cores (bf16/f16, head_dim 64 or 128) runs the kernel built
+// on Hopper's warpgroup products (kernels/cuda/attention_wgmma.cu). Off: the tensor-core
+// kernel that every GPU from sm_80 on runs (attention_mma.cu). Results agree within f32
+// rounding; the backward is the same kernel either way.
+//
 // gemm_autotuning (default on). On: the first single f32/bf16/f16 product of each shape and
 // layout times up to eight of cuBLASLt's candidate algorithms on its own operands and keeps
 // the fastest (a few milliseconds and a stream synchronisation per candidate, once per
@@ -64,6 +70,7 @@ namespace loom {
 
 struct Options {
   bool deterministic = false;
+  bool hopper_attention = true;
   bool gemm_autotuning = true;
   bool cudnn_graph_api = true;
   bool conv_autotuning = true;

@@ -5,7 +5,9 @@
 // repetitions. The PyTorch side is samples/bench_attention_torch.py: give its output file
 // with --torch FILE and the table gains PyTorch's times and the speed-up (PyTorch ms /
 // Loom ms). Prints a table and writes JSON (--json FILE). --deterministic times the
-// backward that computes dQ without atomics (Options::deterministic, engine/options.h).
+// backward that computes dQ without atomics (Options::deterministic, engine/options.h);
+// --no-hopper-attention times the forward kernel of every target in place of the Hopper
+// one on an H100 or H200 (Options::hopper_attention).
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -122,10 +124,11 @@ int main(int argc, char** argv) {
     if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (arg == "--torch" && i + 1 < argc) torch_path = argv[++i];
     else if (arg == "--deterministic") run_options.deterministic = true;
+    else if (arg == "--no-hopper-attention") run_options.hopper_attention = false;
     else {
       std::fprintf(stderr,
                    "bench_attention: unknown argument '%s'\nusage: bench_attention [--json FILE] [--torch FILE] "
-                   "[--deterministic]\n",
+                   "[--deterministic] [--no-hopper-attention]\n",
                    arg.c_str());
       return 2;
     }

@@ -102,6 +102,7 @@ Tensor scaled_dot_product_attention(const Tensor& q0, const Tensor& k0, const Te
   a.dtype = t;
   a.batch = q.size(0), a.heads = q.size(1), a.q_len = q.size(2), a.kv_len = k.size(2), a.head_dim = q.size(3);
   a.causal = causal;
+  a.hopper = options().hopper_attention;
   a.scale = s;
   a.strides.q = strides_of(bhtd(q));
   a.strides.k = strides_of(bhtd(k));
@@ -157,6 +158,7 @@ Tensor packed_self_attention(const Tensor& qkv0, int64_t heads, bool causal, dou
   a.dtype = t;
   a.batch = B, a.heads = heads, a.q_len = T, a.kv_len = T, a.head_dim = D;
   a.causal = causal;
+  a.hopper = options().hopper_attention;
   a.scale = scale != 0 ? scale : 1.0 / std::sqrt(double(D));
   a.strides.q = a.strides.k = a.strides.v = strides_of(packed(qkv, heads, D));
 

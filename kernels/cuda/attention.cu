@@ -377,7 +377,10 @@ void attention_forward(const AttentionArgs& args, void* out, void* lse, const vo
   const AttentionLayout& st = p.strides;
   if (attention::mma_supported(args.dtype, args.head_dim) && aligned16({q, k, v, out}) &&
       mma_layout(p, {{st.q, p.q_len}, {st.k, p.kv_len}, {st.v, p.kv_len}, {st.out, p.q_len}})) {
-    attention::mma_forward(p, args.dtype, s);
+    if (args.hopper && attention::wgmma_supported(args.dtype, args.head_dim))
+      attention::wgmma_forward(p, args.dtype, s);
+    else
+      attention::mma_forward(p, args.dtype, s);
     return;
   }
   dispatch_floating(args.dtype, "attention", [&](auto tag) {

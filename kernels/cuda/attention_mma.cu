@@ -18,8 +18,6 @@ namespace {
 
 using namespace mma_tiles;
 
-constexpr float kLn2 = 0.6931471805599453f;
-
 // ---- forward ---------------------------------------------------------------------------
 
 // A forward block's query rows: one row tile of 16 a warp, as many rows as a key tile has
@@ -52,42 +50,6 @@ __device__ __forceinline__ void scores_from_q(float (&s)[kBlockN / 8][4], const 
     }
 }
 
-// One key tile's step of the online softmax for a warp's 16 rows (the 4 threads of a quad
-// share a row): scales and masks the scores s, raises the running max m, rescales the sum l
-// and the output o by the change, and leaves P = exp2(s - m) in s.
-template <int D>
-__device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float (&o)[D / 8][4], float (&m)[2],
-                                               float (&l)[2], float scale_log2, bool edge, int i_lo, int j0,
-                                               const Params& p) {
-  constexpr int NB = kBlockN / 8;
-  scale_and_mask(s, scale_log2, edge, i_lo, j0, p.kv_len, p.causal);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx);
-    const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen no key yet stays at 0
-    const float alpha = fast_exp2(m[r] - base);
-    m[r] = m_new;
-    float sum = 0.f;
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      s[nb][2 * r] = fast_exp2(s[nb][2 * r] - base);
-      s[nb][2 * r + 1] = fast_exp2(s[nb][2 * r + 1] - base);
-      sum += s[nb][2 * r] + s[nb][2 * r + 1];
-    }
-    l[r] = l[r] * alpha + sum;
-#pragma unroll
-    for (int db = 0; db < D / 8; ++db) {
-      o[db][2 * r] *= alpha;
-      o[db][2 * r + 1] *= alpha;
-    }
-  }
-}
-
 // Software-pipelined over key tiles: step n computes the scores of tile n + 1 while it
 // takes the softmax of tile n's and adds P V(n), so a warp's tensor-core products and its
 // exponentials are independent work the scheduler can interleave. K is loaded one tile
@@ -102,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Para
   T* sK = sQ + BM * S;                 // 2 x (kBlockN, S)
   T* sV = sK + 2 * kBlockN * S;        // 2 x (kBlockN, S)
 
-  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
+  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2;
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = query_tile_start<BM>(p), n_tiles = key_tiles<BM>(p, q0);
   const AttentionLayout& st = p.strides;
@@ -163,23 +125,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Para
   }
   cp_async_wait<0>();
   __syncthreads();
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  stage_rows<D>(sQ, o[0], warp * 16, l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f);
-  if (t == 0) {
-    float* lse = static_cast<float*>(p.lse) + bh * p.q_len;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = r0 + g + 8 * r;
-      if (i < p.q_len) lse[i] = l[r] > 0.f ? (m[r] + log2f(l[r])) * kLn2 : -INFINITY;
-    }
-  }
-  __syncthreads();
-  store_rows<D, BM>(static_cast<T*>(p.out) + p.offset(st.out, bh), int(st.out.seq), sQ, q0, p.q_len);
+  finish_forward<D, BM, T>(p, o[0], m, l, sQ, bh, q0);
 }
 
 }  // namespace

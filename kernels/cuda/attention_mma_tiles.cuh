@@ -257,6 +257,68 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[kBlockN / 8][4], float
     }
 }
 
+// One key tile's step of the online softmax for a warp's 16 rows (the 4 threads of a quad
+// share a row): scales and masks the scores s, raises the running max m, rescales the sum l
+// and the output o by the change, and leaves P = exp2(s - m) in s.
+template <int D>
+__device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float (&o)[D / 8][4], float (&m)[2],
+                                               float (&l)[2], float scale_log2, bool edge, int i_lo, int j0,
+                                               const Params& p) {
+  constexpr int NB = kBlockN / 8;
+  scale_and_mask(s, scale_log2, edge, i_lo, j0, p.kv_len, p.causal);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[r], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen no key yet stays at 0
+    const float alpha = fast_exp2(m[r] - base);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      s[nb][2 * r] = fast_exp2(s[nb][2 * r] - base);
+      s[nb][2 * r + 1] = fast_exp2(s[nb][2 * r + 1] - base);
+      sum += s[nb][2 * r] + s[nb][2 * r + 1];
+    }
+    l[r] = l[r] * alpha + sum;
+#pragma unroll
+    for (int db = 0; db < D / 8; ++db) {
+      o[db][2 * r] *= alpha;
+      o[db][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+// A forward block's end, once every warp's products are done: each row's O divided by its
+// sum l, staged as T in the tile sQ (the block's BM rows, padded) and stored to out; each
+// row's log-sum-exp (ln, from m and l in exp2 form) to lse, -inf for a row that saw no key.
+template <int D, int BM, class T>
+__device__ __forceinline__ void finish_forward(const Params& p, const float (&o)[D / 8][4], const float (&m)[2],
+                                               float (&l)[2], T* sQ, int64_t bh, int q0) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  stage_rows<D>(sQ, o, warp * 16, l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f);
+  if (t == 0) {
+    float* lse = static_cast<float*>(p.lse) + bh * p.q_len;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = q0 + warp * 16 + g + 8 * r;
+      if (i < p.q_len) lse[i] = l[r] > 0.f ? (m[r] + log2f(l[r])) * kLn2 : -INFINITY;
+    }
+  }
+  __syncthreads();
+  store_rows<D, BM>(static_cast<T*>(p.out) + p.offset(p.strides.out, bh), int(p.strides.out.seq), sQ, q0, p.q_len);
+}
+
 // Key tile n + 1 of k and v (rows ld apart) into the buffers sK, sV do not read in step n,
 // if there is one, then waits until tile n (and what was loaded before it) has landed for
 // the whole block. The buffers hold 2 x (kBlockN, D + 8).

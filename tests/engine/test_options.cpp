@@ -11,6 +11,7 @@ namespace {
 TEST(Options, DefaultsAreTheFasterWays) {
   const Options o;
   EXPECT_FALSE(o.deterministic);
+  EXPECT_TRUE(o.hopper_attention);
   EXPECT_TRUE(o.gemm_autotuning);
   EXPECT_TRUE(o.cudnn_graph_api);
   EXPECT_TRUE(o.conv_autotuning);
@@ -25,7 +26,9 @@ TEST(Options, GuardsSetForTheirScopeAndRestoreWhatTheyFound) {
     o.deterministic = !before.deterministic;
     o.cudnn_graph_api = !before.cudnn_graph_api;
     o.conv_autotuning = !before.conv_autotuning;
+    o.hopper_attention = !before.hopper_attention;
     OptionsGuard outer(o);
+    EXPECT_EQ(options().hopper_attention, !before.hopper_attention);
     EXPECT_EQ(options().conv_autotuning, !before.conv_autotuning);
     EXPECT_EQ(options().deterministic, !before.deterministic);
     EXPECT_EQ(options().cudnn_graph_api, !before.cudnn_graph_api);
@@ -45,6 +48,7 @@ TEST(Options, GuardsSetForTheirScopeAndRestoreWhatTheyFound) {
   EXPECT_EQ(after.gemm_autotuning, before.gemm_autotuning);
   EXPECT_EQ(after.cudnn_graph_api, before.cudnn_graph_api);
   EXPECT_EQ(after.conv_autotuning, before.conv_autotuning);
+  EXPECT_EQ(after.hopper_attention, before.hopper_attention);
   EXPECT_EQ(after.autocast_weight_copies, before.autocast_weight_copies);
   EXPECT_EQ(after.autocast_gradient_copies, before.autocast_gradient_copies);
 }

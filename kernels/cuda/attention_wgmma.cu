@@ -1,0 +1,271 @@
+// Flash attention forward on Hopper's warpgroup products (wgmma), for H100 and H200 (sm_90a):
+// bf16/f16 inputs, f32 accumulation, head_dim 64 or 128. The other head sizes, other GPUs
+// and builds without 90 in cuda-arch run attention_mma.cu's kernel, which is also the
+// reference the tests hold this one against (AttentionCuda.*, with Options::hopper_attention
+// off and on).
+//
+// The scheme is attention_mma.cu's, block for block: 64 query rows a block, its Q fragments
+// in registers, 64-key K/V tiles streamed through double-buffered shared memory by cp.async,
+// the online softmax in exp2 form on the score accumulators, P repacked from them into A
+// fragments. What changes is the products: a block is one warpgroup (4 warps), and each
+// product is a few wgmma instructions of the whole warpgroup, 64 rows at once, that read
+// their B operand (K for S = Q K^T, V for O += P V) from shared memory themselves, where the
+// mma.sync kernel loads every B fragment into registers with ldmatrix, one warp at a time.
+// wgmma's accumulators and register A operands have mma.sync.m16n8k16's layouts warp by
+// warp (warp w holds rows 16 w to 16 w + 15), so the softmax, the masking and the epilogue
+// are attention_mma_tiles.cuh's. The products are asynchronous: step n issues the scores of
+// tile n + 1, takes the softmax of tile n's while the tensor cores work, then issues P V(n)
+// and waits for both.
+//
+// Shared memory for wgmma. K and V tiles are stored in wgmma's 128-byte swizzle (plain 8 x 8
+// core matrices, which wgmma also reads, made this kernel slower than the sm_80 one, whose
+// padded rows ldmatrix reads without bank conflicts): a tile of D columns is D / 64 blocks of 64 columns (128 bytes a
+// row), each block kBlockN rows of 128 bytes, and the 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8) of its row (blocks start 1024-byte aligned, as the swizzle needs). The same
+// bytes serve both products: K as the B of Q K^T (K-major: the product's k runs along a
+// row; the next 16 columns are 32 bytes on inside a block, 8 rows are 1024 bytes) and V as
+// the B of P V (MN-major, read transposed: 8 keys are 1024 bytes, the next 64 columns the
+// next block). cp.async writes each row from 8 neighbouring threads. Q stays in
+// attention_mma_tiles.cuh's padded rows, which ldmatrix reads into the A fragments.
+#include "kernels/config.h"
+#include "kernels/cuda/attention_mma_tiles.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LOOM_WGMMA_CODE 1
+#else
+#define LOOM_WGMMA_CODE 0
+#endif
+
+namespace loom::cuda::attention {
+namespace {
+
+using namespace mma_tiles;
+
+constexpr int kRows = 64;  // query rows of a block: one warpgroup's product
+static_assert(kThreads == 128 && kRows == kBlockN, "a block is one warpgroup; causal blocks end on a whole key tile");
+
+// Two K and two V tiles, Q's rows, and room to align the tiles to 1024 bytes.
+template <class T, int D> constexpr size_t wgmma_smem() {
+  return size_t(4 * kBlockN * D + kRows * (D + 8)) * sizeof(T) + 1024;
+}
+
+#if LOOM_WGMMA_CODE  // the device code below is built for sm_90a alone
+
+// ---- PTX wrappers ----------------------------------------------------------------------
+
+// A shared-memory matrix descriptor in the 128-byte swizzle: the start and the two byte
+// strides (leading, stride) of PTX's canonical layouts, each in 16-byte units.
+__device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leading, uint32_t stride) {
+  return uint64_t((smem_addr(start) & 0x3ffff) >> 4) | uint64_t((leading >> 4) & 0x3fff) << 16 |
+         uint64_t((stride >> 4) & 0x3fff) << 32 | uint64_t(1) << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written by cp.async (the generic proxy) made visible to wgmma's reads.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving an accumulator's uses across an issue or a wait.
+template <int N> __device__ __forceinline__ void fence_registers(float (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(r[i][e])::"memory");
+}
+
+#define LOOM_ACC(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define LOOM_WGMMA_N64(TYPE)                                                                         \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                               \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"               \
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                             \
+      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
+        LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7)                                           \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(kTransB))
+
+#define LOOM_WGMMA_N128(TYPE)                                                                        \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                              \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"               \
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                                             \
+      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
+        LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7),                                          \
+        LOOM_ACC(8), LOOM_ACC(9), LOOM_ACC(10), LOOM_ACC(11),                                        \
+        LOOM_ACC(12), LOOM_ACC(13), LOOM_ACC(14), LOOM_ACC(15)                                       \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(kTransB))
+
+// d (64 x N, f32; this thread's part, mma.sync's layout per warp) = a (64 x 16: this warp's
+// rows as an m16n8k16 A fragment) times the 16 x N B at desc_b, plus d where accumulate.
+// kTransB: B is MN-major (V); else K-major (K).
+template <class T, int N, int kTransB>
+__device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma wrappers exist for N = 64 and 128");
+  if constexpr (N == 64) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) LOOM_WGMMA_N64("bf16");
+    else LOOM_WGMMA_N64("f16");
+  } else {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) LOOM_WGMMA_N128("bf16");
+    else LOOM_WGMMA_N128("f16");
+  }
+}
+
+#undef LOOM_ACC
+#undef LOOM_WGMMA_N64
+#undef LOOM_WGMMA_N128
+
+// ---- tiles -----------------------------------------------------------------------------
+
+// Rows [row0, row0 + kBlockN) of a (len, D) matrix, rows ld apart, into a swizzled tile
+// (the layout above) by cp.async; rows at or past len are zeros. 8 neighbouring threads
+// take the 8 chunks of one row of a 64-column block.
+template <int D, class T> __device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len) {
+  constexpr int kChunks = D / 8, kTotal = kBlockN * kChunks;
+  const T* tile = src + int64_t(row0) * ld;
+#pragma unroll
+  for (int it = 0; it < kTotal / kThreads; ++it) {
+    const int c = it * kThreads + int(threadIdx.x);
+    const int chunk = c % 8, r = c / 8 % kBlockN, block = c / (8 * kBlockN);
+    const bool valid = row0 + r < len;
+    cp_async_16(dst + block * kBlockN * 64 + r * 64 + (chunk ^ (r % 8)) * 8,
+                valid ? tile + (r * ld + block * 64 + chunk * 8) : src, valid);
+  }
+}
+
+// S (64 rows x kBlockN keys) = Q K^T for key tile kt: issued and committed, not waited for.
+template <class T, int D>
+__device__ __forceinline__ void issue_scores(float (&s)[kBlockN / 8][4], const uint32_t (&qf)[D / 16][4], const T* kt) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)  // columns 16 ks.. : block ks / 4, 32 bytes a step inside it
+    wgmma<T, kBlockN, 0>(s, qf[ks], descriptor(kt + ks / 4 * kBlockN * 64 + ks % 4 * 16, 16, 1024), ks > 0);
+  wgmma_commit();
+}
+
+// O (64 rows x D) += P V for value tile vt, P as A fragments: issued and committed.
+template <class T, int D>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&pa)[kBlockN / 16][4], const T* vt) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on
+    wgmma<T, D, 1>(o, pa[kk], descriptor(vt + kk * 16 * 64, kBlockN * 128, 1024), true);
+  wgmma_commit();
+}
+
+#endif  // LOOM_WGMMA_CODE
+
+// ---- forward ---------------------------------------------------------------------------
+
+template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forward_kernel(const Params p) {
+#if LOOM_WGMMA_CODE
+  constexpr int S = D + 8, NB = kBlockN / 8, kTile = kBlockN * D;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles, 1024-byte aligned
+  T* sV = sK + 2 * kTile;                                            // 2 swizzled tiles
+  T* sQ = sV + 2 * kTile;              // (kRows, S); O on the way out
+
+  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2;
+  const int64_t bh = blockIdx.x % p.heads;
+  const int q0 = query_tile_start<kRows>(p), n_tiles = key_tiles<kRows>(p, q0);
+  const AttentionLayout& st = p.strides;
+  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
+  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
+  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
+  const float scale_log2 = float(p.scale_log2);
+  const int r0 = q0 + warp * 16;  // this warp's first row; a thread's rows: r0 + g and r0 + g + 8
+  auto load_k = [&](int n) { load_swizzled<D>(sK + (n & 1) * kTile, k, int(st.k.seq), n * kBlockN, p.kv_len); };
+  auto load_v = [&](int n) { load_swizzled<D>(sV + (n & 1) * kTile, v, int(st.v.seq), n * kBlockN, p.kv_len); };
+  auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
+
+  // Groups: {Q, K(0)}, then {V(0), K(1)}, then one {V(n + 1), K(n + 2)} a step.
+  load_rows<D, kRows>(sQ, q, int(st.q.seq), q0, p.q_len);
+  if (n_tiles > 0) load_k(0);
+  cp_async_commit();
+  if (n_tiles > 0) load_v(0);
+  if (n_tiles > 1) load_k(1);
+  cp_async_commit();
+
+  uint32_t qf[D / 16][4];
+  float o[D / 8][4] = {}, s[NB][4];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  cp_async_wait<1>();
+  fence_async_shared();
+  __syncthreads();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) load_a<S>(qf[ks], sQ, warp * 16, ks * 16);
+  if (n_tiles > 0) {
+    issue_scores<T, D>(s, qf, sK);
+    wgmma_wait<0>();
+    fence_registers(s);
+  }
+  __syncthreads();  // K(0) has been read before step 0 refills its buffer with K(2)
+
+  for (int n = 0; n < n_tiles; ++n) {
+    if (n + 1 < n_tiles) load_v(n + 1);
+    if (n + 2 < n_tiles) load_k(n + 2);
+    cp_async_commit();
+    cp_async_wait<1>();  // V(n) and K(n + 1) have landed, for this thread
+    fence_async_shared();
+    __syncthreads();     // and for the block
+    const bool more = n + 1 < n_tiles;
+    float next[NB][4];
+    if (more) issue_scores<T, D>(next, qf, sK + ((n + 1) & 1) * kTile);
+    const int j0 = n * kBlockN;
+    online_softmax<D>(s, o, m, l, scale_log2, edge(j0), r0 + g, j0, p);
+    uint32_t pa[NB / 2][4];
+#pragma unroll
+    for (int kk = 0; kk < NB / 2; ++kk) acc_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+    issue_pv<T, D>(o, pa, sV + (n & 1) * kTile);
+    wgmma_wait<0>();
+    fence_registers(o);
+    if (more) {
+      fence_registers(next);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nb][e] = next[nb][e];
+    }
+    __syncthreads();  // V(n) and K(n + 1) have been read before step n + 1 refills their buffers
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  finish_forward<D, kRows, T>(p, o, m, l, sQ, bh, q0);
+#endif
+}
+
+}  // namespace
+
+bool wgmma_supported(DType dtype, int64_t head_dim) {
+  if (!LOOM_CUDA_SM90A || (dtype != DType::bf16 && dtype != DType::f16) || (head_dim != 64 && head_dim != 128))
+    return false;
+  int device = 0, major = 0, minor = 0;
+  LOOM_CUDA(cudaGetDevice(&device));
+  LOOM_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  LOOM_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
+void wgmma_forward(const Params& p, DType dtype, cudaStream_t stream) {
+  auto run = [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int D = decltype(dim)::value;
+    launch(wgmma_forward_kernel<T, D>, p.heads * tiles(p.q_len, kRows), wgmma_smem<T, D>(), "Hopper forward", p,
+           stream);
+  };
+  auto with_dim = [&](auto tag) {
+    if (p.head_dim == 64) run(tag, std::integral_constant<int, 64>{});
+    else if (p.head_dim == 128) run(tag, std::integral_constant<int, 128>{});
+    else LOOM_ASSERT(false, "attention: no Hopper kernel for head_dim ", p.head_dim);
+  };
+  if (dtype == DType::bf16) with_dim(__nv_bfloat16{});
+  else with_dim(__half{});
+}
+
+}  // namespace loom::cuda::attention
