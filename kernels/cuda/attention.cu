@@ -2,7 +2,9 @@
 // preprocessing, and the kernels for what the tensor cores do not take.
 //
 // bf16/f16 with head_dim 32, 64, 80, 96 or 128 and 16-byte-aligned rows (aligned bases,
-// strides in multiples of 8 elements) run the flash-attention kernels of attention_mma.cu.
+// strides in multiples of 8 elements) run the flash-attention kernels of attention_mma.cu,
+// whose forward an H100 or H200 replaces with attention_wgmma.cu's at head_dim 64 and 128
+// (AttentionArgs::hopper).
 // Everything else (f32, f64, other head_dims up to 256, unaligned views) runs the "rows"
 // kernels here, which take any strides: same algorithm (online softmax
 // forward; backward recomputing P from lse, dK/dV per key and dQ per query, no atomics),

@@ -1,6 +1,7 @@
 // What the two halves of the CUDA attention share: the parameters every attention kernel
 // takes, the shared-memory opt-in, and the tensor-core launchers that attention.cu calls
-// (defined in attention_mma.cu). Contracts are on the KernelTable entries in kernels/table.h.
+// (defined in attention_mma.cu and attention_wgmma.cu). Contracts are on the KernelTable
+// entries in kernels/table.h.
 #pragma once
 
 #include <cstddef>

@@ -1,10 +1,10 @@
 // Flash attention on tensor cores, forward: bf16/f16 inputs, f32 accumulation, head_dim D in
-// {32, 64, 80, 96, 128}, for sm_80 and later (Hopper runs it as is).
+// {32, 64, 80, 96, 128}, for sm_80 and later (on an H100 or H200 at head_dim 64 and 128,
+// attention_wgmma.cu's kernel runs in its place, and the tests hold it against this one).
 //
-// The FlashAttention-2 scheme with warp-level mma.sync.m16n8k16 (wgmma would need sm_90a
-// and hand-built shared-memory descriptors; mma.sync is what runs on every target), in the
-// blocks of attention_mma_tiles.cuh. A block takes 64 query rows (16 a warp), loads its Q
-// tile once (fragments then live in registers) and streams 64-key K/V tiles through
+// The FlashAttention-2 scheme with warp-level mma.sync.m16n8k16 (what runs on every target),
+// in the blocks of attention_mma_tiles.cuh. A block takes 64 query rows (16 a warp), loads
+// its Q tile once (fragments then live in registers) and streams 64-key K/V tiles through
 // double-buffered shared memory with cp.async. S = Q K^T comes out in mma accumulators; an
 // online softmax (running max m and sum l per row, in exp2 form) rescales O; P is repacked
 // from the S accumulators straight into A fragments of O += P V, never touching shared

@@ -1,4 +1,5 @@
-// What the tensor-core attention kernels (attention_mma.cu, attention_mma_backward.cu) share:
+// What the tensor-core attention kernels (attention_mma.cu, attention_mma_backward.cu, and
+// attention_wgmma.cu for its softmax, fragments and loads) share:
 // their block shape, the PTX they use (cp.async, ldmatrix, mma.sync.m16n8k16), fragment and
 // tile movers between global memory, shared memory and registers, and the launch helpers.
 //

@@ -19,14 +19,15 @@
 //
 // Shared memory for wgmma. K and V tiles are stored in wgmma's 128-byte swizzle (plain 8 x 8
 // core matrices, which wgmma also reads, made this kernel slower than the sm_80 one, whose
-// padded rows ldmatrix reads without bank conflicts): a tile of D columns is D / 64 blocks of 64 columns (128 bytes a
-// row), each block kBlockN rows of 128 bytes, and the 16-byte chunk c of row r sits at chunk
-// c ^ (r % 8) of its row (blocks start 1024-byte aligned, as the swizzle needs). The same
-// bytes serve both products: K as the B of Q K^T (K-major: the product's k runs along a
-// row; the next 16 columns are 32 bytes on inside a block, 8 rows are 1024 bytes) and V as
-// the B of P V (MN-major, read transposed: 8 keys are 1024 bytes, the next 64 columns the
-// next block). cp.async writes each row from 8 neighbouring threads. Q stays in
-// attention_mma_tiles.cuh's padded rows, which ldmatrix reads into the A fragments.
+// padded rows ldmatrix reads without bank conflicts): a tile of D columns is D / 64 blocks of
+// 64 columns (128 bytes a row), each block kBlockN rows of 128 bytes, and the 16-byte chunk c
+// of row r sits at chunk c ^ (r % 8) of its row (blocks start 1024-byte aligned, as the
+// swizzle needs). The same bytes serve both products: K as the B of Q K^T (K-major: the
+// product's k runs along a row; the next 16 columns are 32 bytes on inside a block, 8 rows
+// are 1024 bytes) and V as the B of P V (MN-major, read transposed: 8 keys are 1024 bytes,
+// the next 64 columns the next block). cp.async writes each row from 8 neighbouring threads.
+// Q stays in attention_mma_tiles.cuh's padded rows, which ldmatrix reads into the A
+// fragments.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_mma_tiles.cuh"
 
