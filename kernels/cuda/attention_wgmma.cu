@@ -170,7 +170,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles, 1024-byte aligned
   T* sV = sK + 2 * kTile;                                            // 2 swizzled tiles
-  T* sQ = sV + 2 * kTile;              // (kRows, S); O on the way out
+  T* sQ = sV + 2 * kTile;                                            // (kRows, S); O on the way out
 
   const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2;
   const int64_t bh = blockIdx.x % p.heads;
