@@ -320,6 +320,18 @@ __device__ __forceinline__ void finish_forward(const Params& p, const float (&o)
   store_rows<D, BM>(static_cast<T*>(p.out) + p.offset(p.strides.out, bh), int(p.strides.out.seq), sQ, q0, p.q_len);
 }
 
+// Adds two neighbouring floats (8-byte aligned) into global memory: one vector atomic on
+// sm_90 and later, two scalar ones before (float2 atomics start at sm_90). Each element's sum is
+// the same either way; only the order between blocks varies.
+__device__ __forceinline__ void add_pair(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
 // Key tile n + 1 of k and v (rows ld apart) into the buffers sK, sV do not read in step n,
 // if there is one, then waits until tile n (and what was loaded before it) has landed for
 // the whole block. The buffers hold 2 x (kBlockN, D + 8).
