@@ -116,9 +116,10 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint
 // ---- tiles -----------------------------------------------------------------------------
 
 // Rows [row0, row0 + kBlockN) of a (len, D) matrix, rows ld apart, into a swizzled tile
-// (the layout above) by cp.async; rows at or past len are zeros. 8 neighbouring threads
+// (the layout attention_wgmma.cu describes) by cp.async; rows at or past len are zeros. 8 neighbouring threads
 // take the 8 chunks of one row of a 64-column block.
-template <int D, class T> __device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len) {
+template <int D, class T>
+__device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len) {
   constexpr int kChunks = D / 8, kTotal = kBlockN * kChunks;
   const T* tile = src + int64_t(row0) * ld;
 #pragma unroll
