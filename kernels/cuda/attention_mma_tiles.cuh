@@ -294,6 +294,18 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float
   }
 }
 
+// A forward block's first two cp.async groups, {Q, K(0)} and then {V(0), K(1)}; its loop then
+// commits one {V(n + 1), K(n + 2)} a step. load_k(n) and load_v(n) load key tile n.
+template <class LoadQ, class LoadK, class LoadV>
+__device__ __forceinline__ void forward_prologue(int n_tiles, LoadQ&& load_q, LoadK&& load_k, LoadV&& load_v) {
+  load_q();
+  if (n_tiles > 0) load_k(0);
+  cp_async_commit();
+  if (n_tiles > 0) load_v(0);
+  if (n_tiles > 1) load_k(1);
+  cp_async_commit();
+}
+
 // A forward block's end, once every warp's products are done: each row's O divided by its
 // sum l, staged as T in the tile sQ (the block's BM rows, padded) and stored to out; each
 // row's log-sum-exp (ln, from m and l in exp2 form) to lse, -inf for a row that saw no key.

@@ -71,13 +71,8 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   auto load_v = [&](int n) { load_swizzled<D>(sV + (n & 1) * kTile, v, int(st.v.seq), n * kBlockN, p.kv_len); };
   auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 
-  // Groups: {Q, K(0)}, then {V(0), K(1)}, then one {V(n + 1), K(n + 2)} a step.
-  load_rows<D, kRows>(sQ, q, int(st.q.seq), q0, p.q_len);
-  if (n_tiles > 0) load_k(0);
-  cp_async_commit();
-  if (n_tiles > 0) load_v(0);
-  if (n_tiles > 1) load_k(1);
-  cp_async_commit();
+  forward_prologue(
+      n_tiles, [&] { load_rows<D, kRows>(sQ, q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
 
   uint32_t qf[D / 16][4];
   float o[D / 8][4] = {}, s[NB][4];
@@ -132,11 +127,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
 bool wgmma_supported(DType dtype, int64_t head_dim) {
   if (!LOOM_CUDA_SM90A || (dtype != DType::bf16 && dtype != DType::f16) || (head_dim != 64 && head_dim != 128))
     return false;
-  int device = 0, major = 0, minor = 0;
-  LOOM_CUDA(cudaGetDevice(&device));
-  LOOM_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  LOOM_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
+  return compute_capability() == 90;
 }
 
 void wgmma_forward(const Params& p, DType dtype, cudaStream_t stream) {
