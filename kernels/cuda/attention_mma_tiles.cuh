@@ -172,14 +172,16 @@ __device__ __forceinline__ void mma_acc_rows(float (&acc)[MT][D / 8][4], const f
 // aligned) into a tile, by cp.async; rows at or past len are zeros. Every thread of the
 // block takes part. The tile's first row is found in int64 once; offsets inside the tile
 // are int (attention.cu sends only 0 <= ld < 2^24 here), which keeps as few registers live
-// as the contiguous kernels did.
+// as the contiguous kernels did. `thread`: this thread's index among the kThreads that load
+// (a warpgroup's, in a block of several).
 template <int D, int R, class T>
-__device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0, int len) {
+__device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0, int len,
+                                          int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
   const T* tile = src + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + int(threadIdx.x);
+    const int c = it * kThreads + thread;
     if (c < kTotal) {
       const int r = c / kChunks, col = c % kChunks * 8;
       const bool valid = row0 + r < len;
@@ -189,14 +191,15 @@ __device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0
 }
 
 // Rows of a tile back to global memory rows `ld` elements apart, 16 bytes per access; rows
-// at or past len skipped. Offsets as in load_rows.
+// at or past len skipped. Offsets and `thread` as in load_rows.
 template <int D, int R, class T>
-__device__ __forceinline__ void store_rows(T* dst, int ld, const T* src, int row0, int len) {
+__device__ __forceinline__ void store_rows(T* dst, int ld, const T* src, int row0, int len,
+                                           int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
   T* tile = dst + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + int(threadIdx.x);
+    const int c = it * kThreads + thread;
     if (c < kTotal) {
       const int r = c / kChunks, col = c % kChunks * 8;
       if (row0 + r < len)

@@ -116,15 +116,17 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint
 // ---- tiles -----------------------------------------------------------------------------
 
 // Rows [row0, row0 + kBlockN) of a (len, D) matrix, rows ld apart, into a swizzled tile
-// (the layout attention_wgmma.cu describes) by cp.async; rows at or past len are zeros. 8 neighbouring threads
-// take the 8 chunks of one row of a 64-column block.
+// (the layout attention_wgmma.cu describes) by cp.async; rows at or past len are zeros. 8
+// neighbouring threads take the 8 chunks of one row of a 64-column block. `thread`: this
+// thread's index among the kThreads that load (a warpgroup's, in a block of several).
 template <int D, class T>
-__device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len) {
+__device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len,
+                                              int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = kBlockN * kChunks;
   const T* tile = src + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < kTotal / kThreads; ++it) {
-    const int c = it * kThreads + int(threadIdx.x);
+    const int c = it * kThreads + thread;
     const int chunk = c % 8, r = c / 8 % kBlockN, block = c / (8 * kBlockN);
     const bool valid = row0 + r < len;
     cp_async_16(dst + block * kBlockN * 64 + r * 64 + (chunk ^ (r % 8)) * 8,

@@ -4,17 +4,20 @@
 // keeps that file's kernels). The row preparation before it (lse2, Di) and dQ's conversion
 // after it are attention_mma_backward.cu's.
 //
-// A block is one warpgroup and takes 64 keys (warp w: keys 16 w to 16 w + 15), keeps their
-// K and V rows as A fragments in registers, and sweeps the 64-query tiles that can see them,
-// Q and dO double-buffered in wgmma's swizzled tiles (attention_wgmma.cu describes them)
-// with their lse2 and Di. Per query tile, five products of the whole warpgroup:
+// A block is two warpgroups and takes 128 keys: warpgroup w keys 64 w to 64 w + 63, warp v
+// of it 16 v to 16 v + 15 of those. Each keeps its K and V rows as A fragments in registers,
+// and both sweep the 64-query tiles that can see the block's keys, Q and dO double-buffered
+// in wgmma's swizzled tiles (attention_wgmma.cu describes them; the first warpgroup loads Q
+// and lse2, the second dO and Di). Per query tile, five products of each warpgroup:
 //   S^T = K Q^T and dP^T = V dO^T, issued together (B: the Q and dO tiles, K-major);
 //   P^T = exp2(S^T scale - lse2), dS^T = P^T (dP^T - Di), in registers;
 //   dV += P^T dO and dK += dS^T Q (A: P^T and dS^T repacked from the accumulators; B: the
 //   dO and Q tiles again, read transposed);
-//   dQ's tile = dS K, with dS^T staged in shared memory as a swizzled tile that wgmma reads
-//   transposed as its A, and K's swizzled tile as B; each thread adds its part of the
-//   (64 queries x 64) result into the accumulator with float2 atomics.
+//   dQ's part from its keys = dS K, with dS^T staged in shared memory as a swizzled tile that
+//   wgmma reads transposed as its A, and its K rows' swizzled tile as B.
+// The two warpgroups then swap halves of their dQ parts through shared memory, and each adds
+// the sum of its half (64 queries x 32) into the accumulator with float2 atomics: one atomic
+// per element for 128 keys.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma.cuh"
 
@@ -26,34 +29,75 @@ using namespace mma_tiles;
 using namespace wgmma_tiles;
 #endif
 
-constexpr int kD = 64;              // the head size this kernel takes
-constexpr int kKeys = 64;           // keys of a block: one warpgroup's rows
-constexpr int kQueries = kBlockN;   // queries of a streamed tile
-static_assert(kThreads == 128 && kQueries == 64, "a block is one warpgroup over 64-query tiles");
+constexpr int kD = 64;                          // the head size this kernel takes
+constexpr int kGroups = 2;                      // warpgroups of a block
+constexpr int kGroupKeys = 64;                  // keys of a warpgroup: its rows
+constexpr int kKeys = kGroups * kGroupKeys;     // keys of a block
+constexpr int kBlockThreads = kGroups * kThreads;
+constexpr int kQueries = kBlockN;               // queries of a streamed tile
+static_assert(kThreads == 128 && kQueries == 64, "a warpgroup is 128 threads over 64-query tiles");
 
-// Swizzled tiles (two Q, two dO, K, dS^T), padded K and V rows, lse2 and Di twice, and room
-// to align the tiles to 1024 bytes.
+// Swizzled tiles (two Q, two dO, and each warpgroup's K and dS^T), padded K and V rows, the
+// dQ halves swapped (a float4 per thread and 8-column block), lse2 and Di twice, and room to
+// align the tiles to 1024 bytes.
 template <class T> constexpr size_t backward_smem() {
-  return size_t(6 * kBlockN * kD + 2 * kKeys * (kD + 8)) * sizeof(T) + 4 * kQueries * sizeof(float) + 1024;
+  return size_t((4 + 2 * kGroups) * kBlockN * kD + 2 * kKeys * (kD + 8)) * sizeof(T) +
+         size_t(kGroups * (kD / 16) * kThreads) * sizeof(float4) + 4 * kQueries * sizeof(float) + 1024;
 }
 
-template <class T> __global__ void __launch_bounds__(kThreads) wgmma_dkdv_dq_kernel(const Params p) {
+#if LOOM_WGMMA_CODE
+constexpr int kHalf = kD / 16;  // 8-column blocks of half of dQ's columns
+
+// Half h of this thread's dQ part (8-column blocks 4 h..) into sX, [block][thread].
+template <int h> __device__ __forceinline__ void hand_half(const float (&dq)[kD / 8][4], float4* sX, int tid) {
+#pragma unroll
+  for (int c = h * kHalf; c < (h + 1) * kHalf; ++c)
+    sX[c * kThreads + tid] = make_float4(dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
+}
+
+// Half h of this thread's dQ part plus the other warpgroup's (from sX), added into the
+// accumulator's rows i and i + 8 (those below q_len).
+template <int h>
+__device__ __forceinline__ void add_half(float (&dq)[kD / 8][4], const float4* sX, int tid, float* dq_acc, int i,
+                                         int q_len, int t) {
+#pragma unroll
+  for (int c = h * kHalf; c < (h + 1) * kHalf; ++c) {
+    const float4 x = sX[c * kThreads + tid];
+    dq[c][0] += x.x;
+    dq[c][1] += x.y;
+    dq[c][2] += x.z;
+    dq[c][3] += x.w;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (i + 8 * r >= q_len) continue;
+#pragma unroll
+    for (int c = h * kHalf; c < (h + 1) * kHalf; ++c)
+      add_pair(dq_acc + int64_t(i + 8 * r) * kD + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
+  }
+}
+#endif
+
+template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkdv_dq_kernel(const Params p) {
 #if LOOM_WGMMA_CODE
   constexpr int D = kD, S = D + 8, NB = kQueries / 8, kTile = kBlockN * D;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles
   T* sO = sQ + 2 * kTile;                                            // dO: 2 swizzled tiles
-  T* sKs = sO + 2 * kTile;                                           // K, swizzled: dQ's B
-  T* sS = sKs + kTile;                                               // dS^T, swizzled: dQ's A
-  T* sK = sS + kTile;                                                // K rows, padded; dK on the way out
+  const int group = int(threadIdx.x / kThreads), tid = int(threadIdx.x % kThreads);
+  T* sKs = sO + 2 * kTile + group * kTile;                           // this warpgroup's K, swizzled: dQ's B
+  T* sS = sO + (2 + kGroups) * kTile + group * kTile;                // its dS^T, swizzled: dQ's A
+  T* sK = sO + (2 + 2 * kGroups) * kTile;                            // K rows, padded; dK on the way out
   T* sV = sK + kKeys * S;                                            // V rows, padded; dV on the way out
-  float* sL = reinterpret_cast<float*>(sV + kKeys * S);              // lse2: 2 x kQueries
+  float4* sX = reinterpret_cast<float4*>(sV + kKeys * S);            // dQ halves: [8-column block][tid]
+  float* sL = reinterpret_cast<float*>(sX + kGroups * (D / 16) * kThreads);  // lse2: 2 x kQueries
   float* sD = sL + 2 * kQueries;                                     // Di: 2 x kQueries
 
-  const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2, t = lane & 3;
+  const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
   const int64_t bh = blockIdx.x % p.heads;
   const int k0 = int(blockIdx.x / p.heads) * kKeys;  // key tiles ascending: causal's longest first
-  const int w0 = k0 + warp * 16;                     // this warp's first key; a thread's: w0 + g and w0 + g + 8
+  const int kg = k0 + group * kGroupKeys;            // this warpgroup's first key
+  const int w0 = kg + warp * 16;                     // this warp's first key; a thread's: w0 + g and w0 + g + 8
   const AttentionLayout& st = p.strides;
   const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
   const T* dout = static_cast<const T*>(p.dout) + p.offset(st.dout, bh);
@@ -65,20 +109,25 @@ template <class T> __global__ void __launch_bounds__(kThreads) wgmma_dkdv_dq_ker
   const float scale_log2 = float(p.scale_log2);
   const int it_begin = p.causal ? k0 / kQueries : 0, it_end = (p.q_len + kQueries - 1) / kQueries;
 
-  // Query tile `it` into buffer `buf`: Q, dO, and their lse2 / Di rows (in bounds: padded).
+  // Query tile `it` into buffer `buf`: Q and its lse2 rows by the first warpgroup, dO and its
+  // Di rows by the second (in bounds: padded).
   auto load_query_tile = [&](int buf, int it) {
     const int i0 = it * kQueries;
-    load_swizzled<D>(sQ + buf * kTile, q, int(st.q.seq), i0, p.q_len);
-    load_swizzled<D>(sO + buf * kTile, dout, int(st.dout.seq), i0, p.q_len);
-    const int c = int(threadIdx.x);
     constexpr int kChunks = kQueries / 4;  // 16-byte chunks of a tile's lse2 (or Di)
-    if (c < kChunks) cp_async_16(sL + buf * kQueries + 4 * c, lse2 + i0 + 4 * c, true);
-    else if (c < 2 * kChunks) cp_async_16(sD + buf * kQueries + 4 * (c - kChunks), di + i0 + 4 * (c - kChunks), true);
+    if (group == 0) {
+      load_swizzled<D>(sQ + buf * kTile, q, int(st.q.seq), i0, p.q_len, tid);
+      if (tid < kChunks) cp_async_16(sL + buf * kQueries + 4 * tid, lse2 + i0 + 4 * tid, true);
+    } else {
+      load_swizzled<D>(sO + buf * kTile, dout, int(st.dout.seq), i0, p.q_len, tid);
+      if (tid < kChunks) cp_async_16(sD + buf * kQueries + 4 * tid, di + i0 + 4 * tid, true);
+    }
   };
 
-  load_rows<D, kKeys>(sK, k, int(st.k.seq), k0, p.kv_len);
-  load_rows<D, kKeys>(sV, v, int(st.v.seq), k0, p.kv_len);
-  load_swizzled<D>(sKs, k, int(st.k.seq), k0, p.kv_len);
+  T* sKg = sK + group * kGroupKeys * S;  // this warpgroup's rows
+  T* sVg = sV + group * kGroupKeys * S;
+  load_rows<D, kGroupKeys>(sKg, k, int(st.k.seq), kg, p.kv_len, tid);
+  load_rows<D, kGroupKeys>(sVg, v, int(st.v.seq), kg, p.kv_len, tid);
+  load_swizzled<D>(sKs, k, int(st.k.seq), kg, p.kv_len, tid);
   if (it_begin < it_end) load_query_tile(0, it_begin);
   cp_async_commit();
   cp_async_wait<0>();
@@ -87,8 +136,8 @@ template <class T> __global__ void __launch_bounds__(kThreads) wgmma_dkdv_dq_ker
   uint32_t kf[D / 16][4], vf[D / 16][4];
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
-    load_a<S>(kf[ks], sK, warp * 16, ks * 16);
-    load_a<S>(vf[ks], sV, warp * 16, ks * 16);
+    load_a<S>(kf[ks], sKg, warp * 16, ks * 16);
+    load_a<S>(vf[ks], sVg, warp * 16, ks * 16);
   }
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
@@ -113,7 +162,7 @@ template <class T> __global__ void __launch_bounds__(kThreads) wgmma_dkdv_dq_ker
     fence_registers(dp);
 
     // P^T = exp2(S^T scale_log2 - lse2[i]), 0 where query i cannot see key j; dS^T = P^T (dP^T - Di[i]).
-    const bool edge = (p.causal && i0 < w0 + 15) || k0 + kKeys > p.kv_len;
+    const bool edge = (p.causal && i0 < w0 + 15) || kg + kGroupKeys > p.kv_len;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       const float2 l2 = *reinterpret_cast<const float2*>(lt + nb * 8 + 2 * t);
@@ -151,11 +200,12 @@ template <class T> __global__ void __launch_bounds__(kThreads) wgmma_dkdv_dq_ker
     fence_async_shared();           // the dS^T stores, for wgmma's reads
     __syncthreads();
 
-    // dQ's tile (queries x D) = dS K: A = dS^T read transposed, B = K read transposed.
+    // This warpgroup's part of dQ's tile (queries x D) = dS K over its keys: A = dS^T read
+    // transposed, B = K read transposed.
     float dq[D / 8][4];
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on, in both tiles
+    for (int kk = 0; kk < kGroupKeys / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on, in both tiles
       wgmma_ss<T, 1, 1>(dq, descriptor(sS + kk * 16 * 64, kBlockN * 128, 1024),
                         descriptor(sKs + kk * 16 * 64, kBlockN * 128, 1024), kk > 0);
     wgmma_commit();
@@ -163,23 +213,22 @@ template <class T> __global__ void __launch_bounds__(kThreads) wgmma_dkdv_dq_ker
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = i0 + warp * 16 + g + 8 * r;
-      if (i >= p.q_len) continue;
-#pragma unroll
-      for (int nb = 0; nb < D / 8; ++nb)
-        add_pair(dq_acc + int64_t(i) * D + nb * 8 + 2 * t, dq[nb][2 * r], dq[nb][2 * r + 1]);
-    }
-    __syncthreads();  // Q, dO and dS^T have been read before the next tile's loads and stores
+    // Warpgroup w adds columns 32 w.. : it hands the other half to the other warpgroup's
+    // thread of the same place in the accumulator layout, and takes that thread's half of its.
+    if (group == 0) hand_half<1>(dq, sX, tid);
+    else hand_half<0>(dq, sX, tid);
+    __syncthreads();
+    if (group == 0) add_half<0>(dq, sX, tid, dq_acc, i0 + warp * 16 + g, p.q_len, t);
+    else add_half<1>(dq, sX, tid, dq_acc, i0 + warp * 16 + g, p.q_len, t);
+    __syncthreads();  // Q, dO, dS^T and the halves have been read before the next tile's loads and stores
   }
   cp_async_wait<0>();
   __syncthreads();
-  stage_rows<D>(sK, dk, warp * 16, float(p.scale), float(p.scale));
-  stage_rows<D>(sV, dv, warp * 16, 1.f, 1.f);
+  stage_rows<D>(sKg, dk, warp * 16, float(p.scale), float(p.scale));
+  stage_rows<D>(sVg, dv, warp * 16, 1.f, 1.f);
   __syncthreads();
-  store_rows<D, kKeys>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sK, k0, p.kv_len);
-  store_rows<D, kKeys>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sV, k0, p.kv_len);
+  store_rows<D, kGroupKeys>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sKg, kg, p.kv_len, tid);
+  store_rows<D, kGroupKeys>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sVg, kg, p.kv_len, tid);
 #endif
 }
 
@@ -189,12 +238,19 @@ bool wgmma_backward_supported(DType dtype, int64_t head_dim) {
   return head_dim == kD && wgmma_supported(dtype, head_dim);
 }
 
-void wgmma_dkdv_dq(const Params& p, DType dtype, cudaStream_t stream) {
+template <class T> void launch_backward(const Params& p, cudaStream_t stream) {
   const int64_t blocks = p.heads * tiles(p.kv_len, kKeys);
-  if (dtype == DType::bf16)
-    launch(wgmma_dkdv_dq_kernel<__nv_bfloat16>, blocks, backward_smem<__nv_bfloat16>(), "Hopper backward", p, stream);
-  else
-    launch(wgmma_dkdv_dq_kernel<__half>, blocks, backward_smem<__half>(), "Hopper backward", p, stream);
+  if (blocks == 0) return;
+  LOOM_CHECK(blocks < (int64_t(1) << 31), "attention: ", blocks, " thread blocks exceed CUDA's grid limit; ",
+             "split the batch");
+  allow_shared_memory(wgmma_dkdv_dq_kernel<T>, backward_smem<T>(), "Hopper backward");
+  wgmma_dkdv_dq_kernel<T><<<unsigned(blocks), kBlockThreads, backward_smem<T>(), stream>>>(p);
+  LOOM_CUDA_LAUNCH();
+}
+
+void wgmma_dkdv_dq(const Params& p, DType dtype, cudaStream_t stream) {
+  if (dtype == DType::bf16) launch_backward<__nv_bfloat16>(p, stream);
+  else launch_backward<__half>(p, stream);
 }
 
 }  // namespace loom::cuda::attention
