@@ -27,10 +27,11 @@
 // conv_autotuning below; turn them off too for the same bits from run to run).
 //
 // hopper_attention (default on). On: on an H100 or H200 in a build whose cuda-arch lists 90,
-// the attention forward on tensor cores (bf16/f16, head_dim 64 or 128) runs the kernel built
-// on Hopper's warpgroup products (kernels/cuda/attention_wgmma.cu). Off: the tensor-core
-// kernel that every GPU from sm_80 on runs (attention_mma.cu). Results agree within f32
-// rounding; the backward is the same kernel either way.
+// the attention on tensor cores (bf16/f16) runs the kernels built on Hopper's warpgroup
+// products: the forward at head_dim 64 or 128 (kernels/cuda/attention_wgmma.cu), the
+// backward's dK, dV and dQ at 64 when dQ is summed by atomics (attention_wgmma_backward.cu).
+// Off: the tensor-core kernels that every GPU from sm_80 on runs (attention_mma*.cu).
+// Results agree within f32 rounding.
 //
 // gemm_autotuning (default on). On: the first single f32/bf16/f16 product of each shape and
 // layout times up to eight of cuBLASLt's candidate algorithms on its own operands and keeps

@@ -316,9 +316,10 @@ struct AttentionArgs {
   // that varies (false: two products fewer a tile pair). The workspace size is asked for
   // with the same setting. The other kernels, and the CPU's, are deterministic either way.
   bool deterministic = false;
-  // CUDA forward on an H100 or H200 (compute capability 9.0) in a build for it: the Hopper
-  // kernel (warpgroup products, bf16/f16, head_dim 64 or 128) where true, else the
-  // tensor-core kernel every target runs. Results agree within f32 rounding.
+  // CUDA on an H100 or H200 (compute capability 9.0) in a build for it: the Hopper kernels
+  // (warpgroup products, bf16/f16; the forward at head_dim 64 or 128, the backward at 64
+  // with dQ by atomics) where true, else the tensor-core kernels every target runs. Results
+  // agree within f32 rounding.
   bool hopper = true;
 };
 

@@ -8,7 +8,7 @@
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
 //   bench_gpt [--config gpt2-124m|gpt2-350m] [--batch 16] [--seq 1024] [--precision bf16|f32]
 //             [--warmup N] [--steps N] [--ddp | --fsdp | --pipeline | --graph] [--json FILE] [--profile-step]
-//             [--deterministic] [--no-weight-copies] [--no-gradient-copies]
+//             [--deterministic] [--no-weight-copies] [--no-gradient-copies] [--no-hopper-attention]
 // A --seq longer than the config's context (1024 for GPT-2) grows the model's position table
 // to it, GPT-2 124M at T = 2048 or 4096, and with it the parameter count the MFU formula
 // takes; bench_gpt_torch.py does the same.
@@ -27,8 +27,8 @@
 // --profile-step runs one more step between cudaProfilerStart and cudaProfilerStop, so that
 // `ncu --profile-from-start off` (or nsys's cudaProfilerApi capture range) sees exactly one
 // steady-state step.
-// --deterministic, --no-weight-copies and --no-gradient-copies set the options of
-// engine/options.h, to measure what each costs or saves.
+// --deterministic, --no-weight-copies, --no-gradient-copies and --no-hopper-attention set the
+// options of engine/options.h, to measure what each costs or saves.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -81,6 +81,8 @@ int main(int argc, char** argv) {
   flags.add_switch("weight-copies", &run_options.autocast_weight_copies, "keep autocast's bf16 weight copies");
   flags.add_switch("gradient-copies", &run_options.autocast_gradient_copies,
                    "LayerNorm's backward keeps the bf16 gradient a product reads");
+  flags.add_switch("hopper-attention", &run_options.hopper_attention,
+                   "attention on Hopper's warpgroup products on an H100 or H200");
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())
     flags.fail("unexpected argument '" + positional[0] + "': this program takes only --flags");
   set_options(run_options);

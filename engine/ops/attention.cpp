@@ -57,6 +57,7 @@ Tensor readable(const Tensor& t) { return in_place(bhtd(t)) ? t : t.contiguous()
 void run_backward(AttentionArgs a, Device dev, void* dq, void* dk, void* dv, const Tensor& gout,
                   const Tensor& q, const void* k, const void* v, const Tensor& out, const Tensor& lse) {
   a.deterministic = options().deterministic;
+  a.hopper = options().hopper_attention;
   // Scratch lives until the kernels are queued; the allocator reuses it in stream order.
   const size_t bytes = kernels(dev).attention_workspace_size(a);
   Tensor ws = bytes ? Tensor::empty({int64_t(bytes)}, DType::u8, dev) : Tensor();

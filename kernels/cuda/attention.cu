@@ -414,7 +414,7 @@ void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv,
       aligned16({q, k, v, out, dout, dq, dk, dv, workspace}) &&
       mma_layout(p, {{st.q, p.q_len}, {st.k, p.kv_len}, {st.v, p.kv_len}, {st.out, p.q_len}, {st.dout, p.q_len},
                      {st.dq, p.q_len}, {st.dk, p.kv_len}, {st.dv, p.kv_len}})) {
-    attention::mma_backward(p, out, lse, args.dtype, atomics, s);
+    attention::mma_backward(p, out, lse, args.dtype, atomics, args.hopper, s);
     return;
   }
   dispatch_floating(args.dtype, "attention backward", [&](auto tag) {

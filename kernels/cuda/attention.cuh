@@ -80,12 +80,20 @@ bool mma_supported(DType dtype, int64_t head_dim);
 // (dq_by_atomics) expects p.dq_acc too: (heads, q_pad, head_dim) f32, which it zeroes and fills.
 // Every operand's rows are 16-byte aligned (the caller checks).
 void mma_forward(const Params& p, DType dtype, cudaStream_t stream);
-void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, cudaStream_t stream);
+// With `hopper` and atomics, where wgmma_backward_supported, the Hopper kernel computes dK,
+// dV and dQ.
+void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, bool hopper,
+                  cudaStream_t stream);
 // True when the Hopper forward (attention_wgmma.cu) takes these shapes on the current GPU:
 // bf16 or f16, head_dim 64 or 128, a GPU of compute capability 9.0, and a build with 90 in
 // cuda-arch. wgmma_forward has mma_forward's contract.
 bool wgmma_supported(DType dtype, int64_t head_dim);
 void wgmma_forward(const Params& p, DType dtype, cudaStream_t stream);
+// The same for the Hopper backward's dK, dV and dQ by atomics (attention_wgmma_backward.cu):
+// head_dim 64. wgmma_dkdv_dq takes the place of mma_backward's dK/dV/dQ kernel, between its
+// row preparation and dQ's conversion.
+bool wgmma_backward_supported(DType dtype, int64_t head_dim);
+void wgmma_dkdv_dq(const Params& p, DType dtype, cudaStream_t stream);
 // Whether mma_backward accumulates dQ with atomics (fewer products, not deterministic) rather
 // than in a kernel of its own, which args.deterministic asks for.
 bool dq_by_atomics(const AttentionArgs& args);

@@ -82,13 +82,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Para
   // Tile j0's scores need masking where keys run past kv_len or past a causal row.
   auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 
-  // Groups: {Q, K(0)}, then {V(0), K(1)}, then one {V(n + 1), K(n + 2)} a step.
-  load_rows<D, BM>(sQ, q, int(st.q.seq), q0, p.q_len);
-  if (n_tiles > 0) load_k(0);
-  cp_async_commit();
-  if (n_tiles > 0) load_v(0);
-  if (n_tiles > 1) load_k(1);
-  cp_async_commit();
+  forward_prologue(
+      n_tiles, [&] { load_rows<D, BM>(sQ, q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
 
   uint32_t qf[D / 16][4];
   float o[1][D / 8][4] = {}, s[1][NB][4] = {};  // mma_acc_rows's shapes: one row tile

@@ -168,18 +168,6 @@ template <class T, int D, int MT> __global__ void __launch_bounds__(kThreads) ba
 // With kDq the kernel also computes dQ: each tile's dS^T goes through shared memory (BK x
 // (BQ + 8)) into dQ's tile = dS K, which is added to p.dq_acc with f32 atomics (FlashAttention-2's
 // way: 5 products per tile pair instead of 7, in an order that varies from run to run).
-// Adds two neighbouring floats (8-byte aligned) into global memory: one vector atomic on
-// sm_90 and later, two scalar ones before (float2 atomics start at sm_90). Each element's sum is
-// the same either way; only the order between blocks varies.
-__device__ __forceinline__ void add_pair(float* p, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
-#else
-  atomicAdd(p, a);
-  atomicAdd(p + 1, b);
-#endif
-}
-
 template <class T, int D, int MT, bool kDq> constexpr size_t dkdv_smem() {
   constexpr int BQ = dkdv_tile<D, MT>(), BK = block_rows(MT);
   return size_t(2 * BK + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * sizeof(float) +
@@ -369,7 +357,8 @@ bool dq_by_atomics(const AttentionArgs& args) {
   return !args.deterministic && mma_supported(args.dtype, args.head_dim);
 }
 
-void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, cudaStream_t stream) {
+void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, bool hopper,
+                  cudaStream_t stream) {
   LOOM_ASSERT(!atomics || p.q_len == 0 || p.dq_acc != nullptr, "attention: the backward's dQ accumulator is missing");
   dispatch(dtype, p.head_dim, [&](auto tag, auto dim) {
     using T = decltype(tag);
@@ -392,8 +381,11 @@ void mma_backward(const Params& p, const void* out, const void* lse, DType dtype
     }
     const int64_t chunks = p.heads * p.q_len * (D / 8);
     if (chunks > 0) LOOM_CUDA(cudaMemsetAsync(p.dq_acc, 0, size_t(p.heads) * p.q_pad * D * sizeof(float), stream));
-    launch(backward_dkdv_kernel<T, D, MT, true>, key_blocks, dkdv_smem<T, D, MT, true>(), "backward dk/dv/dq", p,
-           stream);
+    if (hopper && wgmma_backward_supported(dtype, D))
+      wgmma_dkdv_dq(p, dtype, stream);
+    else
+      launch(backward_dkdv_kernel<T, D, MT, true>, key_blocks, dkdv_smem<T, D, MT, true>(), "backward dk/dv/dq", p,
+             stream);
     if (chunks == 0) return;
     dq_convert_kernel<T, D><<<unsigned(std::min<int64_t>((chunks + 255) / 256, 65535)), 256, 0, stream>>>(p);
     LOOM_CUDA_LAUNCH();

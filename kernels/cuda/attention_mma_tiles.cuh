@@ -172,14 +172,16 @@ __device__ __forceinline__ void mma_acc_rows(float (&acc)[MT][D / 8][4], const f
 // aligned) into a tile, by cp.async; rows at or past len are zeros. Every thread of the
 // block takes part. The tile's first row is found in int64 once; offsets inside the tile
 // are int (attention.cu sends only 0 <= ld < 2^24 here), which keeps as few registers live
-// as the contiguous kernels did.
+// as the contiguous kernels did. `thread`: this thread's index among the kThreads that load
+// (a warpgroup's, in a block of several).
 template <int D, int R, class T>
-__device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0, int len) {
+__device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0, int len,
+                                          int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
   const T* tile = src + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + int(threadIdx.x);
+    const int c = it * kThreads + thread;
     if (c < kTotal) {
       const int r = c / kChunks, col = c % kChunks * 8;
       const bool valid = row0 + r < len;
@@ -189,14 +191,15 @@ __device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0
 }
 
 // Rows of a tile back to global memory rows `ld` elements apart, 16 bytes per access; rows
-// at or past len skipped. Offsets as in load_rows.
+// at or past len skipped. Offsets and `thread` as in load_rows.
 template <int D, int R, class T>
-__device__ __forceinline__ void store_rows(T* dst, int ld, const T* src, int row0, int len) {
+__device__ __forceinline__ void store_rows(T* dst, int ld, const T* src, int row0, int len,
+                                           int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
   T* tile = dst + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + int(threadIdx.x);
+    const int c = it * kThreads + thread;
     if (c < kTotal) {
       const int r = c / kChunks, col = c % kChunks * 8;
       if (row0 + r < len)
@@ -294,6 +297,18 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float
   }
 }
 
+// A forward block's first two cp.async groups, {Q, K(0)} and then {V(0), K(1)}; its loop then
+// commits one {V(n + 1), K(n + 2)} a step. load_k(n) and load_v(n) load key tile n.
+template <class LoadQ, class LoadK, class LoadV>
+__device__ __forceinline__ void forward_prologue(int n_tiles, LoadQ&& load_q, LoadK&& load_k, LoadV&& load_v) {
+  load_q();
+  if (n_tiles > 0) load_k(0);
+  cp_async_commit();
+  if (n_tiles > 0) load_v(0);
+  if (n_tiles > 1) load_k(1);
+  cp_async_commit();
+}
+
 // A forward block's end, once every warp's products are done: each row's O divided by its
 // sum l, staged as T in the tile sQ (the block's BM rows, padded) and stored to out; each
 // row's log-sum-exp (ln, from m and l in exp2 form) to lse, -inf for a row that saw no key.
@@ -318,6 +333,18 @@ __device__ __forceinline__ void finish_forward(const Params& p, const float (&o)
   }
   __syncthreads();
   store_rows<D, BM>(static_cast<T*>(p.out) + p.offset(p.strides.out, bh), int(p.strides.out.seq), sQ, q0, p.q_len);
+}
+
+// Adds two neighbouring floats (8-byte aligned) into global memory: one vector atomic on
+// sm_90 and later, two scalar ones before (float2 atomics start at sm_90). Each element's sum is
+// the same either way; only the order between blocks varies.
+__device__ __forceinline__ void add_pair(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
 }
 
 // Key tile n + 1 of k and v (rows ld apart) into the buffers sK, sV do not read in step n,

@@ -29,18 +29,15 @@
 // Q stays in attention_mma_tiles.cuh's padded rows, which ldmatrix reads into the A
 // fragments.
 #include "kernels/config.h"
-#include "kernels/cuda/attention_mma_tiles.cuh"
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define LOOM_WGMMA_CODE 1
-#else
-#define LOOM_WGMMA_CODE 0
-#endif
+#include "kernels/cuda/attention_wgmma.cuh"
 
 namespace loom::cuda::attention {
 namespace {
 
 using namespace mma_tiles;
+#if LOOM_WGMMA_CODE
+using namespace wgmma_tiles;
+#endif
 
 constexpr int kRows = 64;  // query rows of a block: one warpgroup's product
 static_assert(kThreads == 128 && kRows == kBlockN, "a block is one warpgroup; causal blocks end on a whole key tile");
@@ -50,117 +47,6 @@ template <class T, int D> constexpr size_t wgmma_smem() {
   return size_t(4 * kBlockN * D + kRows * (D + 8)) * sizeof(T) + 1024;
 }
 
-#if LOOM_WGMMA_CODE  // the device code below is built for sm_90a alone
-
-// ---- PTX wrappers ----------------------------------------------------------------------
-
-// A shared-memory matrix descriptor in the 128-byte swizzle: the start and the two byte
-// strides (leading, stride) of PTX's canonical layouts, each in 16-byte units.
-__device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leading, uint32_t stride) {
-  return uint64_t((smem_addr(start) & 0x3ffff) >> 4) | uint64_t((leading >> 4) & 0x3fff) << 16 |
-         uint64_t((stride >> 4) & 0x3fff) << 32 | uint64_t(1) << 62;
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Shared memory written by cp.async (the generic proxy) made visible to wgmma's reads.
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Keeps the compiler from moving an accumulator's uses across an issue or a wait.
-template <int N> __device__ __forceinline__ void fence_registers(float (&r)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(r[i][e])::"memory");
-}
-
-#define LOOM_ACC(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define LOOM_WGMMA_N64(TYPE)                                                                         \
-  asm volatile(                                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                   \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                               \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"               \
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                             \
-      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
-        LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7)                                           \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(kTransB))
-
-#define LOOM_WGMMA_N128(TYPE)                                                                        \
-  asm volatile(                                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                   \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                              \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"               \
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                                             \
-      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
-        LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7),                                          \
-        LOOM_ACC(8), LOOM_ACC(9), LOOM_ACC(10), LOOM_ACC(11),                                        \
-        LOOM_ACC(12), LOOM_ACC(13), LOOM_ACC(14), LOOM_ACC(15)                                       \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(kTransB))
-
-// d (64 x N, f32; this thread's part, mma.sync's layout per warp) = a (64 x 16: this warp's
-// rows as an m16n8k16 A fragment) times the 16 x N B at desc_b, plus d where accumulate.
-// kTransB: B is MN-major (V); else K-major (K).
-template <class T, int N, int kTransB>
-__device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-  static_assert(N == 64 || N == 128, "wgmma wrappers exist for N = 64 and 128");
-  if constexpr (N == 64) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) LOOM_WGMMA_N64("bf16");
-    else LOOM_WGMMA_N64("f16");
-  } else {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) LOOM_WGMMA_N128("bf16");
-    else LOOM_WGMMA_N128("f16");
-  }
-}
-
-#undef LOOM_ACC
-#undef LOOM_WGMMA_N64
-#undef LOOM_WGMMA_N128
-
-// ---- tiles -----------------------------------------------------------------------------
-
-// Rows [row0, row0 + kBlockN) of a (len, D) matrix, rows ld apart, into a swizzled tile
-// (the layout above) by cp.async; rows at or past len are zeros. 8 neighbouring threads
-// take the 8 chunks of one row of a 64-column block.
-template <int D, class T> __device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len) {
-  constexpr int kChunks = D / 8, kTotal = kBlockN * kChunks;
-  const T* tile = src + int64_t(row0) * ld;
-#pragma unroll
-  for (int it = 0; it < kTotal / kThreads; ++it) {
-    const int c = it * kThreads + int(threadIdx.x);
-    const int chunk = c % 8, r = c / 8 % kBlockN, block = c / (8 * kBlockN);
-    const bool valid = row0 + r < len;
-    cp_async_16(dst + block * kBlockN * 64 + r * 64 + (chunk ^ (r % 8)) * 8,
-                valid ? tile + (r * ld + block * 64 + chunk * 8) : src, valid);
-  }
-}
-
-// S (64 rows x kBlockN keys) = Q K^T for key tile kt: issued and committed, not waited for.
-template <class T, int D>
-__device__ __forceinline__ void issue_scores(float (&s)[kBlockN / 8][4], const uint32_t (&qf)[D / 16][4], const T* kt) {
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)  // columns 16 ks.. : block ks / 4, 32 bytes a step inside it
-    wgmma<T, kBlockN, 0>(s, qf[ks], descriptor(kt + ks / 4 * kBlockN * 64 + ks % 4 * 16, 16, 1024), ks > 0);
-  wgmma_commit();
-}
-
-// O (64 rows x D) += P V for value tile vt, P as A fragments: issued and committed.
-template <class T, int D>
-__device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&pa)[kBlockN / 16][4], const T* vt) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on
-    wgmma<T, D, 1>(o, pa[kk], descriptor(vt + kk * 16 * 64, kBlockN * 128, 1024), true);
-  wgmma_commit();
-}
-
-#endif  // LOOM_WGMMA_CODE
 
 // ---- forward ---------------------------------------------------------------------------
 
@@ -185,13 +71,8 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   auto load_v = [&](int n) { load_swizzled<D>(sV + (n & 1) * kTile, v, int(st.v.seq), n * kBlockN, p.kv_len); };
   auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 
-  // Groups: {Q, K(0)}, then {V(0), K(1)}, then one {V(n + 1), K(n + 2)} a step.
-  load_rows<D, kRows>(sQ, q, int(st.q.seq), q0, p.q_len);
-  if (n_tiles > 0) load_k(0);
-  cp_async_commit();
-  if (n_tiles > 0) load_v(0);
-  if (n_tiles > 1) load_k(1);
-  cp_async_commit();
+  forward_prologue(
+      n_tiles, [&] { load_rows<D, kRows>(sQ, q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
 
   uint32_t qf[D / 16][4];
   float o[D / 8][4] = {}, s[NB][4];
@@ -202,7 +83,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) load_a<S>(qf[ks], sQ, warp * 16, ks * 16);
   if (n_tiles > 0) {
-    issue_scores<T, D>(s, qf, sK);
+    issue_times_transposed<T, D>(s, qf, sK);
     wgmma_wait<0>();
     fence_registers(s);
   }
@@ -217,13 +98,13 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
     __syncthreads();     // and for the block
     const bool more = n + 1 < n_tiles;
     float next[NB][4];
-    if (more) issue_scores<T, D>(next, qf, sK + ((n + 1) & 1) * kTile);
+    if (more) issue_times_transposed<T, D>(next, qf, sK + ((n + 1) & 1) * kTile);
     const int j0 = n * kBlockN;
     online_softmax<D>(s, o, m, l, scale_log2, edge(j0), r0 + g, j0, p);
     uint32_t pa[NB / 2][4];
 #pragma unroll
     for (int kk = 0; kk < NB / 2; ++kk) acc_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-    issue_pv<T, D>(o, pa, sV + (n & 1) * kTile);
+    issue_times<T, D>(o, pa, sV + (n & 1) * kTile);
     wgmma_wait<0>();
     fence_registers(o);
     if (more) {
@@ -246,11 +127,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
 bool wgmma_supported(DType dtype, int64_t head_dim) {
   if (!LOOM_CUDA_SM90A || (dtype != DType::bf16 && dtype != DType::f16) || (head_dim != 64 && head_dim != 128))
     return false;
-  int device = 0, major = 0, minor = 0;
-  LOOM_CUDA(cudaGetDevice(&device));
-  LOOM_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  LOOM_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
+  return compute_capability() == 90;
 }
 
 void wgmma_forward(const Params& p, DType dtype, cudaStream_t stream) {

@@ -55,6 +55,22 @@ inline int sm_count() {
   return cached_sms;
 }
 
+// Compute capability of the current device as major * 10 + minor (90 for an H100 or H200),
+// asked once per host thread and device.
+inline int compute_capability() {
+  int device = 0;
+  LOOM_CUDA(cudaGetDevice(&device));
+  thread_local int cached_device = -1, cached_cc = 0;
+  if (device != cached_device) {
+    int major = 0, minor = 0;
+    LOOM_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    LOOM_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cached_cc = major * 10 + minor;
+    cached_device = device;
+  }
+  return cached_cc;
+}
+
 // Blocks for n elements at `threads` per block, each thread handling `per_thread`,
 // capped so a grid-stride loop covers the rest.
 inline unsigned blocks_for(int64_t n, int threads, int per_thread = 1) {

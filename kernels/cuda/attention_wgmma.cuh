@@ -1,0 +1,165 @@
+// What the attention kernels on Hopper's warpgroup products (attention_wgmma.cu's forward,
+// attention_wgmma_backward.cu's dK, dV and dQ) share: the PTX wrappers (wgmma with A from
+// registers or from shared memory, its fences, matrix descriptors), the swizzled tiles they
+// read (laid out as attention_wgmma.cu describes) and the two products every kernel makes.
+// Device code for sm_90a alone: elsewhere LOOM_WGMMA_CODE is 0 and the kernels are empty.
+#pragma once
+
+#include "kernels/cuda/attention_mma_tiles.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LOOM_WGMMA_CODE 1
+#else
+#define LOOM_WGMMA_CODE 0
+#endif
+
+#if LOOM_WGMMA_CODE
+
+namespace loom::cuda::attention::wgmma_tiles {
+
+using namespace mma_tiles;
+
+
+// ---- PTX wrappers ----------------------------------------------------------------------
+
+// A shared-memory matrix descriptor in the 128-byte swizzle: the start and the two byte
+// strides (leading, stride) of PTX's canonical layouts, each in 16-byte units.
+__device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leading, uint32_t stride) {
+  return uint64_t((smem_addr(start) & 0x3ffff) >> 4) | uint64_t((leading >> 4) & 0x3fff) << 16 |
+         uint64_t((stride >> 4) & 0x3fff) << 32 | uint64_t(1) << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written by cp.async (the generic proxy) made visible to wgmma's reads.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving an accumulator's uses across an issue or a wait.
+template <int N> __device__ __forceinline__ void fence_registers(float (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(r[i][e])::"memory");
+}
+
+#define LOOM_ACC(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define LOOM_WGMMA_N64(TYPE)                                                                         \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                               \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"               \
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                             \
+      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
+        LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7)                                           \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(kTransB))
+
+#define LOOM_WGMMA_N128(TYPE)                                                                        \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                              \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"               \
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                                             \
+      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
+        LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7),                                          \
+        LOOM_ACC(8), LOOM_ACC(9), LOOM_ACC(10), LOOM_ACC(11),                                        \
+        LOOM_ACC(12), LOOM_ACC(13), LOOM_ACC(14), LOOM_ACC(15)                                       \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(kTransB))
+
+// d (64 x N, f32; this thread's part, mma.sync's layout per warp) = a (64 x 16: this warp's
+// rows as an m16n8k16 A fragment) times the 16 x N B at desc_b, plus d where accumulate.
+// kTransB: B is MN-major (V); else K-major (K).
+template <class T, int N, int kTransB>
+__device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma wrappers exist for N = 64 and 128");
+  if constexpr (N == 64) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) LOOM_WGMMA_N64("bf16");
+    else LOOM_WGMMA_N64("f16");
+  } else {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) LOOM_WGMMA_N128("bf16");
+    else LOOM_WGMMA_N128("f16");
+  }
+}
+
+#undef LOOM_ACC
+#undef LOOM_WGMMA_N64
+#undef LOOM_WGMMA_N128
+
+// d (64 x 64, f32) = A (64 x 16 at desc_a) times B (16 x 64 at desc_b), plus d where
+// accumulate; kTransA / kTransB: the operand is MN-major (read transposed), else K-major.
+#define LOOM_ACC(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define LOOM_WGMMA_SS_N64(TYPE)                                                                      \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                               \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"               \
+      "}, %32, %33, p, 1, 1, %35, %36;\n}\n"                                                          \
+      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
+        LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7)                                           \
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB))
+
+template <class T, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) LOOM_WGMMA_SS_N64("bf16");
+  else LOOM_WGMMA_SS_N64("f16");
+}
+
+#undef LOOM_ACC
+#undef LOOM_WGMMA_SS_N64
+
+// ---- tiles -----------------------------------------------------------------------------
+
+// Rows [row0, row0 + kBlockN) of a (len, D) matrix, rows ld apart, into a swizzled tile
+// (the layout attention_wgmma.cu describes) by cp.async; rows at or past len are zeros. 8
+// neighbouring threads take the 8 chunks of one row of a 64-column block. `thread`: this
+// thread's index among the kThreads that load (a warpgroup's, in a block of several).
+template <int D, class T>
+__device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len,
+                                              int thread = int(threadIdx.x)) {
+  constexpr int kChunks = D / 8, kTotal = kBlockN * kChunks;
+  const T* tile = src + int64_t(row0) * ld;
+#pragma unroll
+  for (int it = 0; it < kTotal / kThreads; ++it) {
+    const int c = it * kThreads + thread;
+    const int chunk = c % 8, r = c / 8 % kBlockN, block = c / (8 * kBlockN);
+    const bool valid = row0 + r < len;
+    cp_async_16(dst + block * kBlockN * 64 + r * 64 + (chunk ^ (r % 8)) * 8,
+                valid ? tile + (r * ld + block * 64 + chunk * 8) : src, valid);
+  }
+}
+
+// acc (64 rows x kBlockN) = a (64 x D, this warp's rows as A fragments) times tile^T, tile
+// a swizzled (kBlockN, D) tile (S = Q K^T in the forward, S^T = K Q^T and dP^T = V dO^T in
+// the backward): issued and committed, not waited for.
+template <class T, int D>
+__device__ __forceinline__ void issue_times_transposed(float (&s)[kBlockN / 8][4], const uint32_t (&qf)[D / 16][4],
+                                                       const T* kt) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)  // columns 16 ks.. : block ks / 4, 32 bytes a step inside it
+    wgmma<T, kBlockN, 0>(s, qf[ks], descriptor(kt + ks / 4 * kBlockN * 64 + ks % 4 * 16, 16, 1024), ks > 0);
+  wgmma_commit();
+}
+
+// acc (64 rows x D) += p (64 x kBlockN as A fragments) times tile, a swizzled (kBlockN, D)
+// tile (O += P V in the forward, dV += P^T dO and dK += dS^T Q in the backward): issued and
+// committed.
+template <class T, int D>
+__device__ __forceinline__ void issue_times(float (&o)[D / 8][4], const uint32_t (&pa)[kBlockN / 16][4], const T* vt) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on
+    wgmma<T, D, 1>(o, pa[kk], descriptor(vt + kk * 16 * 64, kBlockN * 128, 1024), true);
+  wgmma_commit();
+}
+
+
+}  // namespace loom::cuda::attention::wgmma_tiles
+
+#endif  // LOOM_WGMMA_CODE

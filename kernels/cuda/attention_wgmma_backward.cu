@@ -1,0 +1,256 @@
+// Flash attention backward on Hopper's warpgroup products (wgmma), for H100 and H200 (sm_90a):
+// dK, dV and dQ at head_dim 64, bf16/f16, with dQ summed by f32 atomics into the workspace's
+// accumulator (the default, as attention_mma_backward.cu's; AttentionArgs::deterministic
+// keeps that file's kernels). The row preparation before it (lse2, Di) and dQ's conversion
+// after it are attention_mma_backward.cu's.
+//
+// A block is two warpgroups and takes 128 keys: warpgroup w keys 64 w to 64 w + 63, warp v
+// of it 16 v to 16 v + 15 of those. Each keeps its K and V rows as A fragments in registers,
+// and both sweep the 64-query tiles that can see the block's keys, Q and dO double-buffered
+// in wgmma's swizzled tiles (attention_wgmma.cu describes them; the first warpgroup loads Q
+// and lse2, the second dO and Di). Per query tile, five products of each warpgroup:
+//   S^T = K Q^T and dP^T = V dO^T, issued together (B: the Q and dO tiles, K-major);
+//   P^T = exp2(S^T scale - lse2), dS^T = P^T (dP^T - Di), in registers;
+//   dV += P^T dO and dK += dS^T Q (A: P^T and dS^T repacked from the accumulators; B: the
+//   dO and Q tiles again, read transposed);
+//   dQ's part from its keys = dS K, with dS^T staged in shared memory as a swizzled tile that
+//   wgmma reads transposed as its A, and its K rows' swizzled tile as B.
+// The two warpgroups then swap halves of their dQ parts through shared memory, and each adds
+// the sum of its half (64 queries x 32) into the accumulator with float2 atomics: one atomic
+// per element for 128 keys.
+#include "kernels/config.h"
+#include "kernels/cuda/attention_wgmma.cuh"
+
+namespace loom::cuda::attention {
+namespace {
+
+using namespace mma_tiles;
+#if LOOM_WGMMA_CODE
+using namespace wgmma_tiles;
+#endif
+
+constexpr int kD = 64;                          // the head size this kernel takes
+constexpr int kGroups = 2;                      // warpgroups of a block
+constexpr int kGroupKeys = 64;                  // keys of a warpgroup: its rows
+constexpr int kKeys = kGroups * kGroupKeys;     // keys of a block
+constexpr int kBlockThreads = kGroups * kThreads;
+constexpr int kQueries = kBlockN;               // queries of a streamed tile
+static_assert(kThreads == 128 && kQueries == 64, "a warpgroup is 128 threads over 64-query tiles");
+
+// Swizzled tiles (two Q, two dO, and each warpgroup's K and dS^T), padded K and V rows, the
+// dQ halves swapped (a float4 per thread and 8-column block), lse2 and Di twice, and room to
+// align the tiles to 1024 bytes.
+template <class T> constexpr size_t backward_smem() {
+  return size_t((4 + 2 * kGroups) * kBlockN * kD + 2 * kKeys * (kD + 8)) * sizeof(T) +
+         size_t(kGroups * (kD / 16) * kThreads) * sizeof(float4) + 4 * kQueries * sizeof(float) + 1024;
+}
+
+#if LOOM_WGMMA_CODE
+constexpr int kHalf = kD / 16;  // 8-column blocks of half of dQ's columns
+
+// Half h of this thread's dQ part (8-column blocks 4 h..) into sX, [block][thread].
+template <int h> __device__ __forceinline__ void hand_half(const float (&dq)[kD / 8][4], float4* sX, int tid) {
+#pragma unroll
+  for (int c = h * kHalf; c < (h + 1) * kHalf; ++c)
+    sX[c * kThreads + tid] = make_float4(dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
+}
+
+// Half h of this thread's dQ part plus the other warpgroup's (from sX), added into the
+// accumulator's rows i and i + 8 (those below q_len).
+template <int h>
+__device__ __forceinline__ void add_half(float (&dq)[kD / 8][4], const float4* sX, int tid, float* dq_acc, int i,
+                                         int q_len, int t) {
+#pragma unroll
+  for (int c = h * kHalf; c < (h + 1) * kHalf; ++c) {
+    const float4 x = sX[c * kThreads + tid];
+    dq[c][0] += x.x;
+    dq[c][1] += x.y;
+    dq[c][2] += x.z;
+    dq[c][3] += x.w;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (i + 8 * r >= q_len) continue;
+#pragma unroll
+    for (int c = h * kHalf; c < (h + 1) * kHalf; ++c)
+      add_pair(dq_acc + int64_t(i + 8 * r) * kD + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
+  }
+}
+#endif
+
+template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkdv_dq_kernel(const Params p) {
+#if LOOM_WGMMA_CODE
+  constexpr int D = kD, S = D + 8, NB = kQueries / 8, kTile = kBlockN * D;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles
+  T* sO = sQ + 2 * kTile;                                            // dO: 2 swizzled tiles
+  const int group = int(threadIdx.x / kThreads), tid = int(threadIdx.x % kThreads);
+  T* sKs = sO + 2 * kTile + group * kTile;                           // this warpgroup's K, swizzled: dQ's B
+  T* sS = sO + (2 + kGroups) * kTile + group * kTile;                // its dS^T, swizzled: dQ's A
+  T* sK = sO + (2 + 2 * kGroups) * kTile;                            // K rows, padded; dK on the way out
+  T* sV = sK + kKeys * S;                                            // V rows, padded; dV on the way out
+  float4* sX = reinterpret_cast<float4*>(sV + kKeys * S);            // dQ halves: [8-column block][tid]
+  float* sL = reinterpret_cast<float*>(sX + kGroups * (D / 16) * kThreads);  // lse2: 2 x kQueries
+  float* sD = sL + 2 * kQueries;                                     // Di: 2 x kQueries
+
+  const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
+  const int64_t bh = blockIdx.x % p.heads;
+  const int k0 = int(blockIdx.x / p.heads) * kKeys;  // key tiles ascending: causal's longest first
+  const int kg = k0 + group * kGroupKeys;            // this warpgroup's first key
+  const int w0 = kg + warp * 16;                     // this warp's first key; a thread's: w0 + g and w0 + g + 8
+  const AttentionLayout& st = p.strides;
+  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
+  const T* dout = static_cast<const T*>(p.dout) + p.offset(st.dout, bh);
+  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
+  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
+  const float* lse2 = static_cast<const float*>(p.lse2) + bh * p.q_pad;
+  const float* di = static_cast<const float*>(p.di) + bh * p.q_pad;
+  float* dq_acc = p.dq_acc + bh * p.q_pad * D;
+  const float scale_log2 = float(p.scale_log2);
+  const int it_begin = p.causal ? k0 / kQueries : 0, it_end = (p.q_len + kQueries - 1) / kQueries;
+
+  // Query tile `it` into buffer `buf`: Q and its lse2 rows by the first warpgroup, dO and its
+  // Di rows by the second (in bounds: padded).
+  auto load_query_tile = [&](int buf, int it) {
+    const int i0 = it * kQueries;
+    constexpr int kChunks = kQueries / 4;  // 16-byte chunks of a tile's lse2 (or Di)
+    if (group == 0) {
+      load_swizzled<D>(sQ + buf * kTile, q, int(st.q.seq), i0, p.q_len, tid);
+      if (tid < kChunks) cp_async_16(sL + buf * kQueries + 4 * tid, lse2 + i0 + 4 * tid, true);
+    } else {
+      load_swizzled<D>(sO + buf * kTile, dout, int(st.dout.seq), i0, p.q_len, tid);
+      if (tid < kChunks) cp_async_16(sD + buf * kQueries + 4 * tid, di + i0 + 4 * tid, true);
+    }
+  };
+
+  T* sKg = sK + group * kGroupKeys * S;  // this warpgroup's rows
+  T* sVg = sV + group * kGroupKeys * S;
+  load_rows<D, kGroupKeys>(sKg, k, int(st.k.seq), kg, p.kv_len, tid);
+  load_rows<D, kGroupKeys>(sVg, v, int(st.v.seq), kg, p.kv_len, tid);
+  load_swizzled<D>(sKs, k, int(st.k.seq), kg, p.kv_len, tid);
+  if (it_begin < it_end) load_query_tile(0, it_begin);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();
+  uint32_t kf[D / 16][4], vf[D / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    load_a<S>(kf[ks], sKg, warp * 16, ks * 16);
+    load_a<S>(vf[ks], sVg, warp * 16, ks * 16);
+  }
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int it = it_begin; it < it_end; ++it) {
+    const int buf = (it - it_begin) & 1;
+    if (it + 1 < it_end) load_query_tile(buf ^ 1, it + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_async_shared();
+    __syncthreads();
+    const T* qt = sQ + buf * kTile;
+    const T* ot = sO + buf * kTile;
+    const float* lt = sL + buf * kQueries;
+    const float* dt = sD + buf * kQueries;
+    const int i0 = it * kQueries;
+
+    float s[NB][4], dp[NB][4];
+    issue_times_transposed<T, D>(s, kf, qt);   // S^T = K Q^T
+    issue_times_transposed<T, D>(dp, vf, ot);  // dP^T = V dO^T
+    wgmma_wait<0>();
+    fence_registers(s);
+    fence_registers(dp);
+
+    // P^T = exp2(S^T scale_log2 - lse2[i]), 0 where query i cannot see key j; dS^T = P^T (dP^T - Di[i]).
+    const bool edge = (p.causal && i0 < w0 + 15) || kg + kGroupKeys > p.kv_len;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lt + nb * 8 + 2 * t);
+      const float2 d2 = *reinterpret_cast<const float2*>(dt + nb * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = fast_exp2(s[nb][e] * scale_log2 - ((e & 1) ? l2.y : l2.x));
+        if (edge) {
+          const int i = i0 + nb * 8 + 2 * t + (e & 1), j = w0 + g + (e >> 1) * 8;
+          if (j >= p.kv_len || (p.causal && i < j)) x = 0.f;
+        }
+        s[nb][e] = x;
+        dp[nb][e] = x * (dp[nb][e] - ((e & 1) ? d2.y : d2.x));
+      }
+    }
+    uint32_t pa[NB / 2][4], da[NB / 2][4];
+#pragma unroll
+    for (int kk = 0; kk < NB / 2; ++kk) {
+      acc_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+      acc_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+    }
+    // dS^T into its swizzled tile: row = key (this thread's g and g + 8 of its warp's 16),
+    // column = query; chunk nb of a row sits at chunk nb ^ (row % 8), the same for both rows.
+    {
+      const int r = warp * 16 + g;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        T* at = sS + r * 64 + (nb ^ (r % 8)) * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(at) = da[nb / 2][(nb & 1) * 2];
+        *reinterpret_cast<uint32_t*>(at + 8 * 64) = da[nb / 2][(nb & 1) * 2 + 1];
+      }
+    }
+    issue_times<T, D>(dv, pa, ot);  // dV += P^T dO
+    issue_times<T, D>(dk, da, qt);  // dK += dS^T Q
+    fence_async_shared();           // the dS^T stores, for wgmma's reads
+    __syncthreads();
+
+    // This warpgroup's part of dQ's tile (queries x D) = dS K over its keys: A = dS^T read
+    // transposed, B = K read transposed.
+    float dq[D / 8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kGroupKeys / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on, in both tiles
+      wgmma_ss<T, 1, 1>(dq, descriptor(sS + kk * 16 * 64, kBlockN * 128, 1024),
+                        descriptor(sKs + kk * 16 * 64, kBlockN * 128, 1024), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dq);
+    fence_registers(dk);
+    fence_registers(dv);
+    // Warpgroup w adds columns 32 w.. : it hands the other half to the other warpgroup's
+    // thread of the same place in the accumulator layout, and takes that thread's half of its.
+    if (group == 0) hand_half<1>(dq, sX, tid);
+    else hand_half<0>(dq, sX, tid);
+    __syncthreads();
+    if (group == 0) add_half<0>(dq, sX, tid, dq_acc, i0 + warp * 16 + g, p.q_len, t);
+    else add_half<1>(dq, sX, tid, dq_acc, i0 + warp * 16 + g, p.q_len, t);
+    __syncthreads();  // Q, dO, dS^T and the halves have been read before the next tile's loads and stores
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  stage_rows<D>(sKg, dk, warp * 16, float(p.scale), float(p.scale));
+  stage_rows<D>(sVg, dv, warp * 16, 1.f, 1.f);
+  __syncthreads();
+  store_rows<D, kGroupKeys>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sKg, kg, p.kv_len, tid);
+  store_rows<D, kGroupKeys>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sVg, kg, p.kv_len, tid);
+#endif
+}
+
+}  // namespace
+
+bool wgmma_backward_supported(DType dtype, int64_t head_dim) {
+  return head_dim == kD && wgmma_supported(dtype, head_dim);
+}
+
+template <class T> void launch_backward(const Params& p, cudaStream_t stream) {
+  const int64_t blocks = p.heads * tiles(p.kv_len, kKeys);
+  if (blocks == 0) return;
+  LOOM_CHECK(blocks < (int64_t(1) << 31), "attention: ", blocks, " thread blocks exceed CUDA's grid limit; ",
+             "split the batch");
+  allow_shared_memory(wgmma_dkdv_dq_kernel<T>, backward_smem<T>(), "Hopper backward");
+  wgmma_dkdv_dq_kernel<T><<<unsigned(blocks), kBlockThreads, backward_smem<T>(), stream>>>(p);
+  LOOM_CUDA_LAUNCH();
+}
+
+void wgmma_dkdv_dq(const Params& p, DType dtype, cudaStream_t stream) {
+  if (dtype == DType::bf16) launch_backward<__nv_bfloat16>(p, stream);
+  else launch_backward<__half>(p, stream);
+}
+
+}  // namespace loom::cuda::attention
