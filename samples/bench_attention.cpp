@@ -6,8 +6,8 @@
 // with --torch FILE and the table gains PyTorch's times and the speed-up (PyTorch ms /
 // Loom ms). Prints a table and writes JSON (--json FILE). --deterministic times the
 // backward that computes dQ without atomics (Options::deterministic, engine/options.h);
-// --no-hopper-attention times the forward kernel of every target in place of the Hopper
-// one on an H100 or H200 (Options::hopper_attention).
+// --no-hopper-attention times the kernels of every target in place of the Hopper ones on an
+// H100 or H200 (Options::hopper_attention: the forward, and the backward at head_dim 64).
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
