@@ -155,8 +155,9 @@ TEST(AttentionCuda, ForwardAndBackwardMatchCpu) {
     for (DType dt : {DType::f32, DType::bf16, DType::f16}) check(c, dt, 0);
 }
 
-// On an H100 or H200 the test above ran the Hopper forward where it applies (bf16/f16,
-// head_dim 64 or 128); here every case runs the kernels of every target, its reference.
+// On an H100 or H200 the test above ran the Hopper kernels where they apply (bf16/f16; the
+// forward at head_dim 64 or 128, the backward at 64 with dQ by atomics); here every case runs
+// the kernels of every target, their reference.
 TEST(AttentionCuda, Sm80KernelsMatchCpu) {
   LOOM_REQUIRE_CUDA();
   for (const Case& c : cases())
