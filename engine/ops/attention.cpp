@@ -52,6 +52,14 @@ AttentionStrides strides_of(const Operand& o) { return {o.stride[0], o.stride[1]
 // A (B, H, T, D) tensor the kernels can read: t itself, or a contiguous copy.
 Tensor readable(const Tensor& t) { return in_place(bhtd(t)) ? t : t.contiguous(); }
 
+// The forward kernel into out and lse (laid out as a.strides says), under the options in
+// force as the forward runs, on the stream of `on`.
+void run_forward(AttentionArgs a, Device dev, const Tensor& out, const Tensor& lse, const void* q, const void* k,
+                 const void* v, const Tensor& on) {
+  a.hopper = options().hopper_attention;
+  kernels(dev).attention_forward(a, out.data_ptr(), lse.data_ptr(), q, k, v, ops::stream(on));
+}
+
 // The backward kernels into dq, dk and dv (in buffers the caller allocated, laid out as
 // a.strides says), with their scratch, under the options in force as the backward runs.
 void run_backward(AttentionArgs a, Device dev, void* dq, void* dk, void* dv, const Tensor& gout,
@@ -103,7 +111,6 @@ Tensor scaled_dot_product_attention(const Tensor& q0, const Tensor& k0, const Te
   a.dtype = t;
   a.batch = q.size(0), a.heads = q.size(1), a.q_len = q.size(2), a.kv_len = k.size(2), a.head_dim = q.size(3);
   a.causal = causal;
-  a.hopper = options().hopper_attention;
   a.scale = s;
   a.strides.q = strides_of(bhtd(q));
   a.strides.k = strides_of(bhtd(k));
@@ -116,8 +123,7 @@ Tensor scaled_dot_product_attention(const Tensor& q0, const Tensor& k0, const Te
   a.strides.out = strides_of(bhtd(out));
   Tensor lse = Tensor::empty({a.batch, a.heads, a.q_len}, acc_dtype(t), dev);
   if (out.numel() > 0)
-    kernels(dev).attention_forward(a, out.data_ptr(), lse.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                   ops::stream(q));
+    run_forward(a, dev, out, lse, q.data_ptr(), k.data_ptr(), v.data_ptr(), q);
 
   if (any_requires_grad({q, k, v})) {
     Tensor sq = q.detach(), sk = k.detach(), sv = v.detach(), so = out.detach();
@@ -159,7 +165,6 @@ Tensor packed_self_attention(const Tensor& qkv0, int64_t heads, bool causal, dou
   a.dtype = t;
   a.batch = B, a.heads = heads, a.q_len = T, a.kv_len = T, a.head_dim = D;
   a.causal = causal;
-  a.hopper = options().hopper_attention;
   a.scale = scale != 0 ? scale : 1.0 / std::sqrt(double(D));
   a.strides.q = a.strides.k = a.strides.v = strides_of(packed(qkv, heads, D));
 
@@ -172,8 +177,7 @@ Tensor packed_self_attention(const Tensor& qkv0, int64_t heads, bool causal, dou
   const int64_t column = C * qkv.stride(2) * int64_t(qkv.element_size());
   const char* q_ptr = static_cast<const char*>(qkv.data_ptr());
   if (out.numel() > 0)
-    kernels(dev).attention_forward(a, out.data_ptr(), lse.data_ptr(), q_ptr, q_ptr + column, q_ptr + 2 * column,
-                                   ops::stream(qkv));
+    run_forward(a, dev, out, lse, q_ptr, q_ptr + column, q_ptr + 2 * column, qkv);
 
   if (any_requires_grad({qkv})) {
     Tensor sqkv = qkv.detach(), so = out.detach();
