@@ -47,7 +47,6 @@ template <class T, int D> constexpr size_t wgmma_smem() {
   return size_t(4 * kBlockN * D + kRows * (D + 8)) * sizeof(T) + 1024;
 }
 
-
 // ---- forward ---------------------------------------------------------------------------
 
 template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forward_kernel(const Params p) {

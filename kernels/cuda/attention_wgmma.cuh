@@ -19,7 +19,6 @@ namespace loom::cuda::attention::wgmma_tiles {
 
 using namespace mma_tiles;
 
-
 // ---- PTX wrappers ----------------------------------------------------------------------
 
 // A shared-memory matrix descriptor in the 128-byte swizzle: the start and the two byte
@@ -158,7 +157,6 @@ __device__ __forceinline__ void issue_times(float (&o)[D / 8][4], const uint32_t
     wgmma<T, D, 1>(o, pa[kk], descriptor(vt + kk * 16 * 64, kBlockN * 128, 1024), true);
   wgmma_commit();
 }
-
 
 }  // namespace loom::cuda::attention::wgmma_tiles
 
