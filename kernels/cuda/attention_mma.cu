@@ -68,22 +68,20 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) forward_kernel(const Para
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = query_tile_start<BM>(p), n_tiles = key_tiles<BM>(p, q0);
   const AttentionLayout& st = p.strides;
-  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
-  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
-  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
+  const HeadOperands<T> in(p, bh, false);
   const float scale_log2 = float(p.scale_log2);
   const int r0 = q0 + warp * 16;  // this warp's first row; a thread's rows: r0 + g and r0 + g + 8
   auto load_k = [&](int n) {
-    load_rows<D, kBlockN>(sK + (n & 1) * kBlockN * S, k, int(st.k.seq), n * kBlockN, p.kv_len);
+    load_rows<D, kBlockN>(sK + (n & 1) * kBlockN * S, in.k, int(st.k.seq), n * kBlockN, p.kv_len);
   };
   auto load_v = [&](int n) {
-    load_rows<D, kBlockN>(sV + (n & 1) * kBlockN * S, v, int(st.v.seq), n * kBlockN, p.kv_len);
+    load_rows<D, kBlockN>(sV + (n & 1) * kBlockN * S, in.v, int(st.v.seq), n * kBlockN, p.kv_len);
   };
   // Tile j0's scores need masking where keys run past kv_len or past a causal row.
   auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 
   forward_prologue(
-      n_tiles, [&] { load_rows<D, BM>(sQ, q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
+      n_tiles, [&] { load_rows<D, BM>(sQ, in.q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
 
   uint32_t qf[D / 16][4];
   float o[1][D / 8][4] = {}, s[1][NB][4] = {};  // mma_acc_rows's shapes: one row tile

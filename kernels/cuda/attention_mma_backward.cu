@@ -96,36 +96,31 @@ template <class T, int D, int MT> __global__ void __launch_bounds__(kThreads) ba
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = query_tile_start<BM>(p), n_tiles = key_tiles<BM>(p, q0);
   const AttentionLayout& st = p.strides;
-  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
-  const T* dout = static_cast<const T*>(p.dout) + p.offset(st.dout, bh);
-  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
-  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
+  const HeadOperands<T> in(p, bh, true);
   const float scale_log2 = float(p.scale_log2);
   const int w0 = q0 + warp * WR;
   // Workspace rows are padded to kRowPad, a multiple of BM, so every row read is inside.
-  const float* lse2 = static_cast<const float*>(p.lse2) + bh * p.q_pad;
-  const float* di = static_cast<const float*>(p.di) + bh * p.q_pad;
   float row_lse2[MT][2], row_di[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      row_lse2[mt][r] = lse2[w0 + 16 * mt + g + 8 * r];
-      row_di[mt][r] = di[w0 + 16 * mt + g + 8 * r];
+      row_lse2[mt][r] = in.lse2[w0 + 16 * mt + g + 8 * r];
+      row_di[mt][r] = in.di[w0 + 16 * mt + g + 8 * r];
     }
 
-  load_rows<D, BM>(sQ, q, int(st.q.seq), q0, p.q_len);
-  load_rows<D, BM>(sO, dout, int(st.dout.seq), q0, p.q_len);
+  load_rows<D, BM>(sQ, in.q, int(st.q.seq), q0, p.q_len);
+  load_rows<D, BM>(sO, in.dout, int(st.dout.seq), q0, p.q_len);
   if (n_tiles > 0) {
-    load_rows<D, kBlockN>(sK, k, int(st.k.seq), 0, p.kv_len);
-    load_rows<D, kBlockN>(sV, v, int(st.v.seq), 0, p.kv_len);
+    load_rows<D, kBlockN>(sK, in.k, int(st.k.seq), 0, p.kv_len);
+    load_rows<D, kBlockN>(sV, in.v, int(st.v.seq), 0, p.kv_len);
   }
   cp_async_commit();
 
   float dq[MT][D / 8][4] = {};
   for (int n = 0; n < n_tiles; ++n) {
     const int buf = n & 1;
-    next_key_tile<D>(sK, sV, k, int(st.k.seq), v, int(st.v.seq), n, n_tiles, p.kv_len);
+    next_key_tile<D>(sK, sV, in.k, int(st.k.seq), in.v, int(st.v.seq), n, n_tiles, p.kv_len);
     const T* kt = sK + buf * kBlockN * S;
     const T* vt = sV + buf * kBlockN * S;
     const int j0 = n * kBlockN;
@@ -192,12 +187,7 @@ __global__ void __launch_bounds__(kThreads) backward_dkdv_kernel(const Params p)
   const int k0 = int(blockIdx.x / p.heads) * BK;  // key tiles ascending: causal's longest first
   const int w0 = k0 + warp * WK;                  // this warp's first key; tile mt's thread keys: w0 + 16 mt + g (+ 8)
   const AttentionLayout& st = p.strides;
-  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
-  const T* dout = static_cast<const T*>(p.dout) + p.offset(st.dout, bh);
-  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
-  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
-  const float* lse2 = static_cast<const float*>(p.lse2) + bh * p.q_pad;
-  const float* di = static_cast<const float*>(p.di) + bh * p.q_pad;
+  const HeadOperands<T> in(p, bh, true);
   const float scale_log2 = float(p.scale_log2);
   // Query tiles that can see a key of this block: causal ones start at the diagonal.
   const int it_begin = p.causal ? k0 / BQ : 0, it_end = (p.q_len + BQ - 1) / BQ;
@@ -205,15 +195,15 @@ __global__ void __launch_bounds__(kThreads) backward_dkdv_kernel(const Params p)
   // Query tile `it` into buffer `buf`: Q, dO, and their lse2 / Di rows (in bounds: padded).
   auto load_query_tile = [&](int buf, int it) {
     const int i0 = it * BQ;
-    load_rows<D, BQ>(sQ + buf * BQ * S, q, int(st.q.seq), i0, p.q_len);
-    load_rows<D, BQ>(sO + buf * BQ * S, dout, int(st.dout.seq), i0, p.q_len);
+    load_rows<D, BQ>(sQ + buf * BQ * S, in.q, int(st.q.seq), i0, p.q_len);
+    load_rows<D, BQ>(sO + buf * BQ * S, in.dout, int(st.dout.seq), i0, p.q_len);
     const int c = int(threadIdx.x);
-    if (c < BQ / 4) cp_async_16(sL + buf * BQ + 4 * c, lse2 + i0 + 4 * c, true);
-    else if (c < BQ / 2) cp_async_16(sD + buf * BQ + 4 * (c - BQ / 4), di + i0 + 4 * (c - BQ / 4), true);
+    if (c < BQ / 4) cp_async_16(sL + buf * BQ + 4 * c, in.lse2 + i0 + 4 * c, true);
+    else if (c < BQ / 2) cp_async_16(sD + buf * BQ + 4 * (c - BQ / 4), in.di + i0 + 4 * (c - BQ / 4), true);
   };
 
-  load_rows<D, BK>(sK, k, int(st.k.seq), k0, p.kv_len);
-  load_rows<D, BK>(sV, v, int(st.v.seq), k0, p.kv_len);
+  load_rows<D, BK>(sK, in.k, int(st.k.seq), k0, p.kv_len);
+  load_rows<D, BK>(sV, in.v, int(st.v.seq), k0, p.kv_len);
   if (it_begin < it_end) load_query_tile(0, it_begin);
   cp_async_commit();
 

@@ -363,6 +363,22 @@ __device__ __forceinline__ void next_key_tile(T* sK, T* sV, const T* k, int ldk,
   __syncthreads();
 }
 
+// A block's operands at its (batch, head) bh: each tensor's first row, through its strides,
+// and (backward) the workspace's lse2 and Di rows of that head.
+template <class T> struct HeadOperands {
+  const T *q, *k, *v, *dout = nullptr;
+  const float *lse2 = nullptr, *di = nullptr;
+  __device__ __forceinline__ HeadOperands(const Params& p, int64_t bh, bool backward)
+      : q(static_cast<const T*>(p.q) + p.offset(p.strides.q, bh)),
+        k(static_cast<const T*>(p.k) + p.offset(p.strides.k, bh)),
+        v(static_cast<const T*>(p.v) + p.offset(p.strides.v, bh)) {
+    if (!backward) return;
+    dout = static_cast<const T*>(p.dout) + p.offset(p.strides.dout, bh);
+    lse2 = static_cast<const float*>(p.lse2) + bh * p.q_pad;
+    di = static_cast<const float*>(p.di) + bh * p.q_pad;
+  }
+};
+
 // Tiles [0, n) of keys that the query rows [q0, q0 + BM) can see.
 template <int BM> __device__ __forceinline__ int key_tiles(const Params& p, int q0) {
   const int kv_end = p.causal ? min(p.kv_len, min(q0 + BM, p.q_len)) : p.kv_len;

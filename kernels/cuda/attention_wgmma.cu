@@ -61,17 +61,15 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   const int64_t bh = blockIdx.x % p.heads;
   const int q0 = query_tile_start<kRows>(p), n_tiles = key_tiles<kRows>(p, q0);
   const AttentionLayout& st = p.strides;
-  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
-  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
-  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
+  const HeadOperands<T> in(p, bh, false);
   const float scale_log2 = float(p.scale_log2);
   const int r0 = q0 + warp * 16;  // this warp's first row; a thread's rows: r0 + g and r0 + g + 8
-  auto load_k = [&](int n) { load_swizzled<D>(sK + (n & 1) * kTile, k, int(st.k.seq), n * kBlockN, p.kv_len); };
-  auto load_v = [&](int n) { load_swizzled<D>(sV + (n & 1) * kTile, v, int(st.v.seq), n * kBlockN, p.kv_len); };
+  auto load_k = [&](int n) { load_swizzled<D>(sK + (n & 1) * kTile, in.k, int(st.k.seq), n * kBlockN, p.kv_len); };
+  auto load_v = [&](int n) { load_swizzled<D>(sV + (n & 1) * kTile, in.v, int(st.v.seq), n * kBlockN, p.kv_len); };
   auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 
   forward_prologue(
-      n_tiles, [&] { load_rows<D, kRows>(sQ, q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
+      n_tiles, [&] { load_rows<D, kRows>(sQ, in.q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
 
   uint32_t qf[D / 16][4];
   float o[D / 8][4] = {}, s[NB][4];
@@ -130,19 +128,15 @@ bool wgmma_supported(DType dtype, int64_t head_dim) {
 }
 
 void wgmma_forward(const Params& p, DType dtype, cudaStream_t stream) {
-  auto run = [&](auto tag, auto dim) {
+  dispatch(dtype, p.head_dim, [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    launch(wgmma_forward_kernel<T, D>, p.heads * tiles(p.q_len, kRows), wgmma_smem<T, D>(), "Hopper forward", p,
-           stream);
-  };
-  auto with_dim = [&](auto tag) {
-    if (p.head_dim == 64) run(tag, std::integral_constant<int, 64>{});
-    else if (p.head_dim == 128) run(tag, std::integral_constant<int, 128>{});
-    else LOOM_ASSERT(false, "attention: no Hopper kernel for head_dim ", p.head_dim);
-  };
-  if (dtype == DType::bf16) with_dim(__nv_bfloat16{});
-  else with_dim(__half{});
+    if constexpr (D == 64 || D == 128)
+      launch(wgmma_forward_kernel<T, D>, p.heads * tiles(p.q_len, kRows), wgmma_smem<T, D>(), "Hopper forward", p,
+             stream);
+    else
+      LOOM_ASSERT(false, "attention: no Hopper kernel for head_dim ", D);
+  });
 }
 
 }  // namespace loom::cuda::attention

@@ -99,12 +99,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   const int kg = k0 + group * kGroupKeys;            // this warpgroup's first key
   const int w0 = kg + warp * 16;                     // this warp's first key; a thread's: w0 + g and w0 + g + 8
   const AttentionLayout& st = p.strides;
-  const T* q = static_cast<const T*>(p.q) + p.offset(st.q, bh);
-  const T* dout = static_cast<const T*>(p.dout) + p.offset(st.dout, bh);
-  const T* k = static_cast<const T*>(p.k) + p.offset(st.k, bh);
-  const T* v = static_cast<const T*>(p.v) + p.offset(st.v, bh);
-  const float* lse2 = static_cast<const float*>(p.lse2) + bh * p.q_pad;
-  const float* di = static_cast<const float*>(p.di) + bh * p.q_pad;
+  const HeadOperands<T> in(p, bh, true);
   float* dq_acc = p.dq_acc + bh * p.q_pad * D;
   const float scale_log2 = float(p.scale_log2);
   const int it_begin = p.causal ? k0 / kQueries : 0, it_end = (p.q_len + kQueries - 1) / kQueries;
@@ -115,19 +110,19 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     const int i0 = it * kQueries;
     constexpr int kChunks = kQueries / 4;  // 16-byte chunks of a tile's lse2 (or Di)
     if (group == 0) {
-      load_swizzled<D>(sQ + buf * kTile, q, int(st.q.seq), i0, p.q_len, tid);
-      if (tid < kChunks) cp_async_16(sL + buf * kQueries + 4 * tid, lse2 + i0 + 4 * tid, true);
+      load_swizzled<D>(sQ + buf * kTile, in.q, int(st.q.seq), i0, p.q_len, tid);
+      if (tid < kChunks) cp_async_16(sL + buf * kQueries + 4 * tid, in.lse2 + i0 + 4 * tid, true);
     } else {
-      load_swizzled<D>(sO + buf * kTile, dout, int(st.dout.seq), i0, p.q_len, tid);
-      if (tid < kChunks) cp_async_16(sD + buf * kQueries + 4 * tid, di + i0 + 4 * tid, true);
+      load_swizzled<D>(sO + buf * kTile, in.dout, int(st.dout.seq), i0, p.q_len, tid);
+      if (tid < kChunks) cp_async_16(sD + buf * kQueries + 4 * tid, in.di + i0 + 4 * tid, true);
     }
   };
 
   T* sKg = sK + group * kGroupKeys * S;  // this warpgroup's rows
   T* sVg = sV + group * kGroupKeys * S;
-  load_rows<D, kGroupKeys>(sKg, k, int(st.k.seq), kg, p.kv_len, tid);
-  load_rows<D, kGroupKeys>(sVg, v, int(st.v.seq), kg, p.kv_len, tid);
-  load_swizzled<D>(sKs, k, int(st.k.seq), kg, p.kv_len, tid);
+  load_rows<D, kGroupKeys>(sKg, in.k, int(st.k.seq), kg, p.kv_len, tid);
+  load_rows<D, kGroupKeys>(sVg, in.v, int(st.v.seq), kg, p.kv_len, tid);
+  load_swizzled<D>(sKs, in.k, int(st.k.seq), kg, p.kv_len, tid);
   if (it_begin < it_end) load_query_tile(0, it_begin);
   cp_async_commit();
   cp_async_wait<0>();
