@@ -55,8 +55,11 @@ void Adam::step() {
       ParamState& s = state_of(p);
       if (s.buffers.empty()) {
         // In the parameter's layout, so that the update reads them as they lie.
-        s.buffers["exp_avg"] = zeros_like(p).contiguous(p.memory_format());
-        s.buffers["exp_avg_sq"] = zeros_like(p).contiguous(p.memory_format());
+        for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+          Tensor zero = Tensor::empty(p.shape(), p.dtype(), p.device(), p.memory_format());
+          zero_(zero);
+          s.buffers[name] = zero;
+        }
       }
       params.push_back(p);
       grads.push_back(p.grad());
