@@ -261,15 +261,39 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[kBlockN / 8][4], float
     }
 }
 
+// Sets the scores of invisible (query, key) pairs to -inf, unscaled; elements as in
+// scale_and_mask.
+__device__ __forceinline__ void mask_scores(float (&s)[kBlockN / 8][4], int i_lo, int j0, int kv_len, bool causal) {
+  const int t = lane_id() & 3;
+#pragma unroll
+  for (int nb = 0; nb < kBlockN / 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + nb * 8 + 2 * t + (e & 1), i = i_lo + (e >> 1) * 8;
+      if (j >= kv_len || (causal && j > i)) s[nb][e] = -INFINITY;
+    }
+}
+
 // One key tile's step of the online softmax for a warp's 16 rows (the 4 threads of a quad
-// share a row): scales and masks the scores s, raises the running max m, rescales the sum l
-// and the output o by the change, and leaves P = exp2(s - m) in s.
-template <int D>
+// share a row): masks the scores s, raises the running max m (in the exp2 domain), rescales
+// the sum l and the output o by the change, and leaves P = exp2(s scale_log2 - m) in s.
+// kFused (the Hopper forward): with a positive scale the raw scores' max gives the scaled
+// one, each score is scaled and shifted by one fma, and an edge tile is masked behind one
+// branch; any other scale goes through scale_and_mask first. Without kFused (the sm_80
+// kernels, held at 128 registers a thread, which the fused form makes spill): scale_and_mask,
+// then the shift.
+template <int D, bool kFused = false>
 __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float (&o)[D / 8][4], float (&m)[2],
                                                float (&l)[2], float scale_log2, bool edge, int i_lo, int j0,
                                                const Params& p) {
   constexpr int NB = kBlockN / 8;
-  scale_and_mask(s, scale_log2, edge, i_lo, j0, p.kv_len, p.causal);
+  const bool fused = kFused && scale_log2 > 0.f;
+  const float k = fused ? scale_log2 : 1.f;  // the scale still to apply
+  if (fused) {
+    if (edge) mask_scores(s, i_lo, j0, p.kv_len, p.causal);
+  } else {
+    scale_and_mask(s, scale_log2, edge, i_lo, j0, p.kv_len, p.causal);
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
@@ -277,15 +301,20 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float
     for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx);
+    const float m_new = fmaxf(m[r], kFused ? mx * k : mx);
     const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen no key yet stays at 0
     const float alpha = fast_exp2(m[r] - base);
     m[r] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      s[nb][2 * r] = fast_exp2(s[nb][2 * r] - base);
-      s[nb][2 * r + 1] = fast_exp2(s[nb][2 * r + 1] - base);
+      if constexpr (kFused) {
+        s[nb][2 * r] = fast_exp2(fmaf(s[nb][2 * r], k, -base));
+        s[nb][2 * r + 1] = fast_exp2(fmaf(s[nb][2 * r + 1], k, -base));
+      } else {
+        s[nb][2 * r] = fast_exp2(s[nb][2 * r] - base);
+        s[nb][2 * r + 1] = fast_exp2(s[nb][2 * r + 1] - base);
+      }
       sum += s[nb][2 * r] + s[nb][2 * r + 1];
     }
     l[r] = l[r] * alpha + sum;

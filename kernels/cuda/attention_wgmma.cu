@@ -97,7 +97,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
     float next[NB][4];
     if (more) issue_times_transposed<T, D>(next, qf, sK + ((n + 1) & 1) * kTile);
     const int j0 = n * kBlockN;
-    online_softmax<D>(s, o, m, l, scale_log2, edge(j0), r0 + g, j0, p);
+    online_softmax<D, true>(s, o, m, l, scale_log2, edge(j0), r0 + g, j0, p);
     uint32_t pa[NB / 2][4];
 #pragma unroll
     for (int kk = 0; kk < NB / 2; ++kk) acc_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);

@@ -21,11 +21,14 @@ using namespace mma_tiles;
 
 // ---- PTX wrappers ----------------------------------------------------------------------
 
-// A shared-memory matrix descriptor in the 128-byte swizzle: the start and the two byte
-// strides (leading, stride) of PTX's canonical layouts, each in 16-byte units.
-__device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leading, uint32_t stride) {
+// A shared-memory matrix descriptor: the start and the two byte strides (leading, stride) of
+// PTX's canonical layouts, each in 16-byte units, in the 128-byte swizzle (kSwizzle64: the
+// 64-byte one).
+enum Swizzle : uint64_t { kSwizzle128 = 1, kSwizzle64 = 2 };
+__device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leading, uint32_t stride,
+                                               Swizzle swizzle = kSwizzle128) {
   return uint64_t((smem_addr(start) & 0x3ffff) >> 4) | uint64_t((leading >> 4) & 0x3fff) << 16 |
-         uint64_t((stride >> 4) & 0x3fff) << 32 | uint64_t(1) << 62;
+         uint64_t((stride >> 4) & 0x3fff) << 32 | uint64_t(swizzle) << 62;
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -89,7 +92,7 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
 #undef LOOM_WGMMA_N64
 #undef LOOM_WGMMA_N128
 
-// d (64 x 64, f32) = A (64 x 16 at desc_a) times B (16 x 64 at desc_b), plus d where
+// d (64 x N, f32) = A (64 x 16 at desc_a) times B (16 x N at desc_b), plus d where
 // accumulate; kTransA / kTransB: the operand is MN-major (read transposed), else K-major.
 #define LOOM_ACC(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 #define LOOM_WGMMA_SS_N64(TYPE)                                                                      \
@@ -102,15 +105,31 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
       : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
         LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7)                                           \
       : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB))
+#define LOOM_WGMMA_SS_N32(TYPE)                                                                      \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {"                               \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"                         \
+      "}, %16, %17, p, 1, 1, %19, %20;\n}\n"                                                          \
+      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3)                                           \
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB))
 
-template <class T, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) LOOM_WGMMA_SS_N64("bf16");
-  else LOOM_WGMMA_SS_N64("f16");
+template <class T, int kTransA, int kTransB, int NB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[NB][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  static_assert(NB == 4 || NB == 8, "shared-memory wgmma wrappers exist for N = 32 and 64");
+  constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (NB == 8) {
+    if constexpr (bf16) LOOM_WGMMA_SS_N64("bf16");
+    else LOOM_WGMMA_SS_N64("f16");
+  } else {
+    if constexpr (bf16) LOOM_WGMMA_SS_N32("bf16");
+    else LOOM_WGMMA_SS_N32("f16");
+  }
 }
 
 #undef LOOM_ACC
 #undef LOOM_WGMMA_SS_N64
+#undef LOOM_WGMMA_SS_N32
 
 // ---- tiles -----------------------------------------------------------------------------
 

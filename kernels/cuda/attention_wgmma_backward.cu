@@ -13,11 +13,13 @@
 //   P^T = exp2(S^T scale - lse2), dS^T = P^T (dP^T - Di), in registers;
 //   dV += P^T dO and dK += dS^T Q (A: P^T and dS^T repacked from the accumulators; B: the
 //   dO and Q tiles again, read transposed);
-//   dQ's part from its keys = dS K, with dS^T staged in shared memory as a swizzled tile that
-//   wgmma reads transposed as its A, and its K rows' swizzled tile as B.
-// The two warpgroups then swap halves of their dQ parts through shared memory, and each adds
-// the sum of its half (64 queries x 32) into the accumulator with float2 atomics: one atomic
-// per element for 128 keys.
+//   dQ's columns 32 w to 32 w + 31 of the tile = dS K over all 128 keys, with both
+//   warpgroups' dS^T staged in shared memory as swizzled tiles that wgmma reads transposed
+//   as its A, and that half of the block's K rows as B, a tile in the 64-byte swizzle
+//   (32 columns are 64 bytes a row; 16-byte chunk c of row r sits at chunk c ^ (r / 2 % 4)).
+// Each thread then adds its part (2 rows x 8 columns) into the accumulator with float2
+// atomics: one atomic per element for 128 keys. Two barriers a tile: one before it (the
+// tile has landed, the last one's reads are done), one between the dS^T stores and dQ.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma.cuh"
 
@@ -37,43 +39,31 @@ constexpr int kBlockThreads = kGroups * kThreads;
 constexpr int kQueries = kBlockN;               // queries of a streamed tile
 static_assert(kThreads == 128 && kQueries == 64, "a warpgroup is 128 threads over 64-query tiles");
 
-// Swizzled tiles (two Q, two dO, and each warpgroup's K and dS^T), padded K and V rows, the
-// dQ halves swapped (a float4 per thread and 8-column block), lse2 and Di twice, and room to
-// align the tiles to 1024 bytes.
+// Swizzled tiles (two Q, two dO, each warpgroup's dS^T, and the two 32-column halves of K),
+// padded K and V rows, lse2 and Di twice, and room to align the tiles to 1024 bytes.
 template <class T> constexpr size_t backward_smem() {
-  return size_t((4 + 2 * kGroups) * kBlockN * kD + 2 * kKeys * (kD + 8)) * sizeof(T) +
-         size_t(kGroups * (kD / 16) * kThreads) * sizeof(float4) + 4 * kQueries * sizeof(float) + 1024;
+  return size_t((4 + kGroups) * kBlockN * kD + kKeys * kD + 2 * kKeys * (kD + 8)) * sizeof(T) +
+         4 * kQueries * sizeof(float) + 1024;
 }
 
 #if LOOM_WGMMA_CODE
-constexpr int kHalf = kD / 16;  // 8-column blocks of half of dQ's columns
+constexpr int kHalf = kD / 2;  // dQ's columns of a warpgroup
 
-// Half h of this thread's dQ part (8-column blocks 4 h..) into sX, [block][thread].
-template <int h> __device__ __forceinline__ void hand_half(const float (&dq)[kD / 8][4], float4* sX, int tid) {
+// Rows [row0, row0 + kGroupKeys) of a (len, kD) matrix, rows ld apart, into rows first_row..
+// of the two 32-column halves of a 64-byte-swizzled (kKeys, kD) tile, by cp.async; rows at
+// or past len are zeros. `thread`: this thread's index among a warpgroup's.
+template <class T>
+__device__ __forceinline__ void load_halves(T* dst, const T* src, int ld, int row0, int len, int first_row,
+                                            int thread) {
+  constexpr int kChunks = kD / 8;  // 16-byte chunks of a row
+  const T* rows = src + int64_t(row0) * ld;
 #pragma unroll
-  for (int c = h * kHalf; c < (h + 1) * kHalf; ++c)
-    sX[c * kThreads + tid] = make_float4(dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
-}
-
-// Half h of this thread's dQ part plus the other warpgroup's (from sX), added into the
-// accumulator's rows i and i + 8 (those below q_len).
-template <int h>
-__device__ __forceinline__ void add_half(float (&dq)[kD / 8][4], const float4* sX, int tid, float* dq_acc, int i,
-                                         int q_len, int t) {
-#pragma unroll
-  for (int c = h * kHalf; c < (h + 1) * kHalf; ++c) {
-    const float4 x = sX[c * kThreads + tid];
-    dq[c][0] += x.x;
-    dq[c][1] += x.y;
-    dq[c][2] += x.z;
-    dq[c][3] += x.w;
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (i + 8 * r >= q_len) continue;
-#pragma unroll
-    for (int c = h * kHalf; c < (h + 1) * kHalf; ++c)
-      add_pair(dq_acc + int64_t(i + 8 * r) * kD + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
+  for (int it = 0; it < kGroupKeys * kChunks / kThreads; ++it) {
+    const int c = it * kThreads + thread, chunk = c % kChunks, r = c / kChunks;
+    const int row = first_row + r, half = chunk / 4;
+    const bool valid = row0 + r < len;
+    cp_async_16(dst + half * kKeys * kHalf + row * kHalf + ((chunk % 4) ^ (row / 2 % 4)) * 8,
+                valid ? rows + (r * ld + chunk * 8) : src, valid);
   }
 }
 #endif
@@ -85,12 +75,11 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   T* sQ = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles
   T* sO = sQ + 2 * kTile;                                            // dO: 2 swizzled tiles
   const int group = int(threadIdx.x / kThreads), tid = int(threadIdx.x % kThreads);
-  T* sKs = sO + 2 * kTile + group * kTile;                           // this warpgroup's K, swizzled: dQ's B
-  T* sS = sO + (2 + kGroups) * kTile + group * kTile;                // its dS^T, swizzled: dQ's A
-  T* sK = sO + (2 + 2 * kGroups) * kTile;                            // K rows, padded; dK on the way out
+  T* sS = sO + 2 * kTile;                                            // dS^T of each warpgroup, swizzled: dQ's A
+  T* sKh = sS + kGroups * kTile;                                     // K's two column halves: dQ's B
+  T* sK = sKh + kKeys * D;                                           // K rows, padded; dK on the way out
   T* sV = sK + kKeys * S;                                            // V rows, padded; dV on the way out
-  float4* sX = reinterpret_cast<float4*>(sV + kKeys * S);            // dQ halves: [8-column block][tid]
-  float* sL = reinterpret_cast<float*>(sX + kGroups * (D / 16) * kThreads);  // lse2: 2 x kQueries
+  float* sL = reinterpret_cast<float*>(sV + kKeys * S);              // lse2: 2 x kQueries
   float* sD = sL + 2 * kQueries;                                     // Di: 2 x kQueries
 
   const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
@@ -100,7 +89,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   const int w0 = kg + warp * 16;                     // this warp's first key; a thread's: w0 + g and w0 + g + 8
   const AttentionLayout& st = p.strides;
   const HeadOperands<T> in(p, bh, true);
-  float* dq_acc = p.dq_acc + bh * p.q_pad * D;
+  float* dq_acc = p.dq_acc + bh * p.q_pad * D + group * kHalf;
   const float scale_log2 = float(p.scale_log2);
   const int it_begin = p.causal ? k0 / kQueries : 0, it_end = (p.q_len + kQueries - 1) / kQueries;
 
@@ -122,11 +111,10 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   T* sVg = sV + group * kGroupKeys * S;
   load_rows<D, kGroupKeys>(sKg, in.k, int(st.k.seq), kg, p.kv_len, tid);
   load_rows<D, kGroupKeys>(sVg, in.v, int(st.v.seq), kg, p.kv_len, tid);
-  load_swizzled<D>(sKs, in.k, int(st.k.seq), kg, p.kv_len, tid);
+  load_halves(sKh, in.k, int(st.k.seq), kg, p.kv_len, group * kGroupKeys, tid);
   if (it_begin < it_end) load_query_tile(0, it_begin);
   cp_async_commit();
   cp_async_wait<0>();
-  fence_async_shared();
   __syncthreads();
   uint32_t kf[D / 16][4], vf[D / 16][4];
 #pragma unroll
@@ -138,11 +126,11 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (int it = it_begin; it < it_end; ++it) {
     const int buf = (it - it_begin) & 1;
+    cp_async_wait<0>();  // tile it, loaded a tile ago, has landed for this thread
+    fence_async_shared();
+    __syncthreads();     // and for the block; the last tile's buffers and dS^T have been read
     if (it + 1 < it_end) load_query_tile(buf ^ 1, it + 1);
     cp_async_commit();
-    cp_async_wait<1>();
-    fence_async_shared();
-    __syncthreads();
     const T* qt = sQ + buf * kTile;
     const T* ot = sO + buf * kTile;
     const float* lt = sL + buf * kQueries;
@@ -156,22 +144,29 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     fence_registers(s);
     fence_registers(dp);
 
-    // P^T = exp2(S^T scale_log2 - lse2[i]), 0 where query i cannot see key j; dS^T = P^T (dP^T - Di[i]).
+    // P^T = exp2(S^T scale_log2 - lse2[i]), 0 where query i cannot see key j (the test of
+    // `edge` outside the loops: one branch a tile); dS^T = P^T (dP^T - Di[i]).
     const bool edge = (p.causal && i0 < w0 + 15) || kg + kGroupKeys > p.kv_len;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       const float2 l2 = *reinterpret_cast<const float2*>(lt + nb * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] = fast_exp2(fmaf(s[nb][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+    }
+    if (edge) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = i0 + nb * 8 + 2 * t + (e & 1), j = w0 + g + (e >> 1) * 8;
+          if (j >= p.kv_len || (p.causal && i < j)) s[nb][e] = 0.f;
+        }
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
       const float2 d2 = *reinterpret_cast<const float2*>(dt + nb * 8 + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = fast_exp2(s[nb][e] * scale_log2 - ((e & 1) ? l2.y : l2.x));
-        if (edge) {
-          const int i = i0 + nb * 8 + 2 * t + (e & 1), j = w0 + g + (e >> 1) * 8;
-          if (j >= p.kv_len || (p.causal && i < j)) x = 0.f;
-        }
-        s[nb][e] = x;
-        dp[nb][e] = x * (dp[nb][e] - ((e & 1) ? d2.y : d2.x));
-      }
+      for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - ((e & 1) ? d2.y : d2.x));
     }
     uint32_t pa[NB / 2][4], da[NB / 2][4];
 #pragma unroll
@@ -182,10 +177,11 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     // dS^T into its swizzled tile: row = key (this thread's g and g + 8 of its warp's 16),
     // column = query; chunk nb of a row sits at chunk nb ^ (row % 8), the same for both rows.
     {
+      T* sSg = sS + group * kTile;
       const int r = warp * 16 + g;
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        T* at = sS + r * 64 + (nb ^ (r % 8)) * 8 + 2 * t;
+        T* at = sSg + r * 64 + (nb ^ (r % 8)) * 8 + 2 * t;
         *reinterpret_cast<uint32_t*>(at) = da[nb / 2][(nb & 1) * 2];
         *reinterpret_cast<uint32_t*>(at + 8 * 64) = da[nb / 2][(nb & 1) * 2 + 1];
       }
@@ -193,29 +189,30 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     issue_times<T, D>(dv, pa, ot);  // dV += P^T dO
     issue_times<T, D>(dk, da, qt);  // dK += dS^T Q
     fence_async_shared();           // the dS^T stores, for wgmma's reads
-    __syncthreads();
+    __syncthreads();                // both warpgroups': dQ reads all 128 keys
 
-    // This warpgroup's part of dQ's tile (queries x D) = dS K over its keys: A = dS^T read
-    // transposed, B = K read transposed.
-    float dq[D / 8][4];
+    // dQ's tile (queries x this warpgroup's 32 columns) = dS K over the block's keys: A =
+    // dS^T read transposed, B = K's half read transposed.
+    float dq[kHalf / 8][4];
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kGroupKeys / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on, in both tiles
-      wgmma_ss<T, 1, 1>(dq, descriptor(sS + kk * 16 * 64, kBlockN * 128, 1024),
-                        descriptor(sKs + kk * 16 * 64, kBlockN * 128, 1024), kk > 0);
+    for (int kk = 0; kk < kKeys / 16; ++kk)  // keys 16 kk.. : 16 rows on, 128 bytes a row in dS^T, 64 in K
+      wgmma_ss<T, 1, 1>(dq, descriptor(sS + kk / 4 * kTile + kk % 4 * 16 * 64, kBlockN * 128, 1024),
+                        descriptor(sKh + group * kKeys * kHalf + kk * 16 * kHalf, kKeys * 64, 512, kSwizzle64),
+                        kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
-    // Warpgroup w adds columns 32 w.. : it hands the other half to the other warpgroup's
-    // thread of the same place in the accumulator layout, and takes that thread's half of its.
-    if (group == 0) hand_half<1>(dq, sX, tid);
-    else hand_half<0>(dq, sX, tid);
-    __syncthreads();
-    if (group == 0) add_half<0>(dq, sX, tid, dq_acc, i0 + warp * 16 + g, p.q_len, t);
-    else add_half<1>(dq, sX, tid, dq_acc, i0 + warp * 16 + g, p.q_len, t);
-    __syncthreads();  // Q, dO, dS^T and the halves have been read before the next tile's loads and stores
+    const int i = i0 + warp * 16 + g;  // this thread's rows: i and i + 8
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (i + 8 * r >= p.q_len) continue;
+#pragma unroll
+      for (int c = 0; c < kHalf / 8; ++c)
+        add_pair(dq_acc + int64_t(i + 8 * r) * D + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
+    }
   }
   cp_async_wait<0>();
   __syncthreads();
