@@ -61,6 +61,7 @@ std::vector<Case> cases() {
     out.push_back({1, 2, 70, 70, 40, causal});    // head_dim without a tensor-core kernel
     out.push_back({1, 1, 9, 9, 200, causal});
     out.push_back({1, 1, 80, 80, 64, causal, 4.0});  // peaked: scores in the hundreds
+    out.push_back({1, 2, 65, 65, 64, causal, -0.5});  // negative scale: the scaled max is not the raw max
   }
   return out;
 }
