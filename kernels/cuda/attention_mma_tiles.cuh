@@ -301,14 +301,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 8][4], float
     for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], kFused ? mx * k : mx);
+    const float m_new = fmaxf(m[r], mx * k);
     const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen no key yet stays at 0
     const float alpha = fast_exp2(m[r] - base);
     m[r] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      if constexpr (kFused) {
+      if constexpr (kFused) {  // (an fma by k = 1 stays an fma: the sm_80 kernels keep the subtraction)
         s[nb][2 * r] = fast_exp2(fmaf(s[nb][2 * r], k, -base));
         s[nb][2 * r + 1] = fast_exp2(fmaf(s[nb][2 * r + 1], k, -base));
       } else {
