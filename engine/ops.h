@@ -145,12 +145,16 @@ Tensor log_softmax(const Tensor& x, int dim);
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      double label_smoothing = 0.0);
 // cross_entropy(matmul(x, weight.t()), target, ...) for x (N, in) and weight (classes, in): a
-// classifier's output layer and its loss in one op, as a language model's head. In training
-// the logits' gradient is written over the logits by the loss kernel itself, so the (N,
-// classes) logits are read once and no second buffer of their size is made; the logits are
-// not returned. Under autocast the product runs in bf16/f16 with the loss accumulated in f32.
+// classifier's output layer and its loss in one op, as a language model's head, computed
+// chunk_rows rows at a time (0: a power of two of rows whose logits hold at most 2^27
+// values, 2048 rows for GPT-2's 50,257 classes). The logits are never whole: each chunk's
+// are made, turned into their gradient by the loss kernel itself, and, when gradients are
+// recorded, into x's gradient and the weight's there and then, in the forward call, so a
+// language model's head needs one chunk's logits instead of all (N, classes) of them until
+// backward. The logits are not returned. Under autocast the products run in bf16/f16 with
+// the loss, and the weight's gradient over the chunks, summed in f32.
 Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& target, int64_t ignore_index = -100,
-                            double label_smoothing = 0.0);
+                            double label_smoothing = 0.0, int64_t chunk_rows = 0);
 
 // ---- indexing (ops/indexing.cpp) -----------------------------------------------
 // Rows of `x` along dim picked by i64 `index` (1-d).

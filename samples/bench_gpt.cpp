@@ -7,7 +7,8 @@
 //   FLOPs per token = 6 N + 12 L d T   (N parameters, L layers, d width, T sequence)
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
 //   bench_gpt [--config gpt2-124m|gpt2-350m] [--batch 16] [--seq 1024] [--precision bf16|f32]
-//             [--warmup N] [--steps N] [--ddp | --fsdp | --pipeline | --graph] [--json FILE] [--profile-step]
+//             [--warmup N] [--steps N] [--loss-chunk-rows N] [--ddp | --fsdp | --pipeline | --graph]
+//             [--json FILE] [--profile-step]
 //             [--deterministic] [--no-weight-copies] [--no-gradient-copies] [--no-hopper-attention]
 // A --seq longer than the config's context (1024 for GPT-2) grows the model's position table
 // to it, GPT-2 124M at T = 2048 or 4096, and with it the parameter count the MFU formula
@@ -59,7 +60,7 @@ using samples::median;
 
 int main(int argc, char** argv) {
   std::string config_name = "gpt2-124m", precision = "bf16", json;
-  int64_t batch = 16, seq = 1024, warmup = 10, steps = 50;
+  int64_t batch = 16, seq = 1024, warmup = 10, steps = 50, loss_chunk_rows = 0;
   bool ddp = false, fsdp = false, pipeline = false, graph = false, components = false, profile_step = false;
   Options run_options = options();
   samples::Flags flags("bench_gpt", "Training throughput of a GPT on the GPU with random tokens.");
@@ -68,6 +69,8 @@ int main(int argc, char** argv) {
   flags.add("seq", &seq, "tokens per sequence (beyond the config's context, the position table grows)", 1);
   flags.add("precision", &precision, "bf16 autocast over f32 weights, or f32 (TF32 products)", {"bf16", "f32"});
   flags.add("warmup", &warmup, "untimed steps first", 0);
+  flags.add("loss-chunk-rows", &loss_chunk_rows,
+            "rows of logits the loss makes at a time (0: its choice; at least batch x seq: one chunk)", 0);
   flags.add("steps", &steps, "timed steps (with --ddp, --fsdp, --pipeline or --graph: per mode)", 2);
   flags.add_switch("ddp", &ddp, "also step through DistributedDataParallel (NCCL, one rank) and compare");
   flags.add_switch("fsdp", &fsdp, "also step the model through FullyShardedDataParallel (NCCL, one rank) and compare");
@@ -97,6 +100,7 @@ int main(int argc, char** argv) {
     const Device dev = Device::cuda(0);
     nn::GPTConfig config = nn::GPTConfig::named(config_name);
     config.context = std::max(config.context, seq);
+    config.loss_chunk_rows = loss_chunk_rows;
     manual_seed(0);
     auto model = std::make_shared<nn::GPT>(config);
     model->to(dev);

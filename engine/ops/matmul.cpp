@@ -48,11 +48,16 @@ Operand as_operand(const Tensor& t) {
   return {packed, false, std::max<int64_t>(cols, 1)};
 }
 
-Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras, bool c_f32) {
+void product_2d_into(const Tensor& c, const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras) {
   LOOM_ASSERT(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.dtype() == b.dtype(),
               "product_2d: shapes ", shape_str(a.shape()), " and ", shape_str(b.shape()));
+  LOOM_ASSERT(c.dim() == 2 && c.size(0) == a.size(0) && c.size(1) == b.size(1) && (c.size(1) < 2 || c.stride(1) == 1),
+              "product_2d: C of shape ", shape_str(c.shape()), " for ", shape_str(a.shape()), " @ ",
+              shape_str(b.shape()));
+  const bool c_f32 = c.dtype() != a.dtype();
+  LOOM_ASSERT(!c_f32 || c.dtype() == DType::f32, "product_2d: C of ", dtype_name(c.dtype()), " for ",
+              dtype_name(a.dtype()), " operands");
   Operand oa = as_operand(a), ob = as_operand(b);
-  Tensor c = Tensor::empty({a.size(0), b.size(1)}, c_f32 ? DType::f32 : a.dtype(), a.device());
   GemmArgs g;
   g.dtype = a.dtype();
   g.c_f32 = c_f32;
@@ -60,10 +65,15 @@ Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(Gem
   g.m = a.size(0), g.n = b.size(1), g.k = a.size(1);
   g.a = oa.t.data_ptr(), g.lda = oa.ld;
   g.b = ob.t.data_ptr(), g.ldb = ob.ld;
-  g.c = c.data_ptr(), g.ldc = std::max<int64_t>(g.n, 1);
+  g.c = c.data_ptr(), g.ldc = std::max<int64_t>({g.n, c.size(0) > 1 ? c.stride(0) : 0, 1});
   g.autotune = options().gemm_autotuning;
   if (extras) extras(g);
   kernels(a.device()).gemm(g, stream(a));
+}
+
+Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras, bool c_f32) {
+  Tensor c = Tensor::empty({a.size(0), b.size(1)}, c_f32 ? DType::f32 : a.dtype(), a.device());
+  product_2d_into(c, a, b, extras);
   return c;
 }
 

@@ -115,8 +115,9 @@ Tensor GPT::loss(const Tensor& ids, const Tensor& targets) {
              " do not match token ids of shape ", shape_str(ids.shape()), " (one target a token)");
   // The output layer and the loss as one op: under autocast the bf16 logits are read once,
   // accumulating in f32, and their gradient is written over them (no f32 copy, no second
-  // (B T, vocab) buffer).
-  return linear_cross_entropy(h.reshape({-1, h.size(-1)}), lm_head, targets.reshape({-1}));
+  // buffer), a chunk of rows at a time (config_.loss_chunk_rows).
+  return linear_cross_entropy(h.reshape({-1, h.size(-1)}), lm_head, targets.reshape({-1}), -100, 0.0,
+                              config_.loss_chunk_rows);
 }
 
 }  // namespace loom::nn

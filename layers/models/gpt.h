@@ -26,6 +26,10 @@ struct GPTConfig {
   // memory a block holds for backward drops to its input (B, T, C), for a second forward of
   // every block. Gradients are unchanged.
   bool recompute = false;
+  // Rows of logits the loss makes at a time (linear_cross_entropy's chunk_rows): 0 lets it
+  // choose (2048 rows at GPT-2's vocabulary, where a batch of 16 x 1024 tokens would hold
+  // 1.6 GB of bf16 logits at once), a number at least B T keeps the batch in one chunk.
+  int64_t loss_chunk_rows = 0;
 
   // "gpt2-124m" (12 x 768, 12 heads), "gpt2-350m" (24 x 1024, 16 heads: GPT-2 medium), "guide"
   // (the guide's six-block transformer: width 256, 8 heads), "tiny" (2 x 64, 4 heads, context

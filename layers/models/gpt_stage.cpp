@@ -74,7 +74,8 @@ Tensor GPTStage::loss(const Tensor& x, const Tensor& targets) {
   h = ln_f->forward_for_product(h);
   LOOM_CHECK(targets.numel() == h.numel() / h.size(-1), "GPTStage: targets of shape ", shape_str(targets.shape()),
              " do not match the stage's ", shape_str(h.shape()), " (one target a token)");
-  return linear_cross_entropy(h.reshape({-1, h.size(-1)}), lm_head, targets.reshape({-1}));
+  return linear_cross_entropy(h.reshape({-1, h.size(-1)}), lm_head, targets.reshape({-1}), -100, 0.0,
+                              config_.loss_chunk_rows);
 }
 
 }  // namespace loom::nn

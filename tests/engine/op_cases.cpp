@@ -123,6 +123,8 @@ const std::vector<OpCase>& op_cases() {
        [](L x) { return linear_cross_entropy(x[0], x[1], ids({1, -100, 4, 3}, {4}, x[0].device()), -100, 0.1); }},
       {"linear_cross_entropy_transposed_x", {{{3, 4}}, {{5, 3}}},
        [](L x) { return linear_cross_entropy(x[0].t(), x[1], ids({4, 4, 0, 2}, {4}, x[0].device())); }},
+      {"linear_cross_entropy_chunks", {{{5, 3}}, {{4, 3}}},
+       [](L x) { return linear_cross_entropy(x[0], x[1], ids({1, -100, 3, 0, 2}, {5}, x[0].device()), -100, 0.1, 2); }},
       // ---- attention: the CPU kernel's f64 gradients; on CUDA, D = 32 in bf16/f16 takes
       // the tensor-core kernels and the others the rows kernels -------------------------
       {"sdpa", {{{1, 2, 5, 4}}, {{1, 2, 5, 4}}, {{1, 2, 5, 4}}},

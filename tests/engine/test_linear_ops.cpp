@@ -142,6 +142,41 @@ TEST(LinearOps, LinearCrossEntropyUnderAutocastGivesF32Gradients) {
   }
 }
 
+// A chunk at a time: any number of rows a chunk (one, a divisor of N, a remainder, more than
+// N) gives the composite's loss and gradients, with ignored rows, label smoothing and an
+// upstream gradient other than 1; under bf16 autocast the chunks agree with one chunk to bf16
+// rounding (the weight's gradient is summed over them in f32); an empty batch gives a zero
+// loss and zero gradients.
+TEST(LinearOps, LinearCrossEntropyByChunksMatchesComposite) {
+  manual_seed(12);
+  Tensor x = randn({6, 5}, DType::f64).set_requires_grad(), w = randn({7, 5}, DType::f64).set_requires_grad();
+  Tensor target = from_vector(std::vector<int64_t>{3, -100, 0, 6, 6, 1}, {6});
+  const Tensor up = full({}, -0.5, DType::f64);
+  TensorList plain = run([&] { return cross_entropy(matmul(x, w.t()), target, -100, 0.1); }, up, {x, w});
+  for (int64_t rows : {1, 2, 4, 6, 100}) {
+    SCOPED_TRACE("chunk_rows " + std::to_string(rows));
+    TensorList fused = run([&] { return linear_cross_entropy(x, w, target, -100, 0.1, rows); }, up, {x, w});
+    for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "loss/grad " + std::to_string(i));
+  }
+  Tensor xf = x.detach().to(DType::f32).set_requires_grad(), wf = w.detach().to(DType::f32).set_requires_grad();
+  TensorList whole, chunked;
+  {
+    AutocastGuard guard(DType::bf16);
+    whole = run([&] { return linear_cross_entropy(xf, wf, target); }, ones({}), {xf, wf});
+    chunked = run([&] { return linear_cross_entropy(xf, wf, target, -100, 0.0, 4); }, ones({}), {xf, wf});
+  }
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_EQ(chunked[i].dtype(), DType::f32) << "loss/grad " << i;
+    expect_all_close(chunked[i], whole[i], 1e-2, "bf16 chunks against one chunk, loss/grad " + std::to_string(i));
+  }
+  Tensor none = zeros({0, 5}, DType::f64).set_requires_grad();
+  TensorList empty = run([&] { return linear_cross_entropy(none, w, zeros({0}, DType::i64), -100, 0.0, 2); },
+                         ones({}, DType::f64), {none, w});
+  EXPECT_EQ(empty[0].item(), 0.0);
+  EXPECT_EQ(empty[1].numel(), 0);
+  expect_all_close(empty[2], zeros({7, 5}, DType::f64), 0.0, "weight grad of an empty batch");
+}
+
 // Under NoGradGuard (evaluation) nothing is recorded and the loss is the one training gets.
 TEST(LinearOps, LinearCrossEntropyRecordsNothingWithoutGradMode) {
   manual_seed(11);
@@ -165,6 +200,7 @@ TEST(LinearOps, LinearCrossEntropyNamesBadArguments) {
   expect_error([&] { linear_cross_entropy(x, w, from_vector(std::vector<int64_t>{0, 1}, {2})); },
                "target of shape (2,) does not match x of shape (4, 3)");
   expect_error([&] { linear_cross_entropy(x, w, t, -100, 1.0); }, "label_smoothing must be in [0, 1)");
+  expect_error([&] { linear_cross_entropy(x, w, t, -100, 0.0, -3); }, "chunk_rows must be 0");
   expect_error([&] { linear_cross_entropy(x, w, from_vector(std::vector<int64_t>{0, 1, 5, 3}, {4})); },
                "target 5 in row 2");
 }

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "engine/autocast.h"
 #include "engine/autograd.h"
@@ -112,6 +114,49 @@ TEST(LinearOpsCuda, LinearBiasGradientMatchesCpu) {
       sum(mul(linear(dev[0], dev[1], dev[2]), up.to(gpu).to(dt))).backward();
       for (int i = 0; i < 3; ++i) test::expect_close_to_scale(dev[i].grad(), cpu[i].grad(), 2 * tolerance(dt), "gradient " + std::to_string(i));
     }
+}
+
+// The classifier's loss with its output layer, against the CPU in f64 from the same values:
+// in one chunk (the logits' gradient kept for backward) and in several of 64 and 128 rows
+// (both gradients made in the forward call, the weight's summed over the chunks, in f32 for
+// bf16 products), with ignored rows and an upstream gradient of 0.75. bf16 comes two ways:
+// f32 parameters under autocast (a language model's tied head) and bf16 leaves; f32 runs in
+// TF32. 77 classes make rows that are not 16-byte aligned in bf16.
+TEST(LinearOpsCuda, LinearCrossEntropyByChunksMatchesCpu) {
+  LOOM_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  enum class Mode { autocast, bf16_leaves, f32 };
+  for (Mode mode : {Mode::autocast, Mode::bf16_leaves, Mode::f32})
+    for (int64_t classes : {int64_t(1000), int64_t(77)})
+      for (int64_t chunk : {int64_t(0), int64_t(64), int64_t(128)}) {
+        const DType dt = mode == Mode::f32 ? DType::f32 : DType::bf16;
+        const std::string what = std::string(mode == Mode::autocast ? "autocast" : dtype_name(dt)) + " classes " +
+                                 std::to_string(classes) + " chunk_rows " + std::to_string(chunk);
+        SCOPED_TRACE(what);
+        manual_seed(14);
+        auto draw = [&](Shape s, double scale) { return mul(randn(s, DType::f64), scale).to(dt).to(DType::f64); };
+        const int64_t rows = 300;
+        Tensor x = draw({rows, 64}, 1.0), w = draw({classes, 64}, 0.2);
+        std::vector<int64_t> ids(static_cast<size_t>(rows));
+        for (int64_t i = 0; i < rows; ++i) ids[size_t(i)] = i % 7 == 3 ? -100 : (i * 37) % classes;
+        Tensor target = from_vector(ids, {rows});
+        TensorList cpu{x.clone().set_requires_grad(), w.clone().set_requires_grad()};
+        const DType leaf = mode == Mode::bf16_leaves ? DType::bf16 : DType::f32;
+        TensorList dev{x.to(gpu).to(leaf).set_requires_grad(), w.to(gpu).to(leaf).set_requires_grad()};
+        Tensor want = linear_cross_entropy(cpu[0], cpu[1], target);
+        mul(want, 0.75).backward();
+        Tensor got;
+        {
+          AutocastGuard autocast(mode == Mode::autocast ? std::optional<DType>(DType::bf16) : std::nullopt);
+          got = linear_cross_entropy(dev[0], dev[1], target.to(gpu), -100, 0.0, chunk);
+          mul(got, 0.75).backward();
+        }
+        test::expect_close_to_scale(got, want, tolerance(dt), what + " loss");
+        for (int i = 0; i < 2; ++i) {
+          EXPECT_EQ(dev[i].grad().dtype(), leaf) << what << " gradient " << i;
+          test::expect_close_to_scale(dev[i].grad(), cpu[i].grad(), 2 * tolerance(dt), what + " gradient " + std::to_string(i));
+        }
+      }
 }
 
 }  // namespace
