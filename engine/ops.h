@@ -145,14 +145,15 @@ Tensor log_softmax(const Tensor& x, int dim);
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      double label_smoothing = 0.0);
 // cross_entropy(matmul(x, weight.t()), target, ...) for x (N, in) and weight (classes, in): a
-// classifier's output layer and its loss in one op, as a language model's head, computed
-// chunk_rows rows at a time (0: a power of two of rows whose logits hold at most 2^27
-// values, 2048 rows for GPT-2's 50,257 classes). The logits are never whole: each chunk's
-// are made, turned into their gradient by the loss kernel itself, and, when gradients are
-// recorded, into x's gradient and the weight's there and then, in the forward call, so a
-// language model's head needs one chunk's logits instead of all (N, classes) of them until
-// backward. The logits are not returned. Under autocast the products run in bf16/f16 with
-// the loss, and the weight's gradient over the chunks, summed in f32.
+// classifier's output layer and its loss in one op, as a language model's head. The logits'
+// gradient is written over the logits by the loss kernel itself, so no second buffer of
+// their size is made, and the logits are not returned. A batch of more than chunk_rows rows
+// (0: a power of two of rows whose logits hold at most 2^27 values, 2048 rows for GPT-2's
+// 50,257 classes) goes a chunk at a time, and when gradients are recorded both are made
+// chunk by chunk in this call, so one chunk's logits exist at a time instead of all (N,
+// classes) of them until backward; backward then only scales them. A batch in one chunk
+// keeps its logits' gradient for backward's products. Under autocast the products run in
+// bf16/f16, with the loss, and the weight's gradient over the chunks, summed in f32.
 Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& target, int64_t ignore_index = -100,
                             double label_smoothing = 0.0, int64_t chunk_rows = 0);
 

@@ -371,9 +371,11 @@ struct KernelTable {
   // written as cross_entropy_backward writes it with grad_row = 1: a training step's loss
   // then reads its logits once. It may be logits itself (each row is read whole before any
   // of it is written).
+  // row_base is the index in the caller's batch of row 0 (a chunk's first row): the row a
+  // bad target's error names is row_base + n.
   void (*cross_entropy)(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target,
                         int64_t N, int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits,
-                        StreamHandle stream);
+                        int64_t row_base, StreamHandle stream);
   // grad_logits[n, c] = grad_row[n] * (softmax(logits[n])[c] - (1 - eps) * [c == t] - eps / C),
   // zero on ignored rows. grad_row (N) and lse (from the forward) are in the accumulation type.
   void (*cross_entropy_backward)(void* grad_logits, const void* logits, const void* lse, const int64_t* target,

@@ -291,8 +291,10 @@ int main(int argc, char** argv) {
           {"transformer block (f32 in)", [&] { return blk.forward(h); }},
           {"  lm_head matmul (bf16 in)", [&] { return matmul(h16, model->lm_head.t()); }},
           {"  cross_entropy (bf16 logits)", [&] { return cross_entropy(logits16, y.reshape({batch * seq})); }},
-          {"  lm_head + loss fused (bf16)", [&] { return linear_cross_entropy(h16.reshape({batch * seq, config.width}), model->lm_head, y.reshape({batch * seq})); }},
-          {"ln_f + lm_head + loss", [&] { return linear_cross_entropy(model->ln_f->forward_for_product(h).reshape({batch * seq, config.width}), model->lm_head, y.reshape({batch * seq})); }},
+          // In chunks (batch x seq above loss_chunk_rows) the fused loss makes its gradients in
+          // the forward call: its forward time holds them, and its backward only scales them.
+          {"  lm_head + loss fused (bf16)", [&] { return linear_cross_entropy(h16.reshape({batch * seq, config.width}), model->lm_head, y.reshape({batch * seq}), -100, 0.0, loss_chunk_rows); }},
+          {"ln_f + lm_head + loss", [&] { return linear_cross_entropy(model->ln_f->forward_for_product(h).reshape({batch * seq, config.width}), model->lm_head, y.reshape({batch * seq}), -100, 0.0, loss_chunk_rows); }},
       };
       for (const Part& part : parts) {
         std::vector<double> f, fb;

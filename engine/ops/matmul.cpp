@@ -51,12 +51,13 @@ Operand as_operand(const Tensor& t) {
 void product_2d_into(const Tensor& c, const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras) {
   LOOM_ASSERT(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.dtype() == b.dtype(),
               "product_2d: shapes ", shape_str(a.shape()), " and ", shape_str(b.shape()));
-  LOOM_ASSERT(c.dim() == 2 && c.size(0) == a.size(0) && c.size(1) == b.size(1) && (c.size(1) < 2 || c.stride(1) == 1),
-              "product_2d: C of shape ", shape_str(c.shape()), " for ", shape_str(a.shape()), " @ ",
+  LOOM_ASSERT(c.dim() == 2 && c.size(0) == a.size(0) && c.size(1) == b.size(1) &&
+                  (c.size(1) < 2 || c.stride(1) == 1) && (c.size(0) < 2 || c.stride(0) >= c.size(1)),
+              "product_2d: C of shape ", shape_str(c.shape()), " and strides for ", shape_str(a.shape()), " @ ",
               shape_str(b.shape()));
   const bool c_f32 = c.dtype() != a.dtype();
-  LOOM_ASSERT(!c_f32 || c.dtype() == DType::f32, "product_2d: C of ", dtype_name(c.dtype()), " for ",
-              dtype_name(a.dtype()), " operands");
+  LOOM_ASSERT(!c_f32 || (c.dtype() == DType::f32 && (a.dtype() == DType::bf16 || a.dtype() == DType::f16)),
+              "product_2d: C of ", dtype_name(c.dtype()), " for ", dtype_name(a.dtype()), " operands");
   Operand oa = as_operand(a), ob = as_operand(b);
   GemmArgs g;
   g.dtype = a.dtype();
@@ -65,7 +66,7 @@ void product_2d_into(const Tensor& c, const Tensor& a, const Tensor& b, const st
   g.m = a.size(0), g.n = b.size(1), g.k = a.size(1);
   g.a = oa.t.data_ptr(), g.lda = oa.ld;
   g.b = ob.t.data_ptr(), g.ldb = ob.ld;
-  g.c = c.data_ptr(), g.ldc = std::max<int64_t>({g.n, c.size(0) > 1 ? c.stride(0) : 0, 1});
+  g.c = c.data_ptr(), g.ldc = std::max<int64_t>(c.size(0) > 1 ? c.stride(0) : g.n, 1);
   g.autotune = options().gemm_autotuning;
   if (extras) extras(g);
   kernels(a.device()).gemm(g, stream(a));

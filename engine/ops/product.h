@@ -23,8 +23,8 @@ Operand as_operand(const Tensor& t);
 // fills bias, epilogue, sums and c_in before the call. No autograd: callers record their own.
 Tensor product_2d(const Tensor& a, const Tensor& b, const std::function<void(GemmArgs&)>& extras = {},
                   bool c_f32 = false);
-// The same product written into c (m, n), whose rows may be apart (a slice of a wider
-// tensor's rows; unit column stride): of the operands' dtype, or f32 for 16-bit ones.
+// The same product written into c (m, n), whose rows may be apart (rows of a wider tensor;
+// unit column stride): of the operands' dtype, or f32 for bf16/f16 ones.
 // With extras' beta != 0 the product adds to what c holds.
 void product_2d_into(const Tensor& c, const Tensor& a, const Tensor& b,
                      const std::function<void(GemmArgs&)>& extras = {});

@@ -1,13 +1,14 @@
 // Softmax, log-softmax and the fused cross-entropy. All three run over a canonical
 // (outer, R, inner) view of a contiguous input around the softmax dim, so no transpose
 // is needed for any dim. Cross-entropy keeps only the per-row log-sum-exp for backward.
-// linear_cross_entropy is a classifier's loss with its output layer, a chunk of rows at a
-// time: one product makes a chunk's logits, the loss kernel overwrites them with their
-// gradient as it reads them, and in training two more products turn that into the chunk's
-// rows of x's gradient and its term of the weight's, so only one chunk's logits ever exist.
-// Those gradients are the mean loss's for an upstream gradient of 1, and backward scales
-// them by the one it gets. A split pass (gradient_wanted, engine/autograd.h) may ask for x's
-// and the (classes, in) weight's apart: both are ready.
+// linear_cross_entropy is a classifier's loss with its output layer. A batch that fits in one
+// chunk (rows_per_chunk) makes its logits in one product; the loss kernel overwrites them
+// with their gradient as it reads them, and backward's two products scale that by the
+// upstream gradient / count on the device (a split pass, gradient_wanted in
+// engine/autograd.h, may ask for x's first and the (classes, in) weight's later). A larger
+// batch goes a chunk of rows at a time, so only one chunk's logits ever exist: in training
+// two more products turn each chunk's gradient into its rows of x's gradient and its term of
+// the weight's there and then, and backward only scales the two.
 #include <algorithm>
 #include <bit>
 
@@ -105,7 +106,8 @@ MeanLoss mean_loss(const Tensor& logits, const Tensor& target, int64_t ignore_in
   r.lse = Tensor::empty({N}, acc, dev);
   if (N > 0)
     kernels(dev).cross_entropy(loss_rows.data_ptr(), r.lse.data_ptr(), logits.data_ptr(), logits.dtype(),
-                               target.data<int64_t>(), N, C, ignore_index, label_smoothing, grad, ops::stream(logits));
+                               target.data<int64_t>(), N, C, ignore_index, label_smoothing, grad, 0,
+                               ops::stream(logits));
   r.count = count_rows(target, ignore_index, acc);
   NoGradGuard no_grad;
   r.loss = div(sum(loss_rows), r.count.denom);  // f32 for 16-bit logits: a bf16 loss would keep 3 digits
@@ -193,16 +195,16 @@ Tensor head_whole(const Head& h, int64_t ignore_index, double label_smoothing) {
 // Several chunks of `rows` rows: each chunk's logits live only while the loss kernel turns
 // them into their gradient and, in training, two products turn that into the chunk's rows of
 // x's gradient (the mean's: 1 / count is their alpha, read on the device) and its term of
-// the weight's (summed over the chunks, in f32 for 16-bit products, and divided by the count
-// in backward). Backward only scales both by its upstream gradient; a split pass finds the
-// weight's ready, so its later half has no product of this op to run.
+// the weight's (the summed loss's, over the chunks, in f32 for 16-bit products). Backward
+// only scales them, in f32: x's by its upstream gradient, the weight's by that / count. Both
+// come back from any pass, so a split pass's later half has nothing of this op to run.
 Tensor head_chunked(const Head& h, int64_t rows, int64_t ignore_index, double label_smoothing) {
   const char* op = "linear_cross_entropy";
   const Device dev = h.x.device();
   const int64_t N = h.x.size(0), classes = h.w.used.size(0), in = h.x.size(1);
   const DType t = h.t, acc = t == DType::f64 ? DType::f64 : DType::f32;
-  const DType w_sum = t == DType::bf16 || t == DType::f16 ? DType::f32 : t;
   const Count count = count_rows(h.target, ignore_index, acc);
+  const Tensor x = h.x.detach();  // the chunks' slices, with no node each
   Tensor loss_rows = Tensor::empty({N}, acc, dev), lse = Tensor::empty({N}, acc, dev);
   Tensor inv_count, dx, dw;
   if (h.need_x) {
@@ -210,15 +212,15 @@ Tensor head_chunked(const Head& h, int64_t rows, int64_t ignore_index, double la
     inv_count = div(ones({}, acc, dev), count.denom);
     dx = Tensor::empty({N, in}, t, dev);
   }
-  if (h.need_w) dw = Tensor::empty({classes, in}, w_sum, dev);
+  if (h.need_w) dw = Tensor::empty({classes, in}, acc, dev);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t r1 = std::min(N, r0 + rows);
-    const Tensor xc = h.x.slice(0, r0, r1);
+    const Tensor xc = x.slice(0, r0, r1);
     Tensor logits = ops::product_2d(xc, h.w.used.t());  // (r1 - r0, classes)
+    void* grad = dx.defined() || dw.defined() ? logits.data_ptr() : nullptr;
     kernels(dev).cross_entropy(loss_rows.slice(0, r0, r1).data_ptr(), lse.slice(0, r0, r1).data_ptr(),
                                logits.data_ptr(), t, h.target.slice(0, r0, r1).data<int64_t>(), r1 - r0, classes,
-                               ignore_index, label_smoothing, dx.defined() || dw.defined() ? logits.data_ptr() : nullptr,
-                               ops::stream(logits));
+                               ignore_index, label_smoothing, grad, r0, ops::stream(logits));
     if (dx.defined())
       ops::product_2d_into(dx.slice(0, r0, r1), logits, h.w.used,
                            [&](GemmArgs& a) { a.alpha_ptr = inv_count.data_ptr(); });
@@ -232,10 +234,10 @@ Tensor head_chunked(const Head& h, int64_t rows, int64_t ignore_index, double la
   if (!dx.defined() && !dw.defined()) return loss;
   const DType w_grad = h.f32 ? DType::f32 : t;
   Tensor denom = count.denom;
-  record(op, {h.x, h.w.input}, {loss}, [dx, dw, denom, w_grad, t](const TensorList& g) {
-    const bool want_x = dx.defined() && gradient_wanted(0), want_w = dw.defined() && gradient_wanted(1);
-    Tensor gx = want_x ? mul(dx, g[0].to(t)) : Tensor();
-    Tensor gw = want_w ? mul(dw, div(g[0], denom).to(dw.dtype())).to(w_grad) : Tensor();
+  record(op, {h.x, h.w.input}, {loss}, [dx, dw, denom, w_grad, t, acc](const TensorList& g) {
+    const Tensor up = g[0].to(acc);
+    Tensor gx = dx.defined() ? mul(dx.to(acc), up).to(t) : Tensor();
+    Tensor gw = dw.defined() ? mul(dw, div(up, denom)).to(w_grad) : Tensor();
     return TensorList{gx, gw};
   });
   return loss;

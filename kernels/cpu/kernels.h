@@ -27,7 +27,8 @@ void softmax(void* out, const void* in, DType dtype, int64_t outer, int64_t R, i
 void softmax_backward(void* grad_in, const void* grad_out, const void* out, DType dtype, int64_t outer,
                       int64_t R, int64_t inner, bool log, StreamHandle stream);
 void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
-                   int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits, StreamHandle stream);
+                   int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits, int64_t row_base,
+                   StreamHandle stream);
 void cross_entropy_backward(void* grad_logits, const void* logits, const void* lse, const int64_t* target,
                             const void* grad_row, DType dtype, int64_t N, int64_t C, int64_t ignore_index,
                             double label_smoothing, StreamHandle stream);

@@ -86,11 +86,12 @@ void softmax_backward_tile(T* gi, const T* go, const T* y, int64_t R, Stride str
   }
 }
 
-// Throws where a row's target is neither a class index nor ignore_index; true when ignored.
-bool ignored_row(const int64_t* target, int64_t n, int64_t C, int64_t ignore_index) {
+// Throws where a row's target is neither a class index nor ignore_index, naming the row as
+// row_base + n; true when ignored.
+bool ignored_row(const int64_t* target, int64_t n, int64_t C, int64_t ignore_index, int64_t row_base = 0) {
   int64_t t = target[n];
   if (t == ignore_index) return true;
-  LOOM_CHECK(t >= 0 && t < C, "cross_entropy: target ", t, " in row ", n, " is not a class index in [0, ", C,
+  LOOM_CHECK(t >= 0 && t < C, "cross_entropy: target ", t, " in row ", row_base + n, " is not a class index in [0, ", C,
              ") and not ignore_index (", ignore_index, "); check the labels against the number of classes");
   return false;
 }
@@ -104,11 +105,11 @@ template <class T, class A> void cross_entropy_row_grad(T* g, const T* x, A l, i
 
 template <class T>
 void cross_entropy_typed(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const int64_t* target, int64_t N, int64_t C,
-                         int64_t ignore_index, double eps, T* grad) {
+                         int64_t ignore_index, double eps, T* grad, int64_t row_base) {
   using A = acc_t<T>;
   parallel_for(N, std::max<int64_t>(1, kWorkPerItem / C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
-      bool ignored = ignored_row(target, n, C, ignore_index);
+      bool ignored = ignored_row(target, n, C, ignore_index, row_base);
       const T* x = logits + n * C;
       A m = -std::numeric_limits<A>::infinity();
       // The maximum, NaN once a NaN is seen: std::max(m, NaN) would drop it, std::max(NaN, v)
@@ -171,13 +172,14 @@ void softmax_backward(void* grad_in, const void* grad_out, const void* out, DTyp
 }
 
 void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
-                   int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits, StreamHandle stream) {
+                   int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits, int64_t row_base,
+                   StreamHandle stream) {
   LOOM_CHECK(C > 0 || N == 0, "cross_entropy needs at least one class, got logits of shape (", N, ", 0)");
   dispatch_floating(dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
     cross_entropy_typed(static_cast<A*>(loss), static_cast<A*>(lse), static_cast<const T*>(logits), target, N, C,
-                        ignore_index, label_smoothing, static_cast<T*>(grad_logits));
+                        ignore_index, label_smoothing, static_cast<T*>(grad_logits), row_base);
   });
 }
 

@@ -163,15 +163,16 @@ __global__ void __launch_bounds__(kColThreads) softmax_backward_cols_kernel(T* g
   }
 }
 
-// True when row n is ignored; traps on a target outside [0, C) that is not ignore_index.
+// True when row n is ignored; traps on a target outside [0, C) that is not ignore_index,
+// naming the row as row_base + n.
 __device__ __forceinline__ bool ignored_row(const int64_t* target, int64_t n, int64_t C, int64_t ignore_index,
-                                            int lane) {
+                                            int lane, int64_t row_base = 0) {
   const int64_t t = target[n];
   if (t == ignore_index) return true;
   if (t < 0 || t >= C) {
     if (lane == 0)
       printf("loom cross_entropy: target %lld in row %lld is not a class index in [0, %lld) nor ignore_index\n",
-             (long long)t, (long long)n, (long long)C);
+             (long long)t, (long long)(row_base + n), (long long)C);
     __trap();
   }
   return false;
@@ -285,12 +286,12 @@ template <class T, int kGroup, int kThreads>
 __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(acc_t<T>* loss, acc_t<T>* lse, const T* logits,
                                                                  const int64_t* target, int64_t N, int64_t C,
                                                                  int64_t ignore_index, double eps, bool packed,
-                                                                 T* grad) {
+                                                                 T* grad, int64_t row_base) {
   using A = acc_t<T>;
   constexpr int P = kPack<T>;
   const int lane = threadIdx.x % kGroup;
   for (int64_t row = first_row<kGroup, kThreads>(); row < N; row += row_step<kGroup, kThreads>()) {
-    const bool ignored = ignored_row(target, row, C, ignore_index, lane);
+    const bool ignored = ignored_row(target, row, C, ignore_index, lane, row_base);
     const T* x = logits + row * C;
     const int64_t t = ignored ? 0 : target[row];
     const T xt = x[t];  // before the reduction below, which orders it before any write of the row
@@ -419,7 +420,8 @@ void softmax_backward(void* grad_in, const void* grad_out, const void* out, DTyp
 }
 
 void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const int64_t* target, int64_t N,
-                   int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits, StreamHandle stream) {
+                   int64_t C, int64_t ignore_index, double label_smoothing, void* grad_logits, int64_t row_base,
+                   StreamHandle stream) {
   LOOM_CHECK(C > 0 || N == 0, "cross_entropy needs at least one class, got logits of shape (", N, ", 0)");
   if (N == 0) return;
   dispatch_floating(dtype, "cross_entropy", [&](auto tag) {
@@ -432,7 +434,8 @@ void cross_entropy(void* loss, void* lse, const void* logits, DType dtype, const
       if (grad_logits && G == kN) grid = std::min<unsigned>(grid, unsigned(sm_count() * kGradBlocksPerSm));
       cross_entropy_kernel<T, G, kN><<<grid, kN, 0, as_cuda(stream)>>>(
           static_cast<acc_t<T>*>(loss), static_cast<acc_t<T>*>(lse), static_cast<const T*>(logits), target, N, C,
-          ignore_index, label_smoothing, packable<T>(C, logits, grad_logits), static_cast<T*>(grad_logits));
+          ignore_index, label_smoothing, packable<T>(C, logits, grad_logits), static_cast<T*>(grad_logits),
+          row_base);
     });
   });
 }

@@ -142,11 +142,12 @@ TEST(LinearOps, LinearCrossEntropyUnderAutocastGivesF32Gradients) {
   }
 }
 
-// A chunk at a time: any number of rows a chunk (one, a divisor of N, a remainder, more than
-// N) gives the composite's loss and gradients, with ignored rows, label smoothing and an
-// upstream gradient other than 1; under bf16 autocast the chunks agree with one chunk to bf16
-// rounding (the weight's gradient is summed over them in f32); an empty batch gives a zero
-// loss and zero gradients.
+// A chunk at a time: any number of rows a chunk (one, a divisor of N, a remainder; N and
+// more: one chunk) gives the composite's loss and gradients, with ignored rows, label
+// smoothing, an upstream gradient other than 1 and a transposed x; under bf16 autocast the
+// chunks agree with one chunk to bf16 rounding (the weight's gradient is summed over them in
+// f32), at an upstream gradient of 1/3, which bf16 cannot hold. An empty batch (one chunk)
+// gives a zero loss and zero gradients.
 TEST(LinearOps, LinearCrossEntropyByChunksMatchesComposite) {
   manual_seed(12);
   Tensor x = randn({6, 5}, DType::f64).set_requires_grad(), w = randn({7, 5}, DType::f64).set_requires_grad();
@@ -158,12 +159,17 @@ TEST(LinearOps, LinearCrossEntropyByChunksMatchesComposite) {
     TensorList fused = run([&] { return linear_cross_entropy(x, w, target, -100, 0.1, rows); }, up, {x, w});
     for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "loss/grad " + std::to_string(i));
   }
+  Tensor xt = x.detach().t().contiguous().set_requires_grad();  // (5, 6): x is its transpose
+  TensorList transposed = run([&] { return linear_cross_entropy(xt.t(), w, target, -100, 0.1, 4); }, up, {xt, w});
+  expect_all_close(transposed[0], plain[0], 1e-12, "loss, transposed x");
+  expect_all_close(transposed[1], plain[1].t(), 1e-12, "x's gradient, transposed x");
+  expect_all_close(transposed[2], plain[2], 1e-12, "weight's gradient, transposed x");
   Tensor xf = x.detach().to(DType::f32).set_requires_grad(), wf = w.detach().to(DType::f32).set_requires_grad();
   TensorList whole, chunked;
   {
     AutocastGuard guard(DType::bf16);
-    whole = run([&] { return linear_cross_entropy(xf, wf, target); }, ones({}), {xf, wf});
-    chunked = run([&] { return linear_cross_entropy(xf, wf, target, -100, 0.0, 4); }, ones({}), {xf, wf});
+    whole = run([&] { return linear_cross_entropy(xf, wf, target); }, full({}, 1.0 / 3), {xf, wf});
+    chunked = run([&] { return linear_cross_entropy(xf, wf, target, -100, 0.0, 4); }, full({}, 1.0 / 3), {xf, wf});
   }
   for (size_t i = 0; i < whole.size(); ++i) {
     EXPECT_EQ(chunked[i].dtype(), DType::f32) << "loss/grad " << i;
@@ -201,6 +207,10 @@ TEST(LinearOps, LinearCrossEntropyNamesBadArguments) {
                "target of shape (2,) does not match x of shape (4, 3)");
   expect_error([&] { linear_cross_entropy(x, w, t, -100, 1.0); }, "label_smoothing must be in [0, 1)");
   expect_error([&] { linear_cross_entropy(x, w, t, -100, 0.0, -3); }, "chunk_rows must be 0");
+  // In chunks of 2 rows the kernel sees the second chunk's rows as 0 and 1; the error names
+  // the batch's row.
+  expect_error([&] { linear_cross_entropy(x, w, from_vector(std::vector<int64_t>{0, 1, 2, 7}, {4}), -100, 0.0, 2); },
+               "target 7 in row 3");
   expect_error([&] { linear_cross_entropy(x, w, from_vector(std::vector<int64_t>{0, 1, 5, 3}, {4})); },
                "target 5 in row 2");
 }

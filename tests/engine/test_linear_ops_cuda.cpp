@@ -119,7 +119,9 @@ TEST(LinearOpsCuda, LinearBiasGradientMatchesCpu) {
 // The classifier's loss with its output layer, against the CPU in f64 from the same values:
 // in one chunk (the logits' gradient kept for backward) and in several of 64 and 128 rows
 // (both gradients made in the forward call, the weight's summed over the chunks, in f32 for
-// bf16 products), with ignored rows and an upstream gradient of 0.75. bf16 comes two ways:
+// bf16 products), with ignored rows and an upstream gradient of 1/3, which bf16 cannot hold.
+// The gradients are compared times the rows counted, so that they are not small against the
+// tolerance's floor of 1 (a zero gradient fails). bf16 comes two ways:
 // f32 parameters under autocast (a language model's tied head) and bf16 leaves; f32 runs in
 // TF32. 77 classes make rows that are not 16-byte aligned in bf16.
 TEST(LinearOpsCuda, LinearCrossEntropyByChunksMatchesCpu) {
@@ -138,23 +140,28 @@ TEST(LinearOpsCuda, LinearCrossEntropyByChunksMatchesCpu) {
         const int64_t rows = 300;
         Tensor x = draw({rows, 64}, 1.0), w = draw({classes, 64}, 0.2);
         std::vector<int64_t> ids(static_cast<size_t>(rows));
-        for (int64_t i = 0; i < rows; ++i) ids[size_t(i)] = i % 7 == 3 ? -100 : (i * 37) % classes;
+        double counted = 0;
+        for (int64_t i = 0; i < rows; ++i) {
+          ids[size_t(i)] = i % 7 == 3 ? -100 : (i * 37) % classes;
+          counted += ids[size_t(i)] != -100;
+        }
         Tensor target = from_vector(ids, {rows});
         TensorList cpu{x.clone().set_requires_grad(), w.clone().set_requires_grad()};
         const DType leaf = mode == Mode::bf16_leaves ? DType::bf16 : DType::f32;
         TensorList dev{x.to(gpu).to(leaf).set_requires_grad(), w.to(gpu).to(leaf).set_requires_grad()};
         Tensor want = linear_cross_entropy(cpu[0], cpu[1], target);
-        mul(want, 0.75).backward();
+        mul(want, 1.0 / 3).backward();
         Tensor got;
         {
           AutocastGuard autocast(mode == Mode::autocast ? std::optional<DType>(DType::bf16) : std::nullopt);
           got = linear_cross_entropy(dev[0], dev[1], target.to(gpu), -100, 0.0, chunk);
-          mul(got, 0.75).backward();
+          mul(got, 1.0 / 3).backward();
         }
         test::expect_close_to_scale(got, want, tolerance(dt), what + " loss");
         for (int i = 0; i < 2; ++i) {
           EXPECT_EQ(dev[i].grad().dtype(), leaf) << what << " gradient " << i;
-          test::expect_close_to_scale(dev[i].grad(), cpu[i].grad(), 2 * tolerance(dt), what + " gradient " + std::to_string(i));
+          test::expect_close_to_scale(mul(dev[i].grad().to(DType::f32), counted), mul(cpu[i].grad(), counted),
+                                      2 * tolerance(dt), what + " gradient " + std::to_string(i) + " times the count");
         }
       }
 }

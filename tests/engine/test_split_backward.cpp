@@ -155,6 +155,12 @@ const std::vector<Case>& cases() {
          return TensorList{linear_cross_entropy(tanh(linear(x, p[0], p[1])), p[2], six_targets())};
        },
        DType::f32, std::nullopt},
+      // In chunks both of its gradients come back from B, and W adds the weight's.
+      {"linear_cross_entropy in chunks of 4 rows after a linear op", {6, 8}, {{8, 8}, {8}, {10, 8}},
+       [](const Tensor& x, const TensorList& p) {
+         return TensorList{linear_cross_entropy(tanh(linear(x, p[0], p[1])), p[2], six_targets(), -100, 0.0, 4)};
+       },
+       DType::f32, std::nullopt},
       // Recomputed blocks: B reruns them and asks the pass inside for x's gradient only.
       {"a recomputed MLP of linear ops", {6, 8}, {{16, 8}, {16}, {8, 16}, {8}},
        [](const Tensor& x, const TensorList& p) {

@@ -193,7 +193,7 @@ CeResult run_ce(const std::vector<double>& x, DType dt, const std::vector<int64_
   using A = std::conditional_t<std::is_same_v<T, double>, double, float>;  // the kernel's accumulation type
   std::vector<A> loss(t.size()), lse(t.size());
   cpu_kernels().cross_entropy(loss.data(), lse.data(), in.data(), dt, t.data(), int64_t(t.size()), C, ignore, eps,
-                              nullptr, nullptr);
+                              nullptr, 0, nullptr);
   return {widen(loss), widen(lse)};
 }
 
@@ -251,15 +251,15 @@ template <class T> void check_forward_gradient(DType dt, double eps) {
   const int64_t N = int64_t(kTargets.size());
   auto x = cast<T>(random_values(N * kC, 13));
   std::vector<A> loss(N), lse(N), loss_g(N), lse_g(N), loss_i(N), lse_i(N), ones(N, A(1));
-  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), dt, kTargets.data(), N, kC, -100, eps, nullptr,
+  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), dt, kTargets.data(), N, kC, -100, eps, nullptr, 0,
                               nullptr);
   std::vector<T> want(x.size()), grad(x.size()), in_place = x;
   cpu_kernels().cross_entropy_backward(want.data(), x.data(), lse.data(), kTargets.data(), ones.data(), dt, N, kC,
                                        -100, eps, nullptr);
   cpu_kernels().cross_entropy(loss_g.data(), lse_g.data(), x.data(), dt, kTargets.data(), N, kC, -100, eps,
-                              grad.data(), nullptr);
+                              grad.data(), 0, nullptr);
   cpu_kernels().cross_entropy(loss_i.data(), lse_i.data(), in_place.data(), dt, kTargets.data(), N, kC, -100, eps,
-                              in_place.data(), nullptr);
+                              in_place.data(), 0, nullptr);
   for (int64_t n = 0; n < N; ++n) {
     EXPECT_EQ(loss_g[n], loss[n]) << "row " << n;
     EXPECT_EQ(loss_i[n], loss[n]) << "row " << n;
@@ -288,7 +288,7 @@ TEST(CrossEntropyCpu, FullyMaskedAndInfiniteRows) {
   const std::vector<double> x{-inf, -inf, -inf, 1, inf, 2, -inf, nan, -inf, 0, -inf, 0};
   const std::vector<int64_t> t{-100, 0, 1, 0};
   std::vector<double> loss(4), lse(4), grad(12, -1), grad_row(4, 1.0);
-  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 4, 3, -100, 0.0, nullptr, nullptr);
+  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 4, 3, -100, 0.0, nullptr, 0, nullptr);
   EXPECT_EQ(lse[0], -inf);
   EXPECT_EQ(loss[0], 0.0);
   EXPECT_TRUE(std::isnan(lse[1]));
@@ -315,7 +315,7 @@ TEST(CrossEntropyCpu, ATargetOutsideTheClassesNamesItsValueAndRow) {
   for (int64_t bad : {int64_t(7), int64_t(-3), kC}) {
     std::vector<int64_t> t{0, bad, 1};
     try {
-      cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 3, kC, -100, 0.0, nullptr, nullptr);
+      cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 3, kC, -100, 0.0, nullptr, 0, nullptr);
       ADD_FAILURE() << "target " << bad << " did not throw";
     } catch (const Error& e) {
       std::string what = e.what();

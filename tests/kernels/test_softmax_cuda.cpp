@@ -213,13 +213,13 @@ TEST(CrossEntropyCuda, ForwardMatchesCpu) {
     const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
     std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
     cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
-                                     nullptr, nullptr);
+                                     nullptr, 0, nullptr);
     auto loss = decode(loss_b, acc), lse = decode(lse_b, acc);
     DeviceBuffer<uint8_t> d_x(x);
     DeviceBuffer<int64_t> d_t(t);
     DeviceBuffer<uint8_t> d_loss(loss_b.size()), d_lse(lse_b.size());
     cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps,
-                                      nullptr, nullptr);
+                                      nullptr, 0, nullptr);
     const double rel = dt == DType::f64 ? 1e-9 : rtol(DType::f32);
     auto got_loss = decode(d_loss.to_host(), acc), got_lse = decode(d_lse.to_host(), acc);
     for (int64_t n = 0; n < c.N; ++n) {
@@ -242,7 +242,7 @@ TEST(CrossEntropyCuda, BackwardMatchesCpu) {
     auto grad_row_b = encode(random_values(c.N, seed++, 0.5, 1.5), acc);
     std::vector<uint8_t> loss_b(c.N * dtype_size(acc)), lse_b(c.N * dtype_size(acc));
     cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), c.N, c.C, -100, eps,
-                                     nullptr, nullptr);
+                                     nullptr, 0, nullptr);
     auto grad_row = decode(grad_row_b, acc), lse = decode(lse_b, acc);
     std::vector<uint8_t> cpu_g(x.size());
     cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse_b.data(), t.data(), grad_row_b.data(),
@@ -288,13 +288,13 @@ TEST(CrossEntropyCuda, ForwardWritesTheBackwardsGradientOfUnitRows) {
     DeviceBuffer<uint8_t> d_loss(row_bytes), d_lse(row_bytes), d_loss_g(row_bytes), d_lse_g(row_bytes),
         d_loss_i(row_bytes), d_lse_i(row_bytes), d_want(x.size()), d_grad(x.size());
     const auto& cuda = cuda_kernel_table();
-    cuda.cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, nullptr, nullptr);
+    cuda.cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, nullptr, 0, nullptr);
     cuda.cross_entropy_backward(d_want.get(), d_x.get(), d_lse.get(), d_t.get(), d_ones.get(), dt, c.N, c.C, -100,
                                 eps, nullptr);
-    cuda.cross_entropy(d_loss_g.get(), d_lse_g.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, d_grad.get(),
+    cuda.cross_entropy(d_loss_g.get(), d_lse_g.get(), d_x.get(), dt, d_t.get(), c.N, c.C, -100, eps, d_grad.get(), 0,
                        nullptr);
     cuda.cross_entropy(d_loss_i.get(), d_lse_i.get(), d_in_place.get(), dt, d_t.get(), c.N, c.C, -100, eps,
-                       d_in_place.get(), nullptr);
+                       d_in_place.get(), 0, nullptr);
     const size_t elem = dtype_size(dt), acc_elem = dtype_size(acc);
     const auto loss = d_loss.to_host(), lse = d_lse.to_host(), want = d_want.to_host();
     expect_same_bytes(d_loss_g.to_host(), loss, acc_elem, "loss");
@@ -323,13 +323,13 @@ TEST(CrossEntropyCuda, MaskedAndHugeLogitsMatchCpu) {
       const DType acc = dt == DType::f64 ? DType::f64 : DType::f32;
       auto grad_row_b = encode(std::vector<double>(5, 1.0), acc);
       std::vector<uint8_t> loss_b(5 * dtype_size(acc)), lse_b(5 * dtype_size(acc)), cpu_g(x.size());
-      cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), 5, R, -100, 0.0, nullptr,
+      cpu_kernel_table().cross_entropy(loss_b.data(), lse_b.data(), x.data(), dt, t.data(), 5, R, -100, 0.0, nullptr, 0,
                                        nullptr);
       cpu_kernel_table().cross_entropy_backward(cpu_g.data(), x.data(), lse_b.data(), t.data(), grad_row_b.data(), dt,
                                                 5, R, -100, 0.0, nullptr);
       DeviceBuffer<uint8_t> d_x(x), d_g(x.size()), d_loss(loss_b.size()), d_lse(lse_b.size()), d_gr(grad_row_b);
       DeviceBuffer<int64_t> d_t(t);
-      cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), 5, R, -100, 0.0, nullptr,
+      cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), 5, R, -100, 0.0, nullptr, 0,
                                         nullptr);
       cuda_kernel_table().cross_entropy_backward(d_g.get(), d_x.get(), d_lse.get(), d_t.get(), d_gr.get(), dt, 5, R,
                                                  -100, 0.0, nullptr);
@@ -355,7 +355,7 @@ TEST(CrossEntropyCuda, MaskedAndHugeLogitsMatchCpu) {
       // The forward writing the gradient over the logits: the backward's values, bit for bit.
       DeviceBuffer<uint8_t> d_fused(x), d_loss_f(loss_b.size()), d_lse_f(lse_b.size());
       cuda_kernel_table().cross_entropy(d_loss_f.get(), d_lse_f.get(), d_fused.get(), dt, d_t.get(), 5, R, -100, 0.0,
-                                        d_fused.get(), nullptr);
+                                        d_fused.get(), 0, nullptr);
       expect_same_bytes(d_fused.to_host(), d_g.to_host(), dtype_size(dt), "gradient written by the forward");
       expect_same_bytes(d_loss_f.to_host(), d_loss.to_host(), dtype_size(acc), "loss beside the gradient");
     }
