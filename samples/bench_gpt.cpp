@@ -7,8 +7,8 @@
 //   FLOPs per token = 6 N + 12 L d T   (N parameters, L layers, d width, T sequence)
 //   MFU = tokens/s x FLOPs per token / 989e12   (H200 dense bf16)
 //   bench_gpt [--config gpt2-124m|gpt2-350m] [--batch 16] [--seq 1024] [--precision bf16|f32]
-//             [--warmup N] [--steps N] [--loss-chunk-rows N] [--ddp | --fsdp | --pipeline | --graph]
-//             [--json FILE] [--profile-step]
+//             [--warmup N] [--steps N] [--loss-chunk-rows N]
+//             [--ddp | --fsdp | --pipeline | --graph] [--json FILE] [--profile-step]
 //             [--deterministic] [--no-weight-copies] [--no-gradient-copies] [--no-hopper-attention]
 // A --seq longer than the config's context (1024 for GPT-2) grows the model's position table
 // to it, GPT-2 124M at T = 2048 or 4096, and with it the parameter count the MFU formula

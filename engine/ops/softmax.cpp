@@ -71,7 +71,8 @@ void check_smoothing(double label_smoothing, const char* op) {
 }
 
 // The rows that count in a loss's mean (their target is not ignore_index), 1 or 0 each, and
-// their number, at least 1, in the accumulation type `acc`: tensors, so nothing waits for the GPU.
+// their number, at least 1, in the accumulation type `acc`: tensors, so nothing waits for
+// the GPU.
 struct Count {
   Tensor counted;  // (N)
   Tensor denom;    // 0-dim

@@ -157,7 +157,8 @@ TEST(LinearOps, LinearCrossEntropyByChunksMatchesComposite) {
   for (int64_t rows : {1, 2, 4, 6, 100}) {
     SCOPED_TRACE("chunk_rows " + std::to_string(rows));
     TensorList fused = run([&] { return linear_cross_entropy(x, w, target, -100, 0.1, rows); }, up, {x, w});
-    for (size_t i = 0; i < fused.size(); ++i) expect_all_close(fused[i], plain[i], 1e-12, "loss/grad " + std::to_string(i));
+    for (size_t i = 0; i < fused.size(); ++i)
+      expect_all_close(fused[i], plain[i], 1e-12, "loss/grad " + std::to_string(i));
   }
   Tensor xt = x.detach().t().contiguous().set_requires_grad();  // (5, 6): x is its transpose
   TensorList transposed = run([&] { return linear_cross_entropy(xt.t(), w, target, -100, 0.1, 4); }, up, {xt, w});

@@ -288,7 +288,8 @@ TEST(CrossEntropyCpu, FullyMaskedAndInfiniteRows) {
   const std::vector<double> x{-inf, -inf, -inf, 1, inf, 2, -inf, nan, -inf, 0, -inf, 0};
   const std::vector<int64_t> t{-100, 0, 1, 0};
   std::vector<double> loss(4), lse(4), grad(12, -1), grad_row(4, 1.0);
-  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 4, 3, -100, 0.0, nullptr, 0, nullptr);
+  cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 4, 3, -100, 0.0, nullptr, 0,
+                              nullptr);
   EXPECT_EQ(lse[0], -inf);
   EXPECT_EQ(loss[0], 0.0);
   EXPECT_TRUE(std::isnan(lse[1]));
@@ -315,7 +316,8 @@ TEST(CrossEntropyCpu, ATargetOutsideTheClassesNamesItsValueAndRow) {
   for (int64_t bad : {int64_t(7), int64_t(-3), kC}) {
     std::vector<int64_t> t{0, bad, 1};
     try {
-      cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 3, kC, -100, 0.0, nullptr, 0, nullptr);
+      cpu_kernels().cross_entropy(loss.data(), lse.data(), x.data(), DType::f64, t.data(), 3, kC, -100, 0.0, nullptr,
+                                  0, nullptr);
       ADD_FAILURE() << "target " << bad << " did not throw";
     } catch (const Error& e) {
       std::string what = e.what();

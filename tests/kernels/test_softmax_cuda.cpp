@@ -329,8 +329,8 @@ TEST(CrossEntropyCuda, MaskedAndHugeLogitsMatchCpu) {
                                                 5, R, -100, 0.0, nullptr);
       DeviceBuffer<uint8_t> d_x(x), d_g(x.size()), d_loss(loss_b.size()), d_lse(lse_b.size()), d_gr(grad_row_b);
       DeviceBuffer<int64_t> d_t(t);
-      cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), 5, R, -100, 0.0, nullptr, 0,
-                                        nullptr);
+      cuda_kernel_table().cross_entropy(d_loss.get(), d_lse.get(), d_x.get(), dt, d_t.get(), 5, R, -100, 0.0, nullptr,
+                                        0, nullptr);
       cuda_kernel_table().cross_entropy_backward(d_g.get(), d_x.get(), d_lse.get(), d_t.get(), d_gr.get(), dt, 5, R,
                                                  -100, 0.0, nullptr);
       auto loss = decode(loss_b, acc), lse = decode(lse_b, acc), got_loss = decode(d_loss.to_host(), acc),
