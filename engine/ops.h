@@ -148,7 +148,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
 // classifier's output layer and its loss in one op, as a language model's head. The logits'
 // gradient is written over the logits by the loss kernel itself, so no second buffer of
 // their size is made, and the logits are not returned. A batch of more than chunk_rows rows
-// (0: a power of two of rows whose logits hold at most 2^27 values, 2048 rows for GPT-2's
+// (0: a power of two of rows whose logits hold at most 2^28 values, 4096 rows for GPT-2's
 // 50,257 classes) goes a chunk at a time, and when gradients are recorded both are made
 // chunk by chunk in this call, so one chunk's logits exist at a time instead of all (N,
 // classes) of them until backward; backward then only scales them. A batch in one chunk

@@ -150,10 +150,11 @@ Tensor cross_entropy(const Tensor& logits0, const Tensor& target0, int64_t ignor
 
 namespace {
 
-// linear_cross_entropy's chunks: a power of two of rows whose logits hold at most 2^27
-// values (256 MiB in bf16; GPT-2's 50,257 classes give 2048 rows), or the whole batch when
-// it is smaller.
-constexpr int64_t kChunkValues = int64_t(1) << 27;
+// linear_cross_entropy's chunks: a power of two of rows whose logits hold at most 2^28
+// values (512 MiB in bf16; GPT-2's 50,257 classes give 4096 rows), or the whole batch when
+// it is smaller. Smaller chunks hold less but cost more: every chunk reads and writes the
+// weight's f32 gradient sum once more.
+constexpr int64_t kChunkValues = int64_t(1) << 28;
 
 int64_t rows_per_chunk(int64_t classes) {
   return int64_t(std::bit_floor(uint64_t(std::max<int64_t>(1, kChunkValues / classes))));

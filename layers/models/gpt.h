@@ -27,7 +27,7 @@ struct GPTConfig {
   // every block. Gradients are unchanged.
   bool recompute = false;
   // Rows of logits the loss makes at a time (linear_cross_entropy's chunk_rows): 0 lets it
-  // choose (2048 rows at GPT-2's vocabulary, where a batch of 16 x 1024 tokens would hold
+  // choose (4096 rows at GPT-2's vocabulary, where a batch of 16 x 1024 tokens would hold
   // 1.6 GB of bf16 logits at once), a number at least B T keeps the batch in one chunk.
   int64_t loss_chunk_rows = 0;
 
