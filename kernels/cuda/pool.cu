@@ -7,7 +7,9 @@
 // windows cover it (kernels/core/pool_window.h, shared with the CPU kernels), in a fixed
 // order. No atomics, so the gradients are bitwise reproducible, and every element of dx
 // is written, so dx needs no zero-fill first. With the small windows of CNN pooling
-// (2x2, 3x3) a thread reads at most a few outputs.
+// (2x2, 3x3) a thread reads at most a few outputs. Max pooling over windows that tile the
+// input (2 x 2, stride 2, even extents: SimpleCNN's) writes each window from the thread of
+// its output instead.
 //
 // Index arithmetic. Finding an element's image, channel, row and column takes divisions,
 // a handful per element; in 64 bits each is a long instruction sequence, and the backward
@@ -170,6 +172,32 @@ __global__ void max_backward_kernel(T* dx, const T* dy, const int64_t* indices, 
   }
 }
 
+// Max pooling's backward when the windows tile the input (stride = kernel, no padding, the
+// output's extents times the kernel's = the input's): every input element lies in exactly one
+// window, so a thread per output writes its whole window, the gradient at the maximum and
+// zeros elsewhere: the gather's bits (its sum of one term, or of none), from a quarter of the
+// threads for 2 x 2 windows, none of them working out which outputs cover an element.
+template <class T, class I>
+__global__ void max_backward_tiles_kernel(T* dx, const T* dy, const int64_t* indices, Geom<I> g, I n) {
+  const I step = stride(g);
+  LOOM_GRID_STRIDE(e, n) {
+    const Place<I> p = place(e, g.div_out_h, g.div_out_w, g);
+    T* in = dx + plane_start(p, g.h, g.w, g);
+    const I best = I(indices[e]), row0 = p.row * g.kh, col0 = p.col * g.kw;
+    const T grad = from_acc<T>(acc_t<T>(0) + to_acc(dy[e]));  // the gather's sum of one term: -0 becomes +0
+    for (I ih = row0; ih < row0 + g.kh; ++ih)
+      for (I iw = col0; iw < col0 + g.kw; ++iw) {
+        const I at = ih * g.w + iw;
+        in[at * step] = at == best ? grad : from_acc<T>(acc_t<T>(0));
+      }
+  }
+}
+
+bool windows_tile(const Pool2dArgs& a) {
+  return a.stride_h == a.kh && a.stride_w == a.kw && a.pad_h == 0 && a.pad_w == 0 && a.out_h * a.kh == a.h &&
+         a.out_w * a.kw == a.w;
+}
+
 template <class T, class I>
 __global__ void avg_forward_kernel(T* y, const T* x, Geom<I> g, I n) {
   using A = acc_t<T>;
@@ -243,12 +271,19 @@ void max_pool2d_backward(const Pool2dArgs& a, void* dx, const void* dy, const in
                          StreamHandle stream) {
   const int64_t n = input_numel(a);
   if (n == 0) return;
+  const bool tiles = windows_tile(a);
   dispatch_floating(a.dtype, "max_pool2d backward", [&](auto tag) {
     using T = decltype(tag);
     with_index(a, [&](auto index) {
       using I = decltype(index);
-      max_backward_kernel<T, I><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
-          static_cast<T*>(dx), static_cast<const T*>(dy), indices, geom<I>(a), I(n));
+      if (tiles) {
+        const int64_t outputs = output_numel(a);
+        max_backward_tiles_kernel<T, I><<<blocks_for(outputs, kThreads), kThreads, 0, as_cuda(stream)>>>(
+            static_cast<T*>(dx), static_cast<const T*>(dy), indices, geom<I>(a), I(outputs));
+      } else {
+        max_backward_kernel<T, I><<<blocks_for(n, kThreads), kThreads, 0, as_cuda(stream)>>>(
+            static_cast<T*>(dx), static_cast<const T*>(dy), indices, geom<I>(a), I(n));
+      }
     });
   });
   LOOM_CUDA_LAUNCH();

@@ -247,6 +247,9 @@ const std::vector<PoolCase>& pool_cases() {
       {"rect_2x3_pad", 2, 2, 7, 9, 2, 3, 1, 2, 1, 1},
       {"stride_past_kernel", 1, 2, 10, 10, 2, 2, 3, 3},
       {"odd_extents", 3, 7, 37, 29, 3, 3, 3, 3, 1, 1},
+      // Windows that tile the input: max pooling's backward writes a window a thread.
+      {"3x3_tiles", 2, 5, 9, 12, 3, 3, 3, 3},
+      {"rect_2x4_tiles", 3, 4, 8, 12, 2, 4, 2, 4},
   };
   return table;
 }
