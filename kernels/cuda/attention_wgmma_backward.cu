@@ -18,8 +18,17 @@
 //   as its A, and that half of the block's K rows as B, a tile in the 64-byte swizzle
 //   (32 columns are 64 bytes a row; 16-byte chunk c of row r sits at chunk c ^ (r / 2 % 4)).
 // Each thread then adds its part (2 rows x 8 columns) into the accumulator with float2
-// atomics: one atomic per element for 128 keys. Two barriers a tile: one before it (the
-// tile has landed, the last one's reads are done), one between the dS^T stores and dQ.
+// atomics: one atomic per element for 128 keys. Rows past q_len add zeros (Q and dO rows
+// there are loaded as zeros and lse2 is +inf, so P and dS are 0) into the workspace's
+// padding (q_pad, a multiple of 128, covers every tile), which dQ's conversion never reads:
+// no test per row. Two barriers a tile: one before it (the tile has landed, the last one's
+// reads are done), one between the dS^T stores and dQ.
+//
+// Blocks run head by head: a head's key blocks are neighbours in the grid, its first keys
+// (causal's longest sweeps) first. The blocks resident at once then cover a few heads, whose
+// Q, dO and dQ accumulator rows stay in L2, where the atomics are summed; with the heads
+// fastest, blocks resident at once spread over every head and those rows left L2 between
+// one key block's adds and the next one's.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma.cuh"
 
@@ -83,8 +92,9 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   float* sD = sL + 2 * kQueries;                                     // Di: 2 x kQueries
 
   const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
-  const int64_t bh = blockIdx.x % p.heads;
-  const int k0 = int(blockIdx.x / p.heads) * kKeys;  // key tiles ascending: causal's longest first
+  const int key_blocks = (p.kv_len + kKeys - 1) / kKeys;
+  const int64_t bh = blockIdx.x / key_blocks;          // a head's key blocks are neighbours
+  const int k0 = int(blockIdx.x % key_blocks) * kKeys;  // ascending: causal's longest sweeps first
   const int kg = k0 + group * kGroupKeys;            // this warpgroup's first key
   const int w0 = kg + warp * 16;                     // this warp's first key; a thread's: w0 + g and w0 + g + 8
   const AttentionLayout& st = p.strides;
@@ -208,7 +218,6 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     const int i = i0 + warp * 16 + g;  // this thread's rows: i and i + 8
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (i + 8 * r >= p.q_len) continue;
 #pragma unroll
       for (int c = 0; c < kHalf / 8; ++c)
         add_pair(dq_acc + int64_t(i + 8 * r) * D + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
