@@ -4,12 +4,15 @@
 // entries in kernels/table.h.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
+#include "kernels/core/head_groups.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/table.h"
 
@@ -37,6 +40,7 @@ struct Params {
   AttentionLayout strides;  // every operand's, resolved (none left at the all-zero default)
   int64_t heads = 0;        // batch * heads, below 2^31
   int heads_per_batch = 1;
+  int head_group = 0;       // heads per group of the Hopper kernels' grids (core/head_groups.h)
   int q_len = 0, kv_len = 0, q_pad = 0, head_dim = 0;
   bool causal = false;
   double scale = 1, scale_log2 = 1;  // scale, and scale * log2(e) for exp2
@@ -50,6 +54,17 @@ struct Params {
 };
 
 constexpr int kRowPad = 128;  // a multiple of every tensor-core kernel's query tile
+
+// Block b's head and index within it in the Hopper kernels' grids (kernels/core/head_groups.h).
+struct GridPlace {
+  int64_t bh;
+  int index;
+};
+__device__ __forceinline__ GridPlace grouped_block(const Params& p, int per_head) {
+  const head_groups::Place at = head_groups::place(blockIdx.x, unsigned(p.heads), unsigned(per_head),
+                                                   unsigned(p.head_group));
+  return {int64_t(at.head), int(at.index)};
+}
 
 // Lets `kernel` take `bytes` of dynamic shared memory, past the default 48 KiB where
 // needed; a clear error when the GPU allows less. Each (kernel, device) is raised once,
@@ -70,6 +85,27 @@ template <class Kernel> void allow_shared_memory(Kernel kernel, size_t bytes, co
              ": use a smaller head_dim, or bf16/f16 with head_dim 32, 64, 80, 96 or 128");
   LOOM_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   done = bytes;
+}
+
+// Heads per group (kernels/core/head_groups.h) for `kernel`'s grid of heads x per_head
+// blocks of `threads` threads and `smem` bytes: about two waves of resident blocks a group,
+// balanced. The occupancy is asked once per (kernel, device, shared memory).
+template <class Kernel> int head_group(Kernel kernel, int threads, size_t smem, int64_t heads, int64_t per_head) {
+  int device = 0;
+  LOOM_CUDA(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, size_t>, int> resident;
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    int& known = resident[{reinterpret_cast<const void*>(kernel), device, smem}];
+    if (known == 0) {
+      LOOM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&known, kernel, threads, smem));
+      known = std::max(known, 1);
+    }
+    per_sm = known;
+  }
+  return int(head_groups::balanced(heads, 2 * int64_t(sm_count()) * per_sm / std::max<int64_t>(per_head, 1)));
 }
 
 // True when the tensor-core kernels take these shapes: bf16 or f16, head_dim 32, 64, 80,

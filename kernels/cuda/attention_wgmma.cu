@@ -58,8 +58,10 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   T* sQ = sV + 2 * kTile;                                            // (kRows, S); O on the way out
 
   const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2;
-  const int64_t bh = blockIdx.x % p.heads;
-  const int q0 = query_tile_start<kRows>(p), n_tiles = key_tiles<kRows>(p, q0);
+  const int q_tiles = (p.q_len + kRows - 1) / kRows;
+  const GridPlace place = grouped_block(p, q_tiles);  // causal: a group's last (longest) query tiles first
+  const int64_t bh = place.bh;
+  const int q0 = (p.causal ? q_tiles - 1 - place.index : place.index) * kRows, n_tiles = key_tiles<kRows>(p, q0);
   const AttentionLayout& st = p.strides;
   const HeadOperands<T> in(p, bh, false);
   const float scale_log2 = float(p.scale_log2);
@@ -131,10 +133,13 @@ void wgmma_forward(const Params& p, DType dtype, cudaStream_t stream) {
   dispatch(dtype, p.head_dim, [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    if constexpr (D == 64 || D == 128)
-      launch(wgmma_forward_kernel<T, D>, p.heads * tiles(p.q_len, kRows), wgmma_smem<T, D>(), "Hopper forward", p,
-             stream);
-    else
+    if constexpr (D == 64 || D == 128) {
+      constexpr size_t smem = wgmma_smem<T, D>();
+      allow_shared_memory(wgmma_forward_kernel<T, D>, smem, "Hopper forward");
+      Params grouped = p;
+      grouped.head_group = head_group(wgmma_forward_kernel<T, D>, kThreads, smem, p.heads, tiles(p.q_len, kRows));
+      launch(wgmma_forward_kernel<T, D>, p.heads * tiles(p.q_len, kRows), smem, "Hopper forward", grouped, stream);
+    } else
       LOOM_ASSERT(false, "attention: no Hopper kernel for head_dim ", D);
   });
 }

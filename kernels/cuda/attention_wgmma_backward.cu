@@ -22,13 +22,8 @@
 // there are loaded as zeros and lse2 is +inf, so P and dS are 0) into the workspace's
 // padding (q_pad, a multiple of 128, covers every tile), which dQ's conversion never reads:
 // no test per row. Two barriers a tile: one before it (the tile has landed, the last one's
-// reads are done), one between the dS^T stores and dQ.
-//
-// Blocks run head by head: a head's key blocks are neighbours in the grid, its first keys
-// (causal's longest sweeps) first. The blocks resident at once then cover a few heads, whose
-// Q, dO and dQ accumulator rows stay in L2, where the atomics are summed; with the heads
-// fastest, blocks resident at once spread over every head and those rows left L2 between
-// one key block's adds and the next one's.
+// reads are done), one between the dS^T stores and dQ. The blocks run in groups of heads
+// (attention.cuh's grouped_block), so the accumulator rows the atomics add into stay in L2.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma.cuh"
 
@@ -92,9 +87,9 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   float* sD = sL + 2 * kQueries;                                     // Di: 2 x kQueries
 
   const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
-  const int key_blocks = (p.kv_len + kKeys - 1) / kKeys;
-  const int64_t bh = blockIdx.x / key_blocks;          // a head's key blocks are neighbours
-  const int k0 = int(blockIdx.x % key_blocks) * kKeys;  // ascending: causal's longest sweeps first
+  const GridPlace place = grouped_block(p, (p.kv_len + kKeys - 1) / kKeys);
+  const int64_t bh = place.bh;
+  const int k0 = place.index * kKeys;  // a group's key blocks ascending: causal's longest sweeps first
   const int kg = k0 + group * kGroupKeys;            // this warpgroup's first key
   const int w0 = kg + warp * 16;                     // this warp's first key; a thread's: w0 + g and w0 + g + 8
   const AttentionLayout& st = p.strides;
@@ -245,7 +240,10 @@ template <class T> void launch_backward(const Params& p, cudaStream_t stream) {
   LOOM_CHECK(blocks < (int64_t(1) << 31), "attention: ", blocks, " thread blocks exceed CUDA's grid limit; ",
              "split the batch");
   allow_shared_memory(wgmma_dkdv_dq_kernel<T>, backward_smem<T>(), "Hopper backward");
-  wgmma_dkdv_dq_kernel<T><<<unsigned(blocks), kBlockThreads, backward_smem<T>(), stream>>>(p);
+  Params grouped = p;
+  grouped.head_group =
+      head_group(wgmma_dkdv_dq_kernel<T>, kBlockThreads, backward_smem<T>(), p.heads, tiles(p.kv_len, kKeys));
+  wgmma_dkdv_dq_kernel<T><<<unsigned(blocks), kBlockThreads, backward_smem<T>(), stream>>>(grouped);
   LOOM_CUDA_LAUNCH();
 }
 
