@@ -11,11 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define LOOM_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define LOOM_HOST_DEVICE inline
-#endif
+#include "host_device.h"
 
 namespace loom::head_groups {
 
