@@ -15,7 +15,8 @@
 // warp (warp w holds rows 16 w to 16 w + 15), so the softmax, the masking and the epilogue
 // are attention_mma_tiles.cuh's. The products are asynchronous: step n issues the scores of
 // tile n + 1, takes the softmax of tile n's while the tensor cores work, then issues P V(n)
-// and waits for both.
+// and waits for both. The grid runs in groups of heads (kernels/core/head_groups.h), where
+// attention_mma.cu's runs the heads fastest.
 //
 // Shared memory for wgmma. K and V tiles are stored in wgmma's 128-byte swizzle (plain 8 x 8
 // core matrices, which wgmma also reads, made this kernel slower than the sm_80 one, whose
