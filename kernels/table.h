@@ -317,9 +317,9 @@ struct AttentionArgs {
   // with the same setting. The other kernels, and the CPU's, are deterministic either way.
   bool deterministic = false;
   // CUDA on an H100 or H200 (compute capability 9.0) in a build for it: the Hopper kernels
-  // (warpgroup products, bf16/f16; the forward at head_dim 64 or 128, the backward at 64
-  // with dQ by atomics) where true, else the tensor-core kernels every target runs. Results
-  // agree within f32 rounding.
+  // (warpgroup products, bf16/f16, head_dim 64 or 128; the backward with dQ by atomics)
+  // where true, else the tensor-core kernels every target runs. Results agree within f32
+  // rounding.
   bool hopper = true;
 };
 

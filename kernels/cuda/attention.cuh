@@ -125,11 +125,13 @@ void mma_backward(const Params& p, const void* out, const void* lse, DType dtype
 // cuda-arch. wgmma_forward has mma_forward's contract.
 bool wgmma_supported(DType dtype, int64_t head_dim);
 void wgmma_forward(const Params& p, DType dtype, cudaStream_t stream);
-// The same for the Hopper backward's dK, dV and dQ by atomics (attention_wgmma_backward.cu):
-// head_dim 64. wgmma_dkdv_dq takes the place of mma_backward's dK/dV/dQ kernel, between its
-// row preparation and dQ's conversion.
+// The same for the Hopper backward's dK, dV and dQ by atomics: head_dim 64
+// (attention_wgmma_backward.cu) or 128 (attention_wgmma_backward128.cu, which wgmma_dkdv_dq
+// hands head_dim 128). wgmma_dkdv_dq takes the place of mma_backward's dK/dV/dQ kernel,
+// between its row preparation and dQ's conversion.
 bool wgmma_backward_supported(DType dtype, int64_t head_dim);
 void wgmma_dkdv_dq(const Params& p, DType dtype, cudaStream_t stream);
+void wgmma_dkdv_dq128(const Params& p, DType dtype, cudaStream_t stream);
 // Whether mma_backward accumulates dQ with atomics (fewer products, not deterministic) rather
 // than in a kernel of its own, which args.deterministic asks for.
 bool dq_by_atomics(const AttentionArgs& args);

@@ -105,6 +105,20 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
       : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
         LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7)                                           \
       : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB))
+#define LOOM_WGMMA_SS_N128(TYPE)                                                                     \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                              \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"               \
+      "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                                          \
+      : LOOM_ACC(0), LOOM_ACC(1), LOOM_ACC(2), LOOM_ACC(3),                                          \
+        LOOM_ACC(4), LOOM_ACC(5), LOOM_ACC(6), LOOM_ACC(7),                                          \
+        LOOM_ACC(8), LOOM_ACC(9), LOOM_ACC(10), LOOM_ACC(11),                                        \
+        LOOM_ACC(12), LOOM_ACC(13), LOOM_ACC(14), LOOM_ACC(15)                                       \
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB))
 #define LOOM_WGMMA_SS_N32(TYPE)                                                                      \
   asm volatile(                                                                                      \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                   \
@@ -116,9 +130,12 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
 
 template <class T, int kTransA, int kTransB, int NB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[NB][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-  static_assert(NB == 4 || NB == 8, "shared-memory wgmma wrappers exist for N = 32 and 64");
+  static_assert(NB == 4 || NB == 8 || NB == 16, "shared-memory wgmma wrappers exist for N = 32, 64 and 128");
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (NB == 8) {
+  if constexpr (NB == 16) {
+    if constexpr (bf16) LOOM_WGMMA_SS_N128("bf16");
+    else LOOM_WGMMA_SS_N128("f16");
+  } else if constexpr (NB == 8) {
     if constexpr (bf16) LOOM_WGMMA_SS_N64("bf16");
     else LOOM_WGMMA_SS_N64("f16");
   } else {
@@ -129,6 +146,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NB][4], uint64_t desc_a, uin
 
 #undef LOOM_ACC
 #undef LOOM_WGMMA_SS_N64
+#undef LOOM_WGMMA_SS_N128
 #undef LOOM_WGMMA_SS_N32
 
 // ---- tiles -----------------------------------------------------------------------------

@@ -231,7 +231,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
 }  // namespace
 
 bool wgmma_backward_supported(DType dtype, int64_t head_dim) {
-  return head_dim == kD && wgmma_supported(dtype, head_dim);
+  return (head_dim == kD || head_dim == 128) && wgmma_supported(dtype, head_dim);
 }
 
 template <class T> void launch_backward(const Params& p, cudaStream_t stream) {
@@ -248,6 +248,7 @@ template <class T> void launch_backward(const Params& p, cudaStream_t stream) {
 }
 
 void wgmma_dkdv_dq(const Params& p, DType dtype, cudaStream_t stream) {
+  if (p.head_dim == 128) return wgmma_dkdv_dq128(p, dtype, stream);
   if (dtype == DType::bf16) launch_backward<__nv_bfloat16>(p, stream);
   else launch_backward<__half>(p, stream);
 }

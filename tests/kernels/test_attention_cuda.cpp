@@ -55,6 +55,8 @@ std::vector<Case> cases() {
     out.push_back({1, 2, 129, 129, 96, causal});
     out.push_back({1, 1, 100, 37, 64, causal});   // more queries than keys
     out.push_back({1, 1, 37, 200, 128, causal});  // more keys than queries
+    out.push_back({2, 3, 300, 260, 128, causal});  // three 128-key blocks, the last short; five query tiles
+    out.push_back({1, 2, 200, 500, 128, causal});  // four key blocks, causal blocks past every query
     out.push_back({1, 2, 45, 300, 64, causal});    // the same where warps own two row tiles
     out.push_back({2, 1, 257, 257, 32, causal});   // three 128-row tiles, the last with one row
     out.push_back({64, 40, 3, 3, 32, causal});    // 2560 heads
@@ -156,9 +158,9 @@ TEST(AttentionCuda, ForwardAndBackwardMatchCpu) {
     for (DType dt : {DType::f32, DType::bf16, DType::f16}) check(c, dt, 0);
 }
 
-// On an H100 or H200 the test above ran the Hopper kernels where they apply (bf16/f16; the
-// forward at head_dim 64 or 128, the backward at 64 with dQ by atomics); here every case runs
-// the kernels of every target, their reference.
+// On an H100 or H200 the test above ran the Hopper kernels where they apply (bf16/f16, head_dim
+// 64 or 128; the backward with dQ by atomics); here every case runs the kernels of every
+// target, their reference.
 TEST(AttentionCuda, Sm80KernelsMatchCpu) {
   LOOM_REQUIRE_CUDA();
   for (const Case& c : cases())

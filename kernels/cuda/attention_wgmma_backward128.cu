@@ -1,0 +1,260 @@
+// Flash attention backward on Hopper's warpgroup products at head_dim 128: dK, dV and dQ,
+// bf16/f16, dQ summed by f32 atomics into the workspace's accumulator, between
+// attention_mma_backward.cu's row preparation (lse2, Di) and dQ's conversion, as
+// attention_wgmma_backward.cu does at 64.
+//
+// The block is that kernel's: two warpgroups, 128 keys, warpgroup w keys 64 w to 64 w + 63
+// and warp v of it 16 v to 16 v + 15 of those, both sweeping the 64-query tiles that see the
+// block's keys, Q and dO double-buffered in swizzled tiles (the first warpgroup loads Q and
+// lse2, the second dO and Di). What changes is where the operands live: at 128 columns a
+// warpgroup's dK and dV accumulators alone take 128 registers a thread, so K and V stay in
+// shared memory (swizzled (128, 128) tiles, each two 64-column blocks of 128 rows) and every
+// product reads both operands from there:
+//   S^T = K Q^T and dP^T = V dO^T (A: the warpgroup's K or V rows, K-major; B: the Q or dO
+//   tile, K-major), issued together;
+//   P^T and dS^T in registers, as at 64, then stored as swizzled (64 keys, 64 queries) tiles,
+//   where the score registers die;
+//   dV += P^T dO and dK += dS^T Q (A: the P^T or dS^T tile, K-major; B: the dO or Q tile read
+//   transposed, N = 128);
+//   dQ's columns 64 w to 64 w + 63 of the tile = dS K over all 128 keys (A: both warpgroups'
+//   dS^T tiles read transposed; B: K's 64-column block w read transposed).
+// One barrier between the P^T / dS^T stores and the three products that read them, one
+// before each tile (it has landed; the last tile's products are done). The atomics, the
+// padding they add into, and the groups of heads are attention_wgmma_backward.cu's.
+#include "kernels/config.h"
+#include "kernels/cuda/attention_wgmma.cuh"
+
+namespace loom::cuda::attention {
+namespace {
+
+using namespace mma_tiles;
+#if LOOM_WGMMA_CODE
+using namespace wgmma_tiles;
+#endif
+
+constexpr int kD = 128;                       // the head size this kernel takes
+constexpr int kGroups = 2;                    // warpgroups of a block
+constexpr int kGroupKeys = 64;                // keys of a warpgroup: its rows
+constexpr int kKeys = kGroups * kGroupKeys;   // keys of a block
+constexpr int kBlockThreads = kGroups * kThreads;
+constexpr int kQueries = kBlockN;             // queries of a streamed tile
+constexpr int kScoreTile = kGroupKeys * kQueries;  // a warpgroup's P^T or dS^T tile, elements
+static_assert(kThreads == 128 && kQueries == 64, "a warpgroup is 128 threads over 64-query tiles");
+
+// Two Q and two dO tiles, K and V, each warpgroup's P^T and dS^T, lse2 and Di twice, and room
+// to align the tiles to 1024 bytes. After the sweep the Q and dO tiles stage dK and K's tile
+// dV, each (kKeys, kD + 8).
+template <class T> constexpr size_t backward128_smem() {
+  return size_t(4 * kQueries * kD + 2 * kKeys * kD + 2 * kGroups * kScoreTile) * sizeof(T) +
+         4 * kQueries * sizeof(float) + 1024;
+}
+static_assert(kKeys * (kD + 8) <= 4 * kQueries * kD && kKeys * (kD + 8) <= 2 * kKeys * kD,
+              "dK and dV are staged in the Q / dO tiles and in K and V's");
+
+#if LOOM_WGMMA_CODE
+// Rows [row0, row0 + kGroupKeys) of a (len, kD) matrix, rows ld apart, into rows first_row..
+// of a swizzled (kKeys, kD) tile (two 64-column blocks of kKeys rows; 16-byte chunk c of row
+// r at chunk c ^ (r % 8)), by cp.async; rows at or past len are zeros. `thread`: this
+// thread's index among a warpgroup's.
+template <class T>
+__device__ __forceinline__ void load_key_rows(T* dst, const T* src, int ld, int row0, int len, int first_row,
+                                              int thread) {
+  const T* rows = src + int64_t(row0) * ld;
+#pragma unroll
+  for (int it = 0; it < kGroupKeys * (kD / 8) / kThreads; ++it) {
+    const int c = it * kThreads + thread, chunk = c % 8, r = c / 8 % kGroupKeys, block = c / (8 * kGroupKeys);
+    const int row = first_row + r;
+    const bool valid = row0 + r < len;
+    cp_async_16(dst + block * kKeys * 64 + row * 64 + (chunk ^ (row % 8)) * 8,
+                valid ? rows + (r * ld + block * 64 + chunk * 8) : src, valid);
+  }
+}
+
+// A warp's part of a (64 keys, 64 queries) accumulator into a swizzled tile as T: row = key
+// (this thread's g and g + 8 of its warp's 16), column = query; chunk nb of a row sits at
+// chunk nb ^ (row % 8), the same for both rows.
+template <class T>
+__device__ __forceinline__ void store_scores(T* tile, const float (&acc)[kQueries / 8][4], int warp, int g, int t) {
+  const int r = warp * 16 + g;
+#pragma unroll
+  for (int nb = 0; nb < kQueries / 8; ++nb) {
+    T* at = tile + r * 64 + (nb ^ (r % 8)) * 8 + 2 * t;
+    *reinterpret_cast<uint32_t*>(at) = pack2<T>(acc[nb][0], acc[nb][1]);
+    *reinterpret_cast<uint32_t*>(at + 8 * 64) = pack2<T>(acc[nb][2], acc[nb][3]);
+  }
+}
+#endif
+
+template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkdv_dq128_kernel(const Params p) {
+#if LOOM_WGMMA_CODE
+  constexpr int D = kD, S = D + 8, NB = kQueries / 8, kTile = kQueries * D;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles; dK on the way out
+  T* sO = sQ + 2 * kTile;                                            // dO: 2 swizzled tiles
+  T* sK = sO + 2 * kTile;                                            // (kKeys, D) swizzled; dV on the way out
+  T* sV = sK + kKeys * D;                                            // (kKeys, D) swizzled
+  T* sP = sV + kKeys * D;                                            // P^T of each warpgroup, swizzled
+  T* sS = sP + kGroups * kScoreTile;                                 // dS^T of each warpgroup, swizzled
+  float* sL = reinterpret_cast<float*>(sS + kGroups * kScoreTile);   // lse2: 2 x kQueries
+  float* sD = sL + 2 * kQueries;                                     // Di: 2 x kQueries
+  const int group = int(threadIdx.x / kThreads), tid = int(threadIdx.x % kThreads);
+
+  const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
+  const GridPlace place = grouped_block(p, (p.kv_len + kKeys - 1) / kKeys);
+  const int64_t bh = place.bh;
+  const int k0 = place.index * kKeys;
+  const int kg = k0 + group * kGroupKeys;  // this warpgroup's first key
+  const int w0 = kg + warp * 16;           // this warp's first key; a thread's: w0 + g and w0 + g + 8
+  const AttentionLayout& st = p.strides;
+  const HeadOperands<T> in(p, bh, true);
+  float* dq_acc = p.dq_acc + bh * p.q_pad * D + group * 64;
+  const float scale_log2 = float(p.scale_log2);
+  const int it_begin = p.causal ? k0 / kQueries : 0, it_end = (p.q_len + kQueries - 1) / kQueries;
+
+  auto load_query_tile = [&](int buf, int it) {
+    const int i0 = it * kQueries;
+    constexpr int kChunks = kQueries / 4;  // 16-byte chunks of a tile's lse2 (or Di)
+    if (group == 0) {
+      load_swizzled<D>(sQ + buf * kTile, in.q, int(st.q.seq), i0, p.q_len, tid);
+      if (tid < kChunks) cp_async_16(sL + buf * kQueries + 4 * tid, in.lse2 + i0 + 4 * tid, true);
+    } else {
+      load_swizzled<D>(sO + buf * kTile, in.dout, int(st.dout.seq), i0, p.q_len, tid);
+      if (tid < kChunks) cp_async_16(sD + buf * kQueries + 4 * tid, in.di + i0 + 4 * tid, true);
+    }
+  };
+
+  load_key_rows(sK, in.k, int(st.k.seq), kg, p.kv_len, group * kGroupKeys, tid);
+  load_key_rows(sV, in.v, int(st.v.seq), kg, p.kv_len, group * kGroupKeys, tid);
+  if (it_begin < it_end) load_query_tile(0, it_begin);
+  cp_async_commit();
+
+  // This warpgroup's K and V rows as the A of S^T and dP^T: 16 columns a step, block ks / 4.
+  const T* kA = sK + group * kGroupKeys * 64;
+  const T* vA = sV + group * kGroupKeys * 64;
+  T* sPg = sP + group * kScoreTile;
+  T* sSg = sS + group * kScoreTile;
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int it = it_begin; it < it_end; ++it) {
+    const int buf = (it - it_begin) & 1;
+    cp_async_wait<0>();  // tile it (and at first K and V), loaded a tile ago, has landed for this thread
+    fence_async_shared();
+    __syncthreads();     // and for the block; the last tile's products are done
+    if (it + 1 < it_end) load_query_tile(buf ^ 1, it + 1);
+    cp_async_commit();
+    const T* qt = sQ + buf * kTile;
+    const T* ot = sO + buf * kTile;
+    const float* lt = sL + buf * kQueries;
+    const float* dt = sD + buf * kQueries;
+    const int i0 = it * kQueries;
+
+    float s[NB][4], dp[NB][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {  // S^T = K Q^T: columns 16 ks.., block ks / 4
+      const int at = ks / 4 * kKeys * 64 + ks % 4 * 16, bt = ks / 4 * kQueries * 64 + ks % 4 * 16;
+      wgmma_ss<T, 0, 0>(s, descriptor(kA + at, 16, 1024), descriptor(qt + bt, 16, 1024), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {  // dP^T = V dO^T
+      const int at = ks / 4 * kKeys * 64 + ks % 4 * 16, bt = ks / 4 * kQueries * 64 + ks % 4 * 16;
+      wgmma_ss<T, 0, 0>(dp, descriptor(vA + at, 16, 1024), descriptor(ot + bt, 16, 1024), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+    fence_registers(dp);
+
+    // P^T = exp2(S^T scale_log2 - lse2[i]), 0 where query i cannot see key j; dS^T = P^T
+    // (dP^T - Di[i]).
+    const bool edge = (p.causal && i0 < w0 + 15) || kg + kGroupKeys > p.kv_len;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lt + nb * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] = fast_exp2(fmaf(s[nb][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+    }
+    if (edge) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = i0 + nb * 8 + 2 * t + (e & 1), j = w0 + g + (e >> 1) * 8;
+          if (j >= p.kv_len || (p.causal && i < j)) s[nb][e] = 0.f;
+        }
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const float2 d2 = *reinterpret_cast<const float2*>(dt + nb * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - ((e & 1) ? d2.y : d2.x));
+    }
+    store_scores(sPg, s, warp, g, t);
+    store_scores(sSg, dp, warp, g, t);
+    fence_async_shared();  // the stores, for wgmma's reads
+    __syncthreads();       // both warpgroups': dQ reads all 128 keys
+
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {  // queries 16 kk..: 32 bytes on in P^T, 16 rows in dO
+      wgmma_ss<T, 0, 1>(dv, descriptor(sPg + kk * 16, 16, 1024), descriptor(ot + kk * 16 * 64, kQueries * 128, 1024),
+                        true);
+      wgmma_ss<T, 0, 1>(dk, descriptor(sSg + kk * 16, 16, 1024), descriptor(qt + kk * 16 * 64, kQueries * 128, 1024),
+                        true);
+    }
+    wgmma_commit();
+    // dQ's tile (queries x this warpgroup's 64 columns) = dS K over the block's keys: A = dS^T
+    // read transposed (keys 16 kk..: 16 rows on, 128 bytes a row), B = K's block `group` read
+    // transposed.
+    float dq[8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk)
+      wgmma_ss<T, 1, 1>(dq, descriptor(sS + kk / 4 * kScoreTile + kk % 4 * 16 * 64, kQueries * 128, 1024),
+                        descriptor(sK + group * kKeys * 64 + kk * 16 * 64, kKeys * 128, 1024), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dq);
+    fence_registers(dk);
+    fence_registers(dv);
+    const int i = i0 + warp * 16 + g;  // this thread's rows: i and i + 8
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+        add_pair(dq_acc + int64_t(i + 8 * r) * D + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every product is done: the Q / dO and K tiles stage dK and dV
+  T* sdK = sQ + group * kGroupKeys * S;
+  T* sdV = sK + group * kGroupKeys * S;
+  stage_rows<D>(sdK, dk, warp * 16, float(p.scale), float(p.scale));
+  stage_rows<D>(sdV, dv, warp * 16, 1.f, 1.f);
+  __syncthreads();
+  store_rows<D, kGroupKeys>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sdK, kg, p.kv_len, tid);
+  store_rows<D, kGroupKeys>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sdV, kg, p.kv_len, tid);
+#endif
+}
+
+template <class T> void launch_backward128(const Params& p, cudaStream_t stream) {
+  const int64_t blocks = p.heads * tiles(p.kv_len, kKeys);
+  if (blocks == 0) return;
+  LOOM_CHECK(blocks < (int64_t(1) << 31), "attention: ", blocks, " thread blocks exceed CUDA's grid limit; ",
+             "split the batch");
+  constexpr size_t smem = backward128_smem<T>();
+  allow_shared_memory(wgmma_dkdv_dq128_kernel<T>, smem, "Hopper backward (head_dim 128)");
+  Params grouped = p;
+  grouped.head_group = head_group(wgmma_dkdv_dq128_kernel<T>, kBlockThreads, smem, p.heads, tiles(p.kv_len, kKeys));
+  wgmma_dkdv_dq128_kernel<T><<<unsigned(blocks), kBlockThreads, smem, stream>>>(grouped);
+  LOOM_CUDA_LAUNCH();
+}
+
+}  // namespace
+
+void wgmma_dkdv_dq128(const Params& p, DType dtype, cudaStream_t stream) {
+  if (dtype == DType::bf16) launch_backward128<__nv_bfloat16>(p, stream);
+  else launch_backward128<__half>(p, stream);
+}
+
+}  // namespace loom::cuda::attention
