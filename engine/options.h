@@ -29,7 +29,8 @@
 // hopper_attention (default on). On: on an H100 or H200 in a build whose cuda-arch lists 90,
 // the attention on tensor cores (bf16/f16) runs the kernels built on Hopper's warpgroup
 // products: the forward at head_dim 64 or 128 (kernels/cuda/attention_wgmma.cu), the
-// backward's dK, dV and dQ at 64 when dQ is summed by atomics (attention_wgmma_backward.cu).
+// backward's dK, dV and dQ at 64 and 128 when dQ is summed by atomics
+// (attention_wgmma_backward.cu, attention_wgmma_backward128.cu).
 // Off: the tensor-core kernels that every GPU from sm_80 on runs (attention_mma*.cu).
 // Results agree within f32 rounding.
 //
