@@ -195,6 +195,40 @@ __device__ __forceinline__ void issue_times(float (&o)[D / 8][4], const uint32_t
   wgmma_commit();
 }
 
+// The backward's scores of a (64 keys, kBlockN queries) tile in a warpgroup's accumulators,
+// transposed (row = key, column = query): s, holding S^T, becomes P^T = exp2(S^T scale_log2
+// - lse2[i]), 0 where query i cannot see key j, and dp, holding dP^T, becomes dS^T = P^T
+// (dP^T - Di[i]). lse2 and di are the tile's kBlockN values from query i0 on; w0 is this
+// warp's first key, g and t the lane's row and column in the fragments (lane / 4, lane % 4).
+// `edge` (tested by the caller, once a tile) asks for the mask: keys at or past kv_len, and
+// with `causal` keys past the query.
+__device__ __forceinline__ void backward_scores(float (&s)[kBlockN / 8][4], float (&dp)[kBlockN / 8][4],
+                                                const float* lse2, const float* di, float scale_log2, bool edge,
+                                                int i0, int w0, int g, int t, int kv_len, bool causal) {
+  constexpr int NB = kBlockN / 8;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const float2 l2 = *reinterpret_cast<const float2*>(lse2 + nb * 8 + 2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nb][e] = fast_exp2(fmaf(s[nb][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+  }
+  if (edge) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = i0 + nb * 8 + 2 * t + (e & 1), j = w0 + g + (e >> 1) * 8;
+        if (j >= kv_len || (causal && i < j)) s[nb][e] = 0.f;
+      }
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const float2 d2 = *reinterpret_cast<const float2*>(di + nb * 8 + 2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - ((e & 1) ? d2.y : d2.x));
+  }
+}
+
 }  // namespace loom::cuda::attention::wgmma_tiles
 
 #endif  // LOOM_WGMMA_CODE

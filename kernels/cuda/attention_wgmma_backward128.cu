@@ -165,30 +165,10 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     fence_registers(s);
     fence_registers(dp);
 
-    // P^T = exp2(S^T scale_log2 - lse2[i]), 0 where query i cannot see key j; dS^T = P^T
-    // (dP^T - Di[i]).
+    // P^T and dS^T in place of S^T and dP^T, masked where a query of the tile may not see a
+    // key of the warp's, or a key is past the end.
     const bool edge = (p.causal && i0 < w0 + 15) || kg + kGroupKeys > p.kv_len;
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lt + nb * 8 + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] = fast_exp2(fmaf(s[nb][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-    }
-    if (edge) {
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = i0 + nb * 8 + 2 * t + (e & 1), j = w0 + g + (e >> 1) * 8;
-          if (j >= p.kv_len || (p.causal && i < j)) s[nb][e] = 0.f;
-        }
-    }
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const float2 d2 = *reinterpret_cast<const float2*>(dt + nb * 8 + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] * (dp[nb][e] - ((e & 1) ? d2.y : d2.x));
-    }
+    backward_scores(s, dp, lt, dt, scale_log2, edge, i0, w0, g, t, p.kv_len, p.causal);
     store_scores(sPg, s, warp, g, t);
     store_scores(sSg, dp, warp, g, t);
     fence_async_shared();  // the stores, for wgmma's reads
