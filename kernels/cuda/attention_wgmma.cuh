@@ -1,7 +1,9 @@
 // What the attention kernels on Hopper's warpgroup products (attention_wgmma.cu's forward,
-// attention_wgmma_backward.cu's dK, dV and dQ) share: the PTX wrappers (wgmma with A from
-// registers or from shared memory, its fences, matrix descriptors), the swizzled tiles they
-// read (laid out as attention_wgmma.cu describes) and the two products every kernel makes.
+// the dK, dV and dQ of attention_wgmma_backward.cu at head_dim 64 and
+// attention_wgmma_backward128.cu at 128) share: the PTX wrappers (wgmma with A from registers
+// or from shared memory, its fences, matrix descriptors), the swizzled tiles they read (laid
+// out as attention_wgmma.cu describes), the two products every kernel makes and the
+// backward's P^T and dS^T.
 // Device code for sm_90a alone: elsewhere LOOM_WGMMA_CODE is 0 and the kernels are empty.
 #pragma once
 
