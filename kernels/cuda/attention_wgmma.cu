@@ -4,13 +4,13 @@
 // reference the tests hold this one against (AttentionCuda.*, with Options::hopper_attention
 // off and on).
 //
-// The scheme is attention_mma.cu's, block for block: 64 query rows a block, its Q fragments
-// in registers, 64-key K/V tiles streamed through double-buffered shared memory by cp.async,
-// the online softmax in exp2 form on the score accumulators, P repacked from them into A
-// fragments. What changes is the products: a block is one warpgroup (4 warps), and each
-// product is a few wgmma instructions of the whole warpgroup, 64 rows at once, that read
-// their B operand (K for S = Q K^T, V for O += P V) from shared memory themselves, where the
-// mma.sync kernel loads every B fragment into registers with ldmatrix, one warp at a time.
+// The scheme is attention_mma.cu's, block for block: 64 query rows a block, 64-key K/V tiles
+// streamed through double-buffered shared memory by cp.async, the online softmax in exp2 form
+// on the score accumulators, P repacked from them into A fragments. What changes is the
+// products: a block is one warpgroup (4 warps), and each product is a few wgmma instructions
+// of the whole warpgroup, 64 rows at once, that read their operands from shared memory
+// themselves (Q and K for S = Q K^T, V for O += P V, P from registers), where the mma.sync
+// kernel loads every fragment into registers with ldmatrix, one warp at a time.
 // wgmma's accumulators and register A operands have mma.sync.m16n8k16's layouts warp by
 // warp (warp w holds rows 16 w to 16 w + 15), so the softmax, the masking and the epilogue
 // are attention_mma_tiles.cuh's. The products are asynchronous: step n issues the scores of
@@ -27,8 +27,10 @@
 // product's k runs along a row; the next 16 columns are 32 bytes on inside a block, 8 rows
 // are 1024 bytes) and V as the B of P V (MN-major, read transposed: 8 keys are 1024 bytes,
 // the next 64 columns the next block). cp.async writes each row from 8 neighbouring threads.
-// Q stays in attention_mma_tiles.cuh's padded rows, which ldmatrix reads into the A
-// fragments.
+// Q is a swizzled tile too, read K-major as the A of S = Q K^T: held in shared memory rather
+// than as A fragments in registers, it leaves a thread 12 more registers at head_dim 64 and
+// 19 at 128. Its space is sized for attention_mma_tiles.cuh's padded rows, in which O is
+// staged on the way out.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma.cuh"
 
@@ -43,7 +45,8 @@ using namespace wgmma_tiles;
 constexpr int kRows = 64;  // query rows of a block: one warpgroup's product
 static_assert(kThreads == 128 && kRows == kBlockN, "a block is one warpgroup; causal blocks end on a whole key tile");
 
-// Two K and two V tiles, Q's rows, and room to align the tiles to 1024 bytes.
+// Two K and two V tiles, Q's (sized for O's padded rows on the way out), and room to align
+// the tiles to 1024 bytes.
 template <class T, int D> constexpr size_t wgmma_smem() {
   return size_t(4 * kBlockN * D + kRows * (D + 8)) * sizeof(T) + 1024;
 }
@@ -52,11 +55,11 @@ template <class T, int D> constexpr size_t wgmma_smem() {
 
 template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forward_kernel(const Params p) {
 #if LOOM_WGMMA_CODE
-  constexpr int S = D + 8, NB = kBlockN / 8, kTile = kBlockN * D;
+  constexpr int NB = kBlockN / 8, kTile = kBlockN * D;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles, 1024-byte aligned
   T* sV = sK + 2 * kTile;                                            // 2 swizzled tiles
-  T* sQ = sV + 2 * kTile;                                            // (kRows, S); O on the way out
+  T* sQ = sV + 2 * kTile;                                            // swizzled; O in padded rows on the way out
 
   const int warp = int(threadIdx.x / 32), lane = lane_id(), g = lane >> 2;
   const int q_tiles = (p.q_len + kRows - 1) / kRows;
@@ -72,18 +75,15 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   auto edge = [&](int j0) { return j0 + kBlockN > p.kv_len || (p.causal && j0 + kBlockN - 1 > r0); };
 
   forward_prologue(
-      n_tiles, [&] { load_rows<D, kRows>(sQ, in.q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
+      n_tiles, [&] { load_swizzled<D>(sQ, in.q, int(st.q.seq), q0, p.q_len); }, load_k, load_v);
 
-  uint32_t qf[D / 16][4];
   float o[D / 8][4] = {}, s[NB][4];
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   cp_async_wait<1>();
   fence_async_shared();
   __syncthreads();
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) load_a<S>(qf[ks], sQ, warp * 16, ks * 16);
   if (n_tiles > 0) {
-    issue_times_transposed<T, D>(s, qf, sK);
+    issue_times_transposed<T, D>(s, sQ, sK);
     wgmma_wait<0>();
     fence_registers(s);
   }
@@ -98,7 +98,7 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
     __syncthreads();     // and for the block
     const bool more = n + 1 < n_tiles;
     float next[NB][4];
-    if (more) issue_times_transposed<T, D>(next, qf, sK + ((n + 1) & 1) * kTile);
+    if (more) issue_times_transposed<T, D>(next, sQ, sK + ((n + 1) & 1) * kTile);
     const int j0 = n * kBlockN;
     online_softmax<D, true>(s, o, m, l, scale_log2, edge(j0), r0 + g, j0, p);
     uint32_t pa[NB / 2][4];

@@ -185,6 +185,19 @@ __device__ __forceinline__ void issue_times_transposed(float (&s)[kBlockN / 8][4
   wgmma_commit();
 }
 
+// The same with a in shared memory too: qt, a swizzled (64, D) tile read K-major (Q in the
+// forward).
+template <class T, int D>
+__device__ __forceinline__ void issue_times_transposed(float (&s)[kBlockN / 8][4], const T* qt, const T* kt) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const int at = ks / 4 * 64 * 64 + ks % 4 * 16, bt = ks / 4 * kBlockN * 64 + ks % 4 * 16;
+    wgmma_ss<T, 0, 0>(s, descriptor(qt + at, 16, 1024), descriptor(kt + bt, 16, 1024), ks > 0);
+  }
+  wgmma_commit();
+}
+
 // acc (64 rows x D) += p (64 x kBlockN as A fragments) times tile, a swizzled (kBlockN, D)
 // tile (O += P V in the forward, dV += P^T dO and dK += dS^T Q in the backward): issued and
 // committed.
