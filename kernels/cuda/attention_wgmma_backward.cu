@@ -25,23 +25,18 @@
 // reads are done), one between the dS^T stores and dQ. The blocks run in groups of heads
 // (attention.cuh's grouped_block), so the accumulator rows the atomics add into stay in L2.
 #include "kernels/config.h"
-#include "kernels/cuda/attention_wgmma.cuh"
+#include "kernels/cuda/attention_wgmma_backward.cuh"
 
 namespace loom::cuda::attention {
 namespace {
 
 using namespace mma_tiles;
+using namespace wgmma_backward;
 #if LOOM_WGMMA_CODE
 using namespace wgmma_tiles;
 #endif
 
-constexpr int kD = 64;                          // the head size this kernel takes
-constexpr int kGroups = 2;                      // warpgroups of a block
-constexpr int kGroupKeys = 64;                  // keys of a warpgroup: its rows
-constexpr int kKeys = kGroups * kGroupKeys;     // keys of a block
-constexpr int kBlockThreads = kGroups * kThreads;
-constexpr int kQueries = kBlockN;               // queries of a streamed tile
-static_assert(kThreads == 128 && kQueries == 64, "a warpgroup is 128 threads over 64-query tiles");
+constexpr int kD = 64;  // the head size this kernel takes
 
 // Swizzled tiles (two Q, two dO, each warpgroup's dS^T, and the two 32-column halves of K),
 // padded K and V rows, lse2 and Di twice, and room to align the tiles to 1024 bytes.
@@ -190,13 +185,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
-    const int i = i0 + warp * 16 + g;  // this thread's rows: i and i + 8
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int c = 0; c < kHalf / 8; ++c)
-        add_pair(dq_acc + int64_t(i + 8 * r) * D + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
-    }
+    add_dq<D, kHalf>(dq_acc, dq, i0 + warp * 16 + g, t);
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -214,23 +203,12 @@ bool wgmma_backward_supported(DType dtype, int64_t head_dim) {
   return (head_dim == kD || head_dim == 128) && wgmma_supported(dtype, head_dim);
 }
 
-template <class T> void launch_backward(const Params& p, cudaStream_t stream) {
-  const int64_t blocks = p.heads * tiles(p.kv_len, kKeys);
-  if (blocks == 0) return;
-  LOOM_CHECK(blocks < (int64_t(1) << 31), "attention: ", blocks, " thread blocks exceed CUDA's grid limit; ",
-             "split the batch");
-  allow_shared_memory(wgmma_dkdv_dq_kernel<T>, backward_smem<T>(), "Hopper backward");
-  Params grouped = p;
-  grouped.head_group =
-      head_group(wgmma_dkdv_dq_kernel<T>, kBlockThreads, backward_smem<T>(), p.heads, tiles(p.kv_len, kKeys));
-  wgmma_dkdv_dq_kernel<T><<<unsigned(blocks), kBlockThreads, backward_smem<T>(), stream>>>(grouped);
-  LOOM_CUDA_LAUNCH();
-}
-
 void wgmma_dkdv_dq(const Params& p, DType dtype, cudaStream_t stream) {
   if (p.head_dim == 128) return wgmma_dkdv_dq128(p, dtype, stream);
-  if (dtype == DType::bf16) launch_backward<__nv_bfloat16>(p, stream);
-  else launch_backward<__half>(p, stream);
+  if (dtype == DType::bf16)
+    launch_blocks(wgmma_dkdv_dq_kernel<__nv_bfloat16>, backward_smem<__nv_bfloat16>(), "Hopper backward", p, stream);
+  else
+    launch_blocks(wgmma_dkdv_dq_kernel<__half>, backward_smem<__half>(), "Hopper backward", p, stream);
 }
 
 }  // namespace loom::cuda::attention

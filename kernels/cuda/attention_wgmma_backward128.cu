@@ -20,26 +20,22 @@
 //   dS^T tiles read transposed; B: K's 64-column block w read transposed).
 // One barrier between the P^T / dS^T stores and the three products that read them, one
 // before each tile (it has landed; the last tile's products are done). The atomics, the
-// padding they add into, and the groups of heads are attention_wgmma_backward.cu's.
+// padding they add into, and the groups of heads are attention_wgmma_backward.cu's (the
+// code both kernels share: attention_wgmma_backward.cuh).
 #include "kernels/config.h"
-#include "kernels/cuda/attention_wgmma.cuh"
+#include "kernels/cuda/attention_wgmma_backward.cuh"
 
 namespace loom::cuda::attention {
 namespace {
 
 using namespace mma_tiles;
+using namespace wgmma_backward;
 #if LOOM_WGMMA_CODE
 using namespace wgmma_tiles;
 #endif
 
-constexpr int kD = 128;                       // the head size this kernel takes
-constexpr int kGroups = 2;                    // warpgroups of a block
-constexpr int kGroupKeys = 64;                // keys of a warpgroup: its rows
-constexpr int kKeys = kGroups * kGroupKeys;   // keys of a block
-constexpr int kBlockThreads = kGroups * kThreads;
-constexpr int kQueries = kBlockN;             // queries of a streamed tile
+constexpr int kD = 128;                            // the head size this kernel takes
 constexpr int kScoreTile = kGroupKeys * kQueries;  // a warpgroup's P^T or dS^T tile, elements
-static_assert(kThreads == 128 && kQueries == 64, "a warpgroup is 128 threads over 64-query tiles");
 
 // Two Q and two dO tiles, K and V, each warpgroup's P^T and dS^T, lse2 and Di twice, and room
 // to align the tiles to 1024 bytes. After the sweep the Q and dO tiles stage dK and K's tile
@@ -111,6 +107,8 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   const float scale_log2 = float(p.scale_log2);
   const int it_begin = p.causal ? k0 / kQueries : 0, it_end = (p.q_len + kQueries - 1) / kQueries;
 
+  // Query tile `it` into buffer `buf`: Q and its lse2 rows by the first warpgroup, dO and its
+  // Di rows by the second (in bounds: padded).
   auto load_query_tile = [&](int buf, int it) {
     const int i0 = it * kQueries;
     constexpr int kChunks = kQueries / 4;  // 16-byte chunks of a tile's lse2 (or Di)
@@ -197,13 +195,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
-    const int i = i0 + warp * 16 + g;  // this thread's rows: i and i + 8
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int c = 0; c < 8; ++c)
-        add_pair(dq_acc + int64_t(i + 8 * r) * D + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
-    }
+    add_dq<D, 64>(dq_acc, dq, i0 + warp * 16 + g, t);
   }
   cp_async_wait<0>();
   __syncthreads();  // every product is done: the Q / dO and K tiles stage dK and dV
@@ -217,24 +209,14 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
 #endif
 }
 
-template <class T> void launch_backward128(const Params& p, cudaStream_t stream) {
-  const int64_t blocks = p.heads * tiles(p.kv_len, kKeys);
-  if (blocks == 0) return;
-  LOOM_CHECK(blocks < (int64_t(1) << 31), "attention: ", blocks, " thread blocks exceed CUDA's grid limit; ",
-             "split the batch");
-  constexpr size_t smem = backward128_smem<T>();
-  allow_shared_memory(wgmma_dkdv_dq128_kernel<T>, smem, "Hopper backward (head_dim 128)");
-  Params grouped = p;
-  grouped.head_group = head_group(wgmma_dkdv_dq128_kernel<T>, kBlockThreads, smem, p.heads, tiles(p.kv_len, kKeys));
-  wgmma_dkdv_dq128_kernel<T><<<unsigned(blocks), kBlockThreads, smem, stream>>>(grouped);
-  LOOM_CUDA_LAUNCH();
-}
-
 }  // namespace
 
 void wgmma_dkdv_dq128(const Params& p, DType dtype, cudaStream_t stream) {
-  if (dtype == DType::bf16) launch_backward128<__nv_bfloat16>(p, stream);
-  else launch_backward128<__half>(p, stream);
+  constexpr const char* what = "Hopper backward (head_dim 128)";
+  if (dtype == DType::bf16)
+    launch_blocks(wgmma_dkdv_dq128_kernel<__nv_bfloat16>, backward128_smem<__nv_bfloat16>(), what, p, stream);
+  else
+    launch_blocks(wgmma_dkdv_dq128_kernel<__half>, backward128_smem<__half>(), what, p, stream);
 }
 
 }  // namespace loom::cuda::attention
