@@ -156,18 +156,19 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NB][4], uint64_t desc_a, uin
 // Rows [row0, row0 + kBlockN) of a (len, D) matrix, rows ld apart, into a swizzled tile
 // (the layout attention_wgmma.cu describes) by cp.async; rows at or past len are zeros. 8
 // neighbouring threads take the 8 chunks of one row of a 64-column block. `thread`: this
-// thread's index among the kThreads that load (a warpgroup's, in a block of several).
-template <int D, class T>
+// thread's index among the kThreads that load (a warpgroup's, in a block of several). A tile
+// of kTileRows rows takes them from its row first_row on.
+template <int D, class T, int kTileRows = kBlockN>
 __device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len,
-                                              int thread = int(threadIdx.x)) {
+                                              int thread = int(threadIdx.x), int first_row = 0) {
   constexpr int kChunks = D / 8, kTotal = kBlockN * kChunks;
   const T* tile = src + int64_t(row0) * ld;
 #pragma unroll
   for (int it = 0; it < kTotal / kThreads; ++it) {
     const int c = it * kThreads + thread;
-    const int chunk = c % 8, r = c / 8 % kBlockN, block = c / (8 * kBlockN);
+    const int chunk = c % 8, r = c / 8 % kBlockN, block = c / (8 * kBlockN), row = first_row + r;
     const bool valid = row0 + r < len;
-    cp_async_16(dst + block * kBlockN * 64 + r * 64 + (chunk ^ (r % 8)) * 8,
+    cp_async_16(dst + block * kTileRows * 64 + row * 64 + (chunk ^ (row % 8)) * 8,
                 valid ? tile + (r * ld + block * 64 + chunk * 8) : src, valid);
   }
 }

@@ -48,24 +48,6 @@ static_assert(kKeys * (kD + 8) <= 4 * kQueries * kD && kKeys * (kD + 8) <= 2 * k
               "dK and dV are staged in the Q / dO tiles and in K and V's");
 
 #if LOOM_WGMMA_CODE
-// Rows [row0, row0 + kGroupKeys) of a (len, kD) matrix, rows ld apart, into rows first_row..
-// of a swizzled (kKeys, kD) tile (two 64-column blocks of kKeys rows; 16-byte chunk c of row
-// r at chunk c ^ (r % 8)), by cp.async; rows at or past len are zeros. `thread`: this
-// thread's index among a warpgroup's.
-template <class T>
-__device__ __forceinline__ void load_key_rows(T* dst, const T* src, int ld, int row0, int len, int first_row,
-                                              int thread) {
-  const T* rows = src + int64_t(row0) * ld;
-#pragma unroll
-  for (int it = 0; it < kGroupKeys * (kD / 8) / kThreads; ++it) {
-    const int c = it * kThreads + thread, chunk = c % 8, r = c / 8 % kGroupKeys, block = c / (8 * kGroupKeys);
-    const int row = first_row + r;
-    const bool valid = row0 + r < len;
-    cp_async_16(dst + block * kKeys * 64 + row * 64 + (chunk ^ (row % 8)) * 8,
-                valid ? rows + (r * ld + block * 64 + chunk * 8) : src, valid);
-  }
-}
-
 // A warp's part of a (64 keys, 64 queries) accumulator into a swizzled tile as T: row = key
 // (this thread's g and g + 8 of its warp's 16), column = query; chunk nb of a row sits at
 // chunk nb ^ (row % 8), the same for both rows.
@@ -121,8 +103,8 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     }
   };
 
-  load_key_rows(sK, in.k, int(st.k.seq), kg, p.kv_len, group * kGroupKeys, tid);
-  load_key_rows(sV, in.v, int(st.v.seq), kg, p.kv_len, group * kGroupKeys, tid);
+  load_swizzled<D, T, kKeys>(sK, in.k, int(st.k.seq), kg, p.kv_len, tid, group * kGroupKeys);
+  load_swizzled<D, T, kKeys>(sV, in.v, int(st.v.seq), kg, p.kv_len, tid, group * kGroupKeys);
   if (it_begin < it_end) load_query_tile(0, it_begin);
   cp_async_commit();
 
