@@ -6,24 +6,29 @@
 //
 // A block is two warpgroups and takes 128 keys: warpgroup w keys 64 w to 64 w + 63, warp v
 // of it 16 v to 16 v + 15 of those. Each keeps its K and V rows as A fragments in registers,
-// and both sweep the 64-query tiles that can see the block's keys, Q and dO double-buffered
-// in wgmma's swizzled tiles (attention_wgmma.cu describes them; the first warpgroup loads Q
-// and lse2, the second dO and Di). Per query tile, five products of each warpgroup:
+// and both sweep the 64-query tiles that can see the block's keys, Q and dO in three of
+// wgmma's swizzled tiles (attention_wgmma.cu describes them): the tile in use, the next one,
+// landed, and the one after it, loading (the first warpgroup loads Q and lse2, the second dO
+// and Di). Per query tile, five products of each warpgroup:
 //   S^T = K Q^T and dP^T = V dO^T, issued together (B: the Q and dO tiles, K-major);
 //   P^T = exp2(S^T scale - lse2), dS^T = P^T (dP^T - Di), in registers;
 //   dV += P^T dO and dK += dS^T Q (A: P^T and dS^T repacked from the accumulators; B: the
 //   dO and Q tiles again, read transposed);
 //   dQ's columns 32 w to 32 w + 31 of the tile = dS K over all 128 keys, with both
-//   warpgroups' dS^T staged in shared memory as swizzled tiles that wgmma reads transposed
-//   as its A, and that half of the block's K rows as B, a tile in the 64-byte swizzle
-//   (32 columns are 64 bytes a row; 16-byte chunk c of row r sits at chunk c ^ (r / 2 % 4)).
-// Each thread then adds its part (2 rows x 8 columns) into the accumulator with float2
-// atomics: one atomic per element for 128 keys. Rows past q_len add zeros (Q and dO rows
-// there are loaded as zeros and lse2 is +inf, so P and dS are 0) into the workspace's
-// padding (q_pad, a multiple of 128, covers every tile), which dQ's conversion never reads:
-// no test per row. Two barriers a tile: one before it (the tile has landed, the last one's
-// reads are done), one between the dS^T stores and dQ. The blocks run in groups of heads
-// (attention.cuh's grouped_block), so the accumulator rows the atomics add into stay in L2.
+//   warpgroups' dS^T staged in shared memory as swizzled tiles (two buffers of them) that
+//   wgmma reads transposed as its A, and that half of the block's K rows as B, a tile in the
+//   64-byte swizzle (32 columns are 64 bytes a row; 16-byte chunk c of row r sits at chunk
+//   c ^ (r / 2 % 4)).
+// The next tile's S^T and dP^T are issued right behind dQ's product, so they run while the
+// warpgroup waits for dQ and adds it into the accumulator, float2 atomics by each thread
+// (2 rows x 8 columns): one atomic per element for 128 keys. Rows past q_len add zeros (Q
+// and dO rows there are loaded as zeros and lse2 is +inf, so P and dS are 0) into the
+// workspace's padding (q_pad, a multiple of 128, covers every tile), which dQ's conversion
+// never reads: no test per row. One barrier a tile, between the dS^T stores and dQ: by then
+// the next tile has landed (waited for before it) and both warpgroups have waited for every
+// product of the tile before, whose buffers are refilled after it. The blocks run in groups
+// of heads (attention.cuh's grouped_block), so the accumulator rows the atomics add into
+// stay in L2.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma_backward.cuh"
 
@@ -38,11 +43,14 @@ using namespace wgmma_tiles;
 
 constexpr int kD = 64;  // the head size this kernel takes
 
-// Swizzled tiles (two Q, two dO, each warpgroup's dS^T, and the two 32-column halves of K),
-// padded K and V rows, lse2 and Di twice, and room to align the tiles to 1024 bytes.
+constexpr int kBuffers = 3;  // query tiles in flight: the one in use, the next, the one loading
+
+// Swizzled tiles (kBuffers Q and dO, each warpgroup's dS^T twice, and the two 32-column halves
+// of K), padded K and V rows, lse2 and Di kBuffers times, and room to align the tiles to 1024
+// bytes.
 template <class T> constexpr size_t backward_smem() {
-  return size_t((4 + kGroups) * kBlockN * kD + kKeys * kD + 2 * kKeys * (kD + 8)) * sizeof(T) +
-         4 * kQueries * sizeof(float) + 1024;
+  return size_t((2 * kBuffers + 2 * kGroups) * kBlockN * kD + kKeys * kD + 2 * kKeys * (kD + 8)) * sizeof(T) +
+         2 * kBuffers * kQueries * sizeof(float) + 1024;
 }
 
 #if LOOM_WGMMA_CODE
@@ -71,15 +79,15 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
 #if LOOM_WGMMA_CODE
   constexpr int D = kD, S = D + 8, NB = kQueries / 8, kTile = kBlockN * D;
   extern __shared__ __align__(128) unsigned char smem[];
-  T* sQ = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles
-  T* sO = sQ + 2 * kTile;                                            // dO: 2 swizzled tiles
+  T* sQ = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // kBuffers swizzled tiles
+  T* sO = sQ + kBuffers * kTile;                                     // dO: kBuffers swizzled tiles
   const int group = int(threadIdx.x / kThreads), tid = int(threadIdx.x % kThreads);
-  T* sS = sO + 2 * kTile;                                            // dS^T of each warpgroup, swizzled: dQ's A
-  T* sKh = sS + kGroups * kTile;                                     // K's two column halves: dQ's B
+  T* sS = sO + kBuffers * kTile;                                     // dS^T of each warpgroup, twice: dQ's A
+  T* sKh = sS + 2 * kGroups * kTile;                                 // K's two column halves: dQ's B
   T* sK = sKh + kKeys * D;                                           // K rows, padded; dK on the way out
   T* sV = sK + kKeys * S;                                            // V rows, padded; dV on the way out
-  float* sL = reinterpret_cast<float*>(sV + kKeys * S);              // lse2: 2 x kQueries
-  float* sD = sL + 2 * kQueries;                                     // Di: 2 x kQueries
+  float* sL = reinterpret_cast<float*>(sV + kKeys * S);              // lse2: kBuffers x kQueries
+  float* sD = sL + kBuffers * kQueries;                              // Di: kBuffers x kQueries
 
   const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
   const GridPlace place = grouped_block(p, (p.kv_len + kKeys - 1) / kKeys);
@@ -113,8 +121,10 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   load_rows<D, kGroupKeys>(sVg, in.v, int(st.v.seq), kg, p.kv_len, tid);
   load_halves(sKh, in.k, int(st.k.seq), kg, p.kv_len, group * kGroupKeys, tid);
   if (it_begin < it_end) load_query_tile(0, it_begin);
+  if (it_begin + 1 < it_end) load_query_tile(1, it_begin + 1);
   cp_async_commit();
   cp_async_wait<0>();
+  fence_async_shared();
   __syncthreads();
   uint32_t kf[D / 16][4], vf[D / 16][4];
 #pragma unroll
@@ -123,23 +133,24 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     load_a<S>(vf[ks], sVg, warp * 16, ks * 16);
   }
 
+  // S^T = K Q^T and dP^T = V dO^T of the tile in use, issued a tile ahead (B: the Q and dO
+  // tiles, K-major).
+  float s[NB][4], dp[NB][4];
+  auto issue_scores = [&](int buf) {
+    issue_times_transposed<T, D>(s, kf, sQ + buf * kTile);
+    issue_times_transposed<T, D>(dp, vf, sO + buf * kTile);
+  };
+  if (it_begin < it_end) issue_scores(0);
+
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (int it = it_begin; it < it_end; ++it) {
-    const int buf = (it - it_begin) & 1;
-    cp_async_wait<0>();  // tile it, loaded a tile ago, has landed for this thread
-    fence_async_shared();
-    __syncthreads();     // and for the block; the last tile's buffers and dS^T have been read
-    if (it + 1 < it_end) load_query_tile(buf ^ 1, it + 1);
-    cp_async_commit();
+    const int n = it - it_begin, buf = n % kBuffers;
     const T* qt = sQ + buf * kTile;
     const T* ot = sO + buf * kTile;
     const float* lt = sL + buf * kQueries;
     const float* dt = sD + buf * kQueries;
+    T* sSn = sS + (n & 1) * kGroups * kTile;  // this tile's dS^T, both warpgroups'
     const int i0 = it * kQueries;
-
-    float s[NB][4], dp[NB][4];
-    issue_times_transposed<T, D>(s, kf, qt);   // S^T = K Q^T
-    issue_times_transposed<T, D>(dp, vf, ot);  // dP^T = V dO^T
     wgmma_wait<0>();
     fence_registers(s);
     fence_registers(dp);
@@ -157,7 +168,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     // dS^T into its swizzled tile: row = key (this thread's g and g + 8 of its warp's 16),
     // column = query; chunk nb of a row sits at chunk nb ^ (row % 8), the same for both rows.
     {
-      T* sSg = sS + group * kTile;
+      T* sSg = sSn + group * kTile;
       const int r = warp * 16 + g;
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
@@ -168,8 +179,12 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     }
     issue_times<T, D>(dv, pa, ot);  // dV += P^T dO
     issue_times<T, D>(dk, da, qt);  // dK += dS^T Q
-    fence_async_shared();           // the dS^T stores, for wgmma's reads
-    __syncthreads();                // both warpgroups': dQ reads all 128 keys
+    cp_async_wait<0>();             // the next tile has landed, for this thread
+    fence_async_shared();           // it and the dS^T stores, for wgmma's reads
+    __syncthreads();                // both warpgroups': dQ reads all 128 keys; the tile before this
+                                    // one has been read by every product, so its buffer is free
+    if (it + 2 < it_end) load_query_tile((n + 2) % kBuffers, it + 2);
+    cp_async_commit();
 
     // dQ's tile (queries x this warpgroup's 32 columns) = dS K over the block's keys: A =
     // dS^T read transposed, B = K's half read transposed.
@@ -177,16 +192,22 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)  // keys 16 kk.. : 16 rows on, 128 bytes a row in dS^T, 64 in K
-      wgmma_ss<T, 1, 1>(dq, descriptor(sS + kk / 4 * kTile + kk % 4 * 16 * 64, kBlockN * 128, 1024),
+      wgmma_ss<T, 1, 1>(dq, descriptor(sSn + kk / 4 * kTile + kk % 4 * 16 * 64, kBlockN * 128, 1024),
                         descriptor(sKh + group * kKeys * kHalf + kk * 16 * kHalf, kKeys * 64, 512, kSwizzle64),
                         kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    if (it + 1 < it_end) {  // the next tile's scores queue behind dQ's product
+      issue_scores((n + 1) % kBuffers);
+      wgmma_wait<2>();
+    } else {
+      wgmma_wait<0>();
+    }
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
     add_dq<D, kHalf>(dq_acc, dq, i0 + warp * 16 + g, t);
   }
+  wgmma_wait<0>();
   cp_async_wait<0>();
   __syncthreads();
   stage_rows<D>(sKg, dk, warp * 16, float(p.scale), float(p.scale));
