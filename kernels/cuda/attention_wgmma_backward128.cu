@@ -5,22 +5,22 @@
 //
 // The block is that kernel's: two warpgroups, 128 keys, warpgroup w keys 64 w to 64 w + 63
 // and warp v of it 16 v to 16 v + 15 of those, both sweeping the 64-query tiles that see the
-// block's keys, Q and dO double-buffered in swizzled tiles (the first warpgroup loads Q and
+// block's keys, Q and dO in three swizzled buffers as at 64 (the first warpgroup loads Q and
 // lse2, the second dO and Di). What changes is where the operands live: at 128 columns a
 // warpgroup's dK and dV accumulators alone take 128 registers a thread, so K and V stay in
 // shared memory (swizzled (128, 128) tiles, each two 64-column blocks of 128 rows) and every
 // product reads both operands from there:
 //   S^T = K Q^T and dP^T = V dO^T (A: the warpgroup's K or V rows, K-major; B: the Q or dO
 //   tile, K-major), issued together;
-//   P^T and dS^T in registers, as at 64, then stored as swizzled (64 keys, 64 queries) tiles,
-//   where the score registers die;
+//   P^T and dS^T in registers, as at 64, then stored as swizzled (64 keys, 64 queries) tiles
+//   (dS^T in two buffers), where the score registers die;
 //   dV += P^T dO and dK += dS^T Q (A: the P^T or dS^T tile, K-major; B: the dO or Q tile read
 //   transposed, N = 128);
 //   dQ's columns 64 w to 64 w + 63 of the tile = dS K over all 128 keys (A: both warpgroups'
 //   dS^T tiles read transposed; B: K's 64-column block w read transposed).
-// One barrier between the P^T / dS^T stores and the three products that read them, one
-// before each tile (it has landed; the last tile's products are done). The atomics, the
-// padding they add into, and the groups of heads are attention_wgmma_backward.cu's (the
+// The next tile's S^T and dP^T are issued behind dQ's product, and one barrier a tile
+// separates the P^T / dS^T stores from the products that read them, as at 64. The atomics,
+// the padding they add into, and the groups of heads are attention_wgmma_backward.cu's (the
 // code both kernels share: attention_wgmma_backward.cuh).
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma_backward.cuh"
@@ -37,14 +37,16 @@ using namespace wgmma_tiles;
 constexpr int kD = 128;                            // the head size this kernel takes
 constexpr int kScoreTile = kGroupKeys * kQueries;  // a warpgroup's P^T or dS^T tile, elements
 
-// Two Q and two dO tiles, K and V, each warpgroup's P^T and dS^T, lse2 and Di twice, and room
-// to align the tiles to 1024 bytes. After the sweep the Q and dO tiles stage dK and K's tile
-// dV, each (kKeys, kD + 8).
+constexpr int kBuffers = 3;  // query tiles in flight: the one in use, the next, the one loading
+
+// kBuffers Q and dO tiles, K and V, each warpgroup's P^T and (twice) dS^T, lse2 and Di
+// kBuffers times, and room to align the tiles to 1024 bytes. After the sweep the Q and dO
+// tiles stage dK and K's tile dV, each (kKeys, kD + 8).
 template <class T> constexpr size_t backward128_smem() {
-  return size_t(4 * kQueries * kD + 2 * kKeys * kD + 2 * kGroups * kScoreTile) * sizeof(T) +
-         4 * kQueries * sizeof(float) + 1024;
+  return size_t(2 * kBuffers * kQueries * kD + 2 * kKeys * kD + 3 * kGroups * kScoreTile) * sizeof(T) +
+         2 * kBuffers * kQueries * sizeof(float) + 1024;
 }
-static_assert(kKeys * (kD + 8) <= 4 * kQueries * kD && kKeys * (kD + 8) <= 2 * kKeys * kD,
+static_assert(kKeys * (kD + 8) <= 2 * kBuffers * kQueries * kD && kKeys * (kD + 8) <= 2 * kKeys * kD,
               "dK and dV are staged in the Q / dO tiles and in K and V's");
 
 #if LOOM_WGMMA_CODE
@@ -67,14 +69,14 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
 #if LOOM_WGMMA_CODE
   constexpr int D = kD, S = D + 8, NB = kQueries / 8, kTile = kQueries * D;
   extern __shared__ __align__(128) unsigned char smem[];
-  T* sQ = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // 2 swizzled tiles; dK on the way out
-  T* sO = sQ + 2 * kTile;                                            // dO: 2 swizzled tiles
-  T* sK = sO + 2 * kTile;                                            // (kKeys, D) swizzled; dV on the way out
+  T* sQ = reinterpret_cast<T*>(smem + (-smem_addr(smem) & 1023u));  // kBuffers swizzled tiles; dK on the way out
+  T* sO = sQ + kBuffers * kTile;                                     // dO: kBuffers swizzled tiles
+  T* sK = sO + kBuffers * kTile;                                     // (kKeys, D) swizzled; dV on the way out
   T* sV = sK + kKeys * D;                                            // (kKeys, D) swizzled
   T* sP = sV + kKeys * D;                                            // P^T of each warpgroup, swizzled
-  T* sS = sP + kGroups * kScoreTile;                                 // dS^T of each warpgroup, swizzled
-  float* sL = reinterpret_cast<float*>(sS + kGroups * kScoreTile);   // lse2: 2 x kQueries
-  float* sD = sL + 2 * kQueries;                                     // Di: 2 x kQueries
+  T* sS = sP + kGroups * kScoreTile;                                 // dS^T of each warpgroup, swizzled, twice
+  float* sL = reinterpret_cast<float*>(sS + 2 * kGroups * kScoreTile);  // lse2: kBuffers x kQueries
+  float* sD = sL + kBuffers * kQueries;                                 // Di: kBuffers x kQueries
   const int group = int(threadIdx.x / kThreads), tid = int(threadIdx.x % kThreads);
 
   const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
@@ -106,29 +108,22 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   load_swizzled<D, T, kKeys>(sK, in.k, int(st.k.seq), kg, p.kv_len, tid, group * kGroupKeys);
   load_swizzled<D, T, kKeys>(sV, in.v, int(st.v.seq), kg, p.kv_len, tid, group * kGroupKeys);
   if (it_begin < it_end) load_query_tile(0, it_begin);
+  if (it_begin + 1 < it_end) load_query_tile(1, it_begin + 1);
   cp_async_commit();
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();
 
   // This warpgroup's K and V rows as the A of S^T and dP^T: 16 columns a step, block ks / 4.
   const T* kA = sK + group * kGroupKeys * 64;
   const T* vA = sV + group * kGroupKeys * 64;
   T* sPg = sP + group * kScoreTile;
-  T* sSg = sS + group * kScoreTile;
 
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (int it = it_begin; it < it_end; ++it) {
-    const int buf = (it - it_begin) & 1;
-    cp_async_wait<0>();  // tile it (and at first K and V), loaded a tile ago, has landed for this thread
-    fence_async_shared();
-    __syncthreads();     // and for the block; the last tile's products are done
-    if (it + 1 < it_end) load_query_tile(buf ^ 1, it + 1);
-    cp_async_commit();
+  // S^T = K Q^T and dP^T = V dO^T of the tile in buffer `buf`, issued a tile ahead.
+  float s[NB][4], dp[NB][4];
+  auto issue_scores = [&](int buf) {
     const T* qt = sQ + buf * kTile;
     const T* ot = sO + buf * kTile;
-    const float* lt = sL + buf * kQueries;
-    const float* dt = sD + buf * kQueries;
-    const int i0 = it * kQueries;
-
-    float s[NB][4], dp[NB][4];
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {  // S^T = K Q^T: columns 16 ks.., block ks / 4
@@ -141,6 +136,18 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
       wgmma_ss<T, 0, 0>(dp, descriptor(vA + at, 16, 1024), descriptor(ot + bt, 16, 1024), ks > 0);
     }
     wgmma_commit();
+  };
+  if (it_begin < it_end) issue_scores(0);
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int it = it_begin; it < it_end; ++it) {
+    const int n = it - it_begin, buf = n % kBuffers;
+    const T* qt = sQ + buf * kTile;
+    const T* ot = sO + buf * kTile;
+    const float* lt = sL + buf * kQueries;
+    const float* dt = sD + buf * kQueries;
+    T* sSn = sS + (n & 1) * kGroups * kScoreTile;  // this tile's dS^T, both warpgroups'
+    const int i0 = it * kQueries;
     wgmma_wait<0>();
     fence_registers(s);
     fence_registers(dp);
@@ -150,17 +157,21 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     const bool edge = (p.causal && i0 < w0 + 15) || kg + kGroupKeys > p.kv_len;
     backward_scores(s, dp, lt, dt, scale_log2, edge, i0, w0, g, t, p.kv_len, p.causal);
     store_scores(sPg, s, warp, g, t);
-    store_scores(sSg, dp, warp, g, t);
-    fence_async_shared();  // the stores, for wgmma's reads
-    __syncthreads();       // both warpgroups': dQ reads all 128 keys
+    store_scores(sSn + group * kScoreTile, dp, warp, g, t);
+    cp_async_wait<0>();    // the next tile has landed, for this thread
+    fence_async_shared();  // it and the stores, for wgmma's reads
+    __syncthreads();       // both warpgroups': dQ reads all 128 keys; the tile before this one has
+                           // been read by every product, so its buffer is free
+    if (it + 2 < it_end) load_query_tile((n + 2) % kBuffers, it + 2);
+    cp_async_commit();
 
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {  // queries 16 kk..: 32 bytes on in P^T, 16 rows in dO
       wgmma_ss<T, 0, 1>(dv, descriptor(sPg + kk * 16, 16, 1024), descriptor(ot + kk * 16 * 64, kQueries * 128, 1024),
                         true);
-      wgmma_ss<T, 0, 1>(dk, descriptor(sSg + kk * 16, 16, 1024), descriptor(qt + kk * 16 * 64, kQueries * 128, 1024),
-                        true);
+      wgmma_ss<T, 0, 1>(dk, descriptor(sSn + group * kScoreTile + kk * 16, 16, 1024),
+                        descriptor(qt + kk * 16 * 64, kQueries * 128, 1024), true);
     }
     wgmma_commit();
     // dQ's tile (queries x this warpgroup's 64 columns) = dS K over the block's keys: A = dS^T
@@ -170,15 +181,21 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma_ss<T, 1, 1>(dq, descriptor(sS + kk / 4 * kScoreTile + kk % 4 * 16 * 64, kQueries * 128, 1024),
+      wgmma_ss<T, 1, 1>(dq, descriptor(sSn + kk / 4 * kScoreTile + kk % 4 * 16 * 64, kQueries * 128, 1024),
                         descriptor(sK + group * kKeys * 64 + kk * 16 * 64, kKeys * 128, 1024), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    if (it + 1 < it_end) {  // the next tile's scores queue behind dQ's product
+      issue_scores((n + 1) % kBuffers);
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
     add_dq<D, 64>(dq_acc, dq, i0 + warp * 16 + g, t);
   }
+  wgmma_wait<0>();
   cp_async_wait<0>();
   __syncthreads();  // every product is done: the Q / dO and K tiles stage dK and dV
   T* sdK = sQ + group * kGroupKeys * S;
