@@ -46,15 +46,41 @@ constexpr int kD = 64;  // the head size this kernel takes
 constexpr int kBuffers = 3;  // query tiles in flight: the one in use, the next, the one loading
 
 // Swizzled tiles (kBuffers Q and dO, each warpgroup's dS^T twice, and the two 32-column halves
-// of K), padded K and V rows, lse2 and Di kBuffers times, and room to align the tiles to 1024
-// bytes.
+// of K), padded K and V rows, lse2 and Di kBuffers times, dQ's f32 tile twice, and room to
+// align the tiles to 1024 bytes.
 template <class T> constexpr size_t backward_smem() {
   return size_t((2 * kBuffers + 2 * kGroups) * kBlockN * kD + kKeys * kD + 2 * kKeys * (kD + 8)) * sizeof(T) +
-         2 * kBuffers * kQueries * sizeof(float) + 1024;
+         (2 * kBuffers * kQueries + 2 * kQueries * kD) * sizeof(float) + 1024;
 }
 
 #if LOOM_WGMMA_CODE
 constexpr int kHalf = kD / 2;  // dQ's columns of a warpgroup
+
+// bytes of f32 at src (shared) added into dst (global) by one asynchronous bulk reduction,
+// committed as a bulk group of its own.
+__device__ __forceinline__ void bulk_add(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;\n" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+// Waits until at most N bulk groups are pending: their sources read (bulk_wait_read), or
+// their writes done too (bulk_wait).
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// A thread's part of a warpgroup's dQ tile (rows r and r + 8, columns col + 8 c) into a
+// (kQueries, kD) f32 tile.
+__device__ __forceinline__ void stage_dq(float* tile, const float (&dq)[kHalf / 8][4], int r, int col) {
+#pragma unroll
+  for (int c = 0; c < kHalf / 8; ++c) {
+    *reinterpret_cast<float2*>(tile + r * kD + col + 8 * c) = make_float2(dq[c][0], dq[c][1]);
+    *reinterpret_cast<float2*>(tile + (r + 8) * kD + col + 8 * c) = make_float2(dq[c][2], dq[c][3]);
+  }
+}
 
 // Rows [row0, row0 + kGroupKeys) of a (len, kD) matrix, rows ld apart, into rows first_row..
 // of the two 32-column halves of a 64-byte-swizzled (kKeys, kD) tile, by cp.async; rows at
@@ -88,6 +114,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   T* sV = sK + kKeys * S;                                            // V rows, padded; dV on the way out
   float* sL = reinterpret_cast<float*>(sV + kKeys * S);              // lse2: kBuffers x kQueries
   float* sD = sL + kBuffers * kQueries;                              // Di: kBuffers x kQueries
+  float* sDq = sD + kBuffers * kQueries;                             // dQ's (kQueries, D) tile, twice
 
   const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
   const GridPlace place = grouped_block(p, (p.kv_len + kKeys - 1) / kKeys);
@@ -97,7 +124,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   const int w0 = kg + warp * 16;                     // this warp's first key; a thread's: w0 + g and w0 + g + 8
   const AttentionLayout& st = p.strides;
   const HeadOperands<T> in(p, bh, true);
-  float* dq_acc = p.dq_acc + bh * p.q_pad * D + group * kHalf;
+  float* dq_acc = p.dq_acc + bh * p.q_pad * D;
   const float scale_log2 = float(p.scale_log2);
   const int it_begin = p.causal ? k0 / kQueries : 0, it_end = (p.q_len + kQueries - 1) / kQueries;
 
@@ -180,11 +207,14 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     issue_times<T, D>(dv, pa, ot);  // dV += P^T dO
     issue_times<T, D>(dk, da, qt);  // dK += dS^T Q
     cp_async_wait<0>();             // the next tile has landed, for this thread
+    if (threadIdx.x == 0) bulk_wait_read<0>();  // the last dQ tile added has been read from its buffer
     fence_async_shared();           // it and the dS^T stores, for wgmma's reads
     __syncthreads();                // both warpgroups': dQ reads all 128 keys; the tile before this
                                     // one has been read by every product, so its buffer is free
     if (it + 2 < it_end) load_query_tile((n + 2) % kBuffers, it + 2);
     cp_async_commit();
+    if (threadIdx.x == 0 && it > it_begin)  // the tile before's dQ, staged by both warpgroups
+      bulk_add(dq_acc + int64_t(i0 - kQueries) * D, sDq + ((n - 1) & 1) * kQueries * D, kQueries * D * 4);
 
     // dQ's tile (queries x this warpgroup's 32 columns) = dS K over the block's keys: A =
     // dS^T read transposed, B = K's half read transposed.
@@ -205,11 +235,17 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
-    add_dq<D, kHalf>(dq_acc, dq, i0 + warp * 16 + g, t);
+    stage_dq(sDq + (n & 1) * kQueries * D, dq, warp * 16 + g, group * kHalf + 2 * t);
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
+  fence_async_shared();  // the last dQ tile, for the bulk add
   __syncthreads();
+  if (threadIdx.x == 0 && it_begin < it_end) {
+    bulk_add(dq_acc + int64_t(it_end - 1) * kQueries * D, sDq + ((it_end - 1 - it_begin) & 1) * kQueries * D,
+             kQueries * D * 4);
+    bulk_wait<0>();
+  }
   stage_rows<D>(sKg, dk, warp * 16, float(p.scale), float(p.scale));
   stage_rows<D>(sVg, dv, warp * 16, 1.f, 1.f);
   __syncthreads();
