@@ -1,8 +1,8 @@
 // Flash attention backward on Hopper's warpgroup products (wgmma), for H100 and H200 (sm_90a):
-// dK, dV and dQ at head_dim 64, bf16/f16, with dQ summed by f32 atomics into the workspace's
-// accumulator (the default, as attention_mma_backward.cu's; AttentionArgs::deterministic
-// keeps that file's kernels). The row preparation before it (lse2, Di) and dQ's conversion
-// after it are attention_mma_backward.cu's.
+// dK, dV and dQ at head_dim 64, bf16/f16, with dQ summed in f32 into the workspace's
+// accumulator by bulk reductions, in any order (the default, as attention_mma_backward.cu's
+// atomics; AttentionArgs::deterministic keeps that file's kernels). The row preparation
+// before it (lse2, Di) and dQ's conversion after it are attention_mma_backward.cu's.
 //
 // A block is two warpgroups and takes 128 keys: warpgroup w keys 64 w to 64 w + 63, warp v
 // of it 16 v to 16 v + 15 of those. Each keeps its K and V rows as A fragments in registers,
@@ -20,15 +20,19 @@
 //   64-byte swizzle (32 columns are 64 bytes a row; 16-byte chunk c of row r sits at chunk
 //   c ^ (r / 2 % 4)).
 // The next tile's S^T and dP^T are issued right behind dQ's product, so they run while the
-// warpgroup waits for dQ and adds it into the accumulator, float2 atomics by each thread
-// (2 rows x 8 columns): one atomic per element for 128 keys. Rows past q_len add zeros (Q
-// and dO rows there are loaded as zeros and lse2 is +inf, so P and dS are 0) into the
-// workspace's padding (q_pad, a multiple of 128, covers every tile), which dQ's conversion
-// never reads: no test per row. One barrier a tile, between the dS^T stores and dQ: by then
-// the next tile has landed (waited for before it) and both warpgroups have waited for every
-// product of the tile before, whose buffers are refilled after it. The blocks run in groups
-// of heads (attention.cuh's grouped_block), so the accumulator rows the atomics add into
-// stay in L2.
+// warpgroup waits for dQ and stages its half in a (64 queries, 64) f32 tile in shared memory
+// (two buffers). After the next tile's barrier one thread adds the whole tile into the
+// accumulator's rows, which are contiguous, by one asynchronous bulk reduction
+// (cp.reduce.async.bulk .add.f32, done by the memory system), in place of a float2 atomic
+// per thread for every 2 x 8 of the tile; before the barrier after that it waits until the
+// reduction has read its buffer. Rows past q_len add zeros (Q and dO rows there are loaded
+// as zeros and lse2 is +inf, so P and dS are 0) into the workspace's padding (q_pad, a
+// multiple of 128, covers every tile), which dQ's conversion never reads: no test per row.
+// One barrier a tile, between the dS^T stores and dQ: by then the next tile has landed
+// (waited for before it) and both warpgroups have waited for every product of the tile
+// before, whose buffers are refilled after it. The blocks run in groups of heads
+// (attention.cuh's grouped_block), so the accumulator rows the reductions add into stay in
+// L2.
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma_backward.cuh"
 

@@ -1,6 +1,6 @@
 // What the Hopper attention backward kernels (attention_wgmma_backward.cu at head_dim 64,
-// attention_wgmma_backward128.cu at 128) share: the block's shape, dQ's atomics and the
-// launch. The kernels differ in where K, V, P^T and dS^T live.
+// attention_wgmma_backward128.cu at 128) share: the block's shape and the launch. The
+// kernels differ in where K, V, P^T and dS^T live and in how dQ is added up.
 #pragma once
 
 #include "kernels/cuda/attention_wgmma.cuh"
@@ -15,20 +15,6 @@ constexpr int kKeys = kGroups * kGroupKeys;    // keys of a block
 constexpr int kBlockThreads = kGroups * kThreads;
 constexpr int kQueries = kBlockN;              // queries of a streamed tile
 static_assert(kThreads == 128 && kQueries == 64, "a warpgroup is 128 threads over 64-query tiles");
-
-#if LOOM_WGMMA_CODE
-// A thread's part of a warpgroup's dQ tile (its rows i and i + 8, kCols columns in
-// accumulator layout) added into the accumulator rows, D floats apart, by float2 atomics.
-template <int D, int kCols>
-__device__ __forceinline__ void add_dq(float* dq_acc, const float (&dq)[kCols / 8][4], int i, int t) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-#pragma unroll
-    for (int c = 0; c < kCols / 8; ++c)
-      add_pair(dq_acc + int64_t(i + 8 * r) * D + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
-  }
-}
-#endif
 
 // A block per kKeys keys of each head, in groups of heads (attention.cuh's head_group).
 template <class Kernel>

@@ -19,9 +19,11 @@
 //   dQ's columns 64 w to 64 w + 63 of the tile = dS K over all 128 keys (A: both warpgroups'
 //   dS^T tiles read transposed; B: K's 64-column block w read transposed).
 // The next tile's S^T and dP^T are issued behind dQ's product, and one barrier a tile
-// separates the P^T / dS^T stores from the products that read them, as at 64. The atomics,
-// the padding they add into, and the groups of heads are attention_wgmma_backward.cu's (the
-// code both kernels share: attention_wgmma_backward.cuh).
+// separates the P^T / dS^T stores from the products that read them, as at 64. dQ is added by
+// float2 atomics, each thread its part (2 rows x 8 columns; a bulk reduction, as at 64, would
+// need two 32 KB f32 tiles more in shared memory than the block has left). The padding they
+// add into and the groups of heads are attention_wgmma_backward.cu's (the code both kernels
+// share: attention_wgmma_backward.cuh).
 #include "kernels/config.h"
 #include "kernels/cuda/attention_wgmma_backward.cuh"
 
@@ -50,6 +52,18 @@ static_assert(kKeys * (kD + 8) <= 2 * kBuffers * kQueries * kD && kKeys * (kD + 
               "dK and dV are staged in the Q / dO tiles and in K and V's");
 
 #if LOOM_WGMMA_CODE
+// A thread's part of a warpgroup's dQ tile (its rows i and i + 8, kCols columns in
+// accumulator layout) added into the accumulator rows, D floats apart, by float2 atomics.
+template <int D, int kCols>
+__device__ __forceinline__ void add_dq(float* dq_acc, const float (&dq)[kCols / 8][4], int i, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int c = 0; c < kCols / 8; ++c)
+      add_pair(dq_acc + int64_t(i + 8 * r) * D + c * 8 + 2 * t, dq[c][2 * r], dq[c][2 * r + 1]);
+  }
+}
+
 // A warp's part of a (64 keys, 64 queries) accumulator into a swizzled tile as T: row = key
 // (this thread's g and g + 8 of its warp's 16), column = query; chunk nb of a row sits at
 // chunk nb ^ (row % 8), the same for both rows.
