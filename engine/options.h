@@ -16,8 +16,9 @@
 // head_dim 32 to 128) computes dQ in a kernel of its own, which recomputes the scores and
 // their gradient per key tile (7 products a tile pair instead of 5) and sums in registers,
 // so its result is the same bits from run to run, and it needs no f32 dQ accumulator in its
-// workspace. Off: dQ is summed into that accumulator with atomics, in an order that varies
-// from run to run (the differences are f32 rounding). On, too, convolutions run only cuDNN
+// workspace. Off: dQ is summed into that accumulator with atomics (on an H100 or H200 at
+// head_dim 64, bulk reductions of whole tiles), in an order that varies from run to run (the
+// differences are f32 rounding). On, too, convolutions run only cuDNN
 // algorithms whose results repeat bit for bit (engines without cuDNN's nondeterministic note;
 // off, cuDNN's first choice may sum with atomics, as some of its f32 weight-gradient engines
 // do); their plans are kept per setting. Other paths are unaffected: the CPU kernels and the
@@ -29,7 +30,7 @@
 // hopper_attention (default on). On: on an H100 or H200 in a build whose cuda-arch lists 90,
 // the attention on tensor cores (bf16/f16) runs the kernels built on Hopper's warpgroup
 // products: the forward at head_dim 64 or 128 (kernels/cuda/attention_wgmma.cu), the
-// backward's dK, dV and dQ at 64 and 128 when dQ is summed by atomics
+// backward's dK, dV and dQ at 64 and 128 when deterministic is off
 // (attention_wgmma_backward.cu, attention_wgmma_backward128.cu).
 // Off: the tensor-core kernels that every GPU from sm_80 on runs (attention_mma*.cu).
 // Results agree within f32 rounding.

@@ -3,7 +3,7 @@
 // its key blocks in the backward) runs group by group, a group being `group` heads' blocks
 // (the last group the heads left), and inside a group the index within the head slowest:
 // block b of a group is head b % heads_in_group, index b / heads_in_group. The blocks
-// resident at once then read, and with dQ's atomics write, a few heads' rows, which stay in
+// resident at once then read, and with dQ's sums write, a few heads' rows, which stay in
 // L2, while each group still starts with its longest blocks (causal's first key blocks,
 // last query tiles). Here so the host can test the layout: every (head, index) once.
 #pragma once
