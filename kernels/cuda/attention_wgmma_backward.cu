@@ -47,8 +47,6 @@ using namespace wgmma_tiles;
 
 constexpr int kD = 64;  // the head size this kernel takes
 
-constexpr int kBuffers = 3;  // query tiles in flight: the one in use, the next, the one loading
-
 // Swizzled tiles (kBuffers Q and dO, each warpgroup's dS^T twice, and the two 32-column halves
 // of K), padded K and V rows, lse2 and Di kBuffers times, dQ's f32 tile twice, and room to
 // align the tiles to 1024 bytes.

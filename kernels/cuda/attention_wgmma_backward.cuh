@@ -14,6 +14,7 @@ constexpr int kGroupKeys = 64;                 // keys of a warpgroup: its rows
 constexpr int kKeys = kGroups * kGroupKeys;    // keys of a block
 constexpr int kBlockThreads = kGroups * kThreads;
 constexpr int kQueries = kBlockN;              // queries of a streamed tile
+constexpr int kBuffers = 3;                    // query tiles in flight: in use, landed, loading
 static_assert(kThreads == 128 && kQueries == 64, "a warpgroup is 128 threads over 64-query tiles");
 
 // A block per kKeys keys of each head, in groups of heads (attention.cuh's head_group).

@@ -39,8 +39,6 @@ using namespace wgmma_tiles;
 constexpr int kD = 128;                            // the head size this kernel takes
 constexpr int kScoreTile = kGroupKeys * kQueries;  // a warpgroup's P^T or dS^T tile, elements
 
-constexpr int kBuffers = 3;  // query tiles in flight: the one in use, the next, the one loading
-
 // kBuffers Q and dO tiles, K and V, each warpgroup's P^T and (twice) dS^T, lse2 and Di
 // kBuffers times, and room to align the tiles to 1024 bytes. After the sweep the Q and dO
 // tiles stage dK and K's tile dV, each (kKeys, kD + 8).
