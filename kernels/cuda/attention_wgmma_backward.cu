@@ -210,7 +210,8 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     issue_times<T, D>(dk, da, qt);  // dK += dS^T Q
     cp_async_wait<0>();             // the next tile has landed, for this thread
     if (threadIdx.x == 0) bulk_wait_read<0>();  // the last dQ tile added has been read from its buffer
-    fence_async_shared();           // it and the dS^T stores, for wgmma's reads
+    fence_async_shared();           // it, the dS^T stores and the staged dQ tile, for wgmma's and
+                                    // the bulk add's reads
     __syncthreads();                // both warpgroups': dQ reads all 128 keys; the tile before this
                                     // one has been read by every product, so its buffer is free
     if (it + 2 < it_end) load_query_tile((n + 2) % kBuffers, it + 2);
