@@ -7,7 +7,8 @@
 // Loom ms). Prints a table and writes JSON (--json FILE). --deterministic times the
 // backward that computes dQ without atomics (Options::deterministic, engine/options.h);
 // --no-hopper-attention times the kernels of every target in place of the Hopper ones on an
-// H100 or H200 (Options::hopper_attention: the forward, and the backward at head_dim 64).
+// H100 or H200 (Options::hopper_attention: the forward, and the backward at head_dim 64 and
+// 128).
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -46,6 +47,7 @@ const Workload kWorkloads[] = {
     {16, 12, 1024, 64, false, DType::bf16},
     {16, 12, 1024, 64, true, DType::f16},
     {8, 16, 2048, 64, true, DType::bf16},
+    {4, 12, 4096, 64, true, DType::bf16},    // GPT-2 124M at T = 4096, 16,384 tokens as above
     {8, 16, 1024, 128, true, DType::bf16},
     {16, 12, 1024, 64, true, DType::f32},
 };
