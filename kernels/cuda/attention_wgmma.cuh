@@ -186,16 +186,25 @@ __device__ __forceinline__ void issue_times_transposed(float (&s)[kBlockN / 8][4
   wgmma_commit();
 }
 
-// The same with a in shared memory too: qt, a swizzled (64, D) tile read K-major (Q in the
-// forward).
+// acc (64 rows x kBlockN) = a times tile^T, both in shared memory and read K-major: a, 64
+// rows of a swizzled (kARows, D) tile (its 64-column blocks kARows rows apart), tile a
+// swizzled (kBlockN, D) tile. Issued, neither fenced nor committed: the caller brackets its
+// products with wgmma_fence and wgmma_commit.
+template <class T, int D, int kARows = 64>
+__device__ __forceinline__ void times_transposed_ss(float (&s)[kBlockN / 8][4], const T* a, const T* kt) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {  // columns 16 ks..: block ks / 4, 32 bytes a step inside it
+    const int at = ks / 4 * kARows * 64 + ks % 4 * 16, bt = ks / 4 * kBlockN * 64 + ks % 4 * 16;
+    wgmma_ss<T, 0, 0>(s, descriptor(a + at, 16, 1024), descriptor(kt + bt, 16, 1024), ks > 0);
+  }
+}
+
+// issue_times_transposed with a in shared memory too: qt, a swizzled (64, D) tile read
+// K-major (Q in the forward).
 template <class T, int D>
 __device__ __forceinline__ void issue_times_transposed(float (&s)[kBlockN / 8][4], const T* qt, const T* kt) {
   wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    const int at = ks / 4 * 64 * 64 + ks % 4 * 16, bt = ks / 4 * kBlockN * 64 + ks % 4 * 16;
-    wgmma_ss<T, 0, 0>(s, descriptor(qt + at, 16, 1024), descriptor(kt + bt, 16, 1024), ks > 0);
-  }
+  times_transposed_ss<T, D>(s, qt, kt);
   wgmma_commit();
 }
 

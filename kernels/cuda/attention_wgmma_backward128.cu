@@ -134,19 +134,9 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   // S^T = K Q^T and dP^T = V dO^T of the tile in buffer `buf`, issued a tile ahead.
   float s[NB][4], dp[NB][4];
   auto issue_scores = [&](int buf) {
-    const T* qt = sQ + buf * kTile;
-    const T* ot = sO + buf * kTile;
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {  // S^T = K Q^T: columns 16 ks.., block ks / 4
-      const int at = ks / 4 * kKeys * 64 + ks % 4 * 16, bt = ks / 4 * kQueries * 64 + ks % 4 * 16;
-      wgmma_ss<T, 0, 0>(s, descriptor(kA + at, 16, 1024), descriptor(qt + bt, 16, 1024), ks > 0);
-    }
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {  // dP^T = V dO^T
-      const int at = ks / 4 * kKeys * 64 + ks % 4 * 16, bt = ks / 4 * kQueries * 64 + ks % 4 * 16;
-      wgmma_ss<T, 0, 0>(dp, descriptor(vA + at, 16, 1024), descriptor(ot + bt, 16, 1024), ks > 0);
-    }
+    times_transposed_ss<T, D, kKeys>(s, kA, sQ + buf * kTile);   // S^T = K Q^T
+    times_transposed_ss<T, D, kKeys>(dp, vA, sO + buf * kTile);  // dP^T = V dO^T
     wgmma_commit();
   };
   if (it_begin < it_end) issue_scores(0);
