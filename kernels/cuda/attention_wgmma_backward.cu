@@ -240,7 +240,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     fence_registers(dv);
     stage_dq(sDq + (n & 1) * kQueries * D, dq, warp * 16 + g, group * kHalf + 2 * t);
   }
-  wgmma_wait<0>();
+  wgmma_wait<0>();  // every product is done; waited for here, ptxas injects no wait of its own
   cp_async_wait<0>();
   fence_async_shared();  // the last dQ tile, for the bulk add
   __syncthreads();

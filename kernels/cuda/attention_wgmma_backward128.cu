@@ -197,7 +197,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     fence_registers(dv);
     add_dq<D, 64>(dq_acc, dq, i0 + warp * 16 + g, t);
   }
-  wgmma_wait<0>();
+  wgmma_wait<0>();  // every product is done; waited for here, ptxas injects no wait of its own
   cp_async_wait<0>();
   __syncthreads();  // every product is done: the Q / dO and K tiles stage dK and dV
   T* sdK = sQ + group * kGroupKeys * S;
