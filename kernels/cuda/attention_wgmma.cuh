@@ -33,6 +33,11 @@ __device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leadi
          uint64_t((stride >> 4) & 0x3fff) << 32 | uint64_t(swizzle) << 62;
 }
 
+// d with its start `bytes` (a multiple of 16) further on. The start field is the address over
+// 16, and shared-memory addresses, under 256 KB, leave that field room: one add, where
+// descriptor() would convert, mask and shift again.
+__device__ __forceinline__ uint64_t advanced(uint64_t d, uint32_t bytes) { return d + (bytes >> 4); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() {
@@ -158,18 +163,31 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NB][4], uint64_t desc_a, uin
 // neighbouring threads take the 8 chunks of one row of a 64-column block. `thread`: this
 // thread's index among the kThreads that load (a warpgroup's, in a block of several). A tile
 // of kTileRows rows takes them from its row first_row on.
+// A thread's chunks are rows r, r + 16, r + 32, r + 48 of each block (r = thread / 8), all
+// the same chunk of their rows, so one source and one destination address a call serve
+// them all, each chunk at a constant step from them; a tile inside the matrix (every tile
+// but the last) skips the test of each row.
 template <int D, class T, int kTileRows = kBlockN>
 __device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int row0, int len,
                                               int thread = int(threadIdx.x), int first_row = 0) {
-  constexpr int kChunks = D / 8, kTotal = kBlockN * kChunks;
-  const T* tile = src + int64_t(row0) * ld;
+  constexpr int kStepRows = kThreads / 8, kSteps = kBlockN / kStepRows, kCalls = kBlockN * D / 8 / kThreads;
+  static_assert(kThreads % 8 == 0 && kBlockN % kStepRows == 0 && kCalls == kSteps * (D / 64),
+                "a thread's chunks are one chunk of rows kStepRows apart in each 64-column block");
+  const int chunk = thread % 8, r = thread / 8, row = first_row + r;  // rows 16 apart: one row % 8
+  const T* from = src + (int64_t(row0) + r) * ld + chunk * 8;
+  T* to = dst + row * 64 + (chunk ^ (row % 8)) * 8;
+  const int64_t step = int64_t(kStepRows) * ld;
+  auto at = [&](int it) { return from + (it % kSteps) * step + it / kSteps * 64; };
+  auto to_at = [&](int it) { return to + it / kSteps * kTileRows * 64 + it % kSteps * kStepRows * 64; };
+  if (row0 + kBlockN <= len) {
 #pragma unroll
-  for (int it = 0; it < kTotal / kThreads; ++it) {
-    const int c = it * kThreads + thread;
-    const int chunk = c % 8, r = c / 8 % kBlockN, block = c / (8 * kBlockN), row = first_row + r;
-    const bool valid = row0 + r < len;
-    cp_async_16(dst + block * kTileRows * 64 + row * 64 + (chunk ^ (row % 8)) * 8,
-                valid ? tile + (r * ld + block * 64 + chunk * 8) : src, valid);
+    for (int it = 0; it < kCalls; ++it) cp_async_16(to_at(it), at(it), true);
+  } else {
+#pragma unroll
+    for (int it = 0; it < kCalls; ++it) {
+      const bool valid = row0 + r + it % kSteps * kStepRows < len;
+      cp_async_16(to_at(it), valid ? at(it) : src, valid);
+    }
   }
 }
 
@@ -179,10 +197,11 @@ __device__ __forceinline__ void load_swizzled(T* dst, const T* src, int ld, int 
 template <class T, int D>
 __device__ __forceinline__ void issue_times_transposed(float (&s)[kBlockN / 8][4], const uint32_t (&qf)[D / 16][4],
                                                        const T* kt) {
+  const uint64_t b = descriptor(kt, 16, 1024);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)  // columns 16 ks.. : block ks / 4, 32 bytes a step inside it
-    wgmma<T, kBlockN, 0>(s, qf[ks], descriptor(kt + ks / 4 * kBlockN * 64 + ks % 4 * 16, 16, 1024), ks > 0);
+    wgmma<T, kBlockN, 0>(s, qf[ks], advanced(b, (ks / 4 * kBlockN * 64 + ks % 4 * 16) * sizeof(T)), ks > 0);
   wgmma_commit();
 }
 
@@ -192,10 +211,11 @@ __device__ __forceinline__ void issue_times_transposed(float (&s)[kBlockN / 8][4
 // products with wgmma_fence and wgmma_commit.
 template <class T, int D, int kARows = 64>
 __device__ __forceinline__ void times_transposed_ss(float (&s)[kBlockN / 8][4], const T* a, const T* kt) {
+  const uint64_t da = descriptor(a, 16, 1024), db = descriptor(kt, 16, 1024);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {  // columns 16 ks..: block ks / 4, 32 bytes a step inside it
     const int at = ks / 4 * kARows * 64 + ks % 4 * 16, bt = ks / 4 * kBlockN * 64 + ks % 4 * 16;
-    wgmma_ss<T, 0, 0>(s, descriptor(a + at, 16, 1024), descriptor(kt + bt, 16, 1024), ks > 0);
+    wgmma_ss<T, 0, 0>(s, advanced(da, at * sizeof(T)), advanced(db, bt * sizeof(T)), ks > 0);
   }
 }
 
@@ -213,10 +233,11 @@ __device__ __forceinline__ void issue_times_transposed(float (&s)[kBlockN / 8][4
 // committed.
 template <class T, int D>
 __device__ __forceinline__ void issue_times(float (&o)[D / 8][4], const uint32_t (&pa)[kBlockN / 16][4], const T* vt) {
+  const uint64_t b = descriptor(vt, kBlockN * 128, 1024);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 16; ++kk)  // keys 16 kk.. : 16 rows of 128 bytes on
-    wgmma<T, D, 1>(o, pa[kk], descriptor(vt + kk * 16 * 64, kBlockN * 128, 1024), true);
+    wgmma<T, D, 1>(o, pa[kk], advanced(b, kk * 16 * 64 * sizeof(T)), true);
   wgmma_commit();
 }
 

@@ -222,12 +222,13 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     // dQ's tile (queries x this warpgroup's 32 columns) = dS K over the block's keys: A =
     // dS^T read transposed, B = K's half read transposed.
     float dq[kHalf / 8][4];
+    const uint64_t ds = descriptor(sSn, kBlockN * 128, 1024),
+                   kh = descriptor(sKh + group * kKeys * kHalf, kKeys * 64, 512, kSwizzle64);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)  // keys 16 kk.. : 16 rows on, 128 bytes a row in dS^T, 64 in K
-      wgmma_ss<T, 1, 1>(dq, descriptor(sSn + kk / 4 * kTile + kk % 4 * 16 * 64, kBlockN * 128, 1024),
-                        descriptor(sKh + group * kKeys * kHalf + kk * 16 * kHalf, kKeys * 64, 512, kSwizzle64),
-                        kk > 0);
+      wgmma_ss<T, 1, 1>(dq, advanced(ds, (kk / 4 * kTile + kk % 4 * 16 * 64) * sizeof(T)),
+                        advanced(kh, kk * 16 * kHalf * sizeof(T)), kk > 0);
     wgmma_commit();
     if (it + 1 < it_end) {  // the next tile's scores queue behind dQ's product
       issue_scores((n + 1) % kBuffers);

@@ -167,24 +167,26 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     if (it + 2 < it_end) load_query_tile((n + 2) % kBuffers, it + 2);
     cp_async_commit();
 
+    const uint64_t pg = descriptor(sPg, 16, 1024), od = descriptor(ot, kQueries * 128, 1024),
+                   sg = descriptor(sSn + group * kScoreTile, 16, 1024), qd = descriptor(qt, kQueries * 128, 1024);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {  // queries 16 kk..: 32 bytes on in P^T, 16 rows in dO
-      wgmma_ss<T, 0, 1>(dv, descriptor(sPg + kk * 16, 16, 1024), descriptor(ot + kk * 16 * 64, kQueries * 128, 1024),
-                        true);
-      wgmma_ss<T, 0, 1>(dk, descriptor(sSn + group * kScoreTile + kk * 16, 16, 1024),
-                        descriptor(qt + kk * 16 * 64, kQueries * 128, 1024), true);
+      wgmma_ss<T, 0, 1>(dv, advanced(pg, kk * 16 * sizeof(T)), advanced(od, kk * 16 * 64 * sizeof(T)), true);
+      wgmma_ss<T, 0, 1>(dk, advanced(sg, kk * 16 * sizeof(T)), advanced(qd, kk * 16 * 64 * sizeof(T)), true);
     }
     wgmma_commit();
     // dQ's tile (queries x this warpgroup's 64 columns) = dS K over the block's keys: A = dS^T
     // read transposed (keys 16 kk..: 16 rows on, 128 bytes a row), B = K's block `group` read
     // transposed.
     float dq[8][4];
+    const uint64_t ds = descriptor(sSn, kQueries * 128, 1024),
+                   kd = descriptor(sK + group * kKeys * 64, kKeys * 128, 1024);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma_ss<T, 1, 1>(dq, descriptor(sSn + kk / 4 * kScoreTile + kk % 4 * 16 * 64, kQueries * 128, 1024),
-                        descriptor(sK + group * kKeys * 64 + kk * 16 * 64, kKeys * 128, 1024), kk > 0);
+      wgmma_ss<T, 1, 1>(dq, advanced(ds, (kk / 4 * kScoreTile + kk % 4 * 16 * 64) * sizeof(T)),
+                        advanced(kd, kk * 16 * 64 * sizeof(T)), kk > 0);
     wgmma_commit();
     if (it + 1 < it_end) {  // the next tile's scores queue behind dQ's product
       issue_scores((n + 1) % kBuffers);
