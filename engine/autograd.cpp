@@ -115,6 +115,34 @@ std::optional<DType> gradient_read_dtype(const Tensor& t) {
   return t.grad_fn()->outputs[size_t(t.impl()->output_nr)].grad_read_as;
 }
 
+void set_gradient_sums_read(const Tensor& t, DType dtype) {
+  LOOM_ASSERT(t.grad_fn() != nullptr, "set_gradient_sums_read on a tensor without a node");
+  t.grad_fn()->outputs[size_t(t.impl()->output_nr)].grad_sums_read_as = dtype;
+}
+
+std::optional<DType> gradient_sums_read(const Tensor& t) {
+  if (!t.grad_fn()) return std::nullopt;
+  return t.grad_fn()->outputs[size_t(t.impl()->output_nr)].grad_sums_read_as;
+}
+
+void keep_column_sums(const Tensor& g, const Tensor& sums, DType read_as) {
+  LOOM_ASSERT(g.dim() >= 1 && sums.dim() == 1 && sums.size(0) == g.size(-1) && sums.storage() != g.storage(),
+              "column sums kept on a gradient are a vector of its own over its last dim");
+  TensorImpl* impl = g.impl();
+  impl->column_sums = sums.impl_ptr();
+  impl->column_sums_of = read_as;
+  impl->column_sums_version = g.storage()->version();
+}
+
+Tensor take_column_sums(const Tensor& g, DType read_as) {
+  TensorImpl* impl = g.impl();
+  if (!impl->column_sums) return Tensor();
+  Tensor sums(std::move(impl->column_sums));
+  impl->column_sums.reset();
+  const bool valid = impl->column_sums_of == read_as && impl->column_sums_version == g.storage()->version();
+  return valid ? sums : Tensor();
+}
+
 namespace {
 thread_local std::vector<std::function<void()>> g_after_op;
 }  // namespace

@@ -54,6 +54,9 @@ struct OutputMeta {
   // Set when the node's backward casts this output's gradient to another dtype before
   // reading it (set_gradient_read_dtype).
   std::optional<DType> grad_read_as;
+  // Set when the node's backward sums this output's gradient, read in this dtype, over its
+  // rows (a bias gradient: set_gradient_sums_read).
+  std::optional<DType> grad_sums_read_as;
 };
 
 struct Node {
@@ -117,6 +120,23 @@ void record_accumulating(const char* name, const TensorList& inputs, const Tenso
 void set_gradient_read_dtype(const Tensor& t, DType dtype);
 // The dtype declared for t's gradient, if t has a node and one was declared.
 std::optional<DType> gradient_read_dtype(const Tensor& t);
+
+// Declares that the backward of t's node sums t's gradient, read in `dtype`, over all but its
+// last dim (the bias gradient of the product that computed t). An op that computes that
+// gradient may then take the sums in the pass that writes it and keep them on it
+// (keep_column_sums), and the reader takes them (take_column_sums) instead of summing the
+// gradient again: LayerNorm's backward does, for the product whose output it normalises
+// (Options::fused_bias_sums).
+void set_gradient_sums_read(const Tensor& t, DType dtype);
+// The dtype declared so for t's gradient, if t has a node and one was declared.
+std::optional<DType> gradient_sums_read(const Tensor& t);
+// Keeps on g `sums`, its column sums over its last dim of g's values read in `read_as` (g
+// itself, or g's kept rounding: set_gradient_read_dtype), valid while g's storage is
+// unchanged.
+void keep_column_sums(const Tensor& g, const Tensor& sums, DType read_as);
+// The sums kept on g of its values read in `read_as`, if still valid, removed from g; else
+// undefined.
+Tensor take_column_sums(const Tensor& g, DType read_as);
 
 // How a backward pass started while another runs on this thread (from a hook, or from a
 // node's backward) relates to it. Either way the inner pass is complete on its own: its

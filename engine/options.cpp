@@ -15,6 +15,7 @@ struct Stored {
   std::atomic<bool> conv_autotuning{Options{}.conv_autotuning};
   std::atomic<bool> autocast_weight_copies{Options{}.autocast_weight_copies};
   std::atomic<bool> autocast_gradient_copies{Options{}.autocast_gradient_copies};
+  std::atomic<bool> fused_bias_sums{Options{}.fused_bias_sums};
 };
 
 Stored stored;
@@ -29,7 +30,8 @@ Options options() {
           .cudnn_graph_api = stored.cudnn_graph_api.load(relaxed),
           .conv_autotuning = stored.conv_autotuning.load(relaxed),
           .autocast_weight_copies = stored.autocast_weight_copies.load(relaxed),
-          .autocast_gradient_copies = stored.autocast_gradient_copies.load(relaxed)};
+          .autocast_gradient_copies = stored.autocast_gradient_copies.load(relaxed),
+          .fused_bias_sums = stored.fused_bias_sums.load(relaxed)};
 }
 
 void set_options(const Options& o) {
@@ -41,6 +43,7 @@ void set_options(const Options& o) {
   stored.conv_autotuning.store(o.conv_autotuning, relaxed);
   stored.autocast_weight_copies.store(o.autocast_weight_copies, relaxed);
   stored.autocast_gradient_copies.store(o.autocast_gradient_copies, relaxed);
+  stored.fused_bias_sums.store(o.fused_bias_sums, relaxed);
 }
 
 OptionsGuard::OptionsGuard(const Options& o) : previous_(options()) { set_options(o); }

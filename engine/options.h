@@ -67,6 +67,14 @@
 // 16-bit product reads also writes it rounded, and the product takes that instead of a cast
 // pass (two passes a block over (B T, C) f32 in a GPT). Cost: the rounded copy's memory
 // until the product has read it. Off: the product casts. Values are the same.
+//
+// fused_bias_sums (default on). On: the LayerNorm backward that computes a linear layer's
+// output gradient (a GPT block's residual stream, the attention and MLP outputs) also sums
+// it over the rows as it writes it, and the layer takes those sums as its bias gradient
+// instead of a pass over the gradient of its own (engine/autograd.h: set_gradient_sums_read).
+// Under autocast they are sums of the rounded gradient the layer reads, so they need
+// autocast_gradient_copies on. Off: the pass. Values agree within rounding: the same terms,
+// summed in another order.
 #pragma once
 
 namespace loom {
@@ -79,6 +87,7 @@ struct Options {
   bool conv_autotuning = true;
   bool autocast_weight_copies = true;
   bool autocast_gradient_copies = true;
+  bool fused_bias_sums = true;
 };
 
 // The options in force.

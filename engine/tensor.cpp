@@ -178,6 +178,7 @@ void Tensor::set_data(const Tensor& other) {
   impl()->offset = other.offset();
   impl()->dtype = other.dtype();
   impl()->cast_copy.reset();
+  impl()->column_sums.reset();
 }
 
 namespace {

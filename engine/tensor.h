@@ -68,6 +68,13 @@ struct TensorImpl {
   // version is still cast_version.
   std::shared_ptr<TensorImpl> cast_copy;
   uint64_t cast_version = 0;
+
+  // A gradient's column sums over its last dim, kept by the op that computed the gradient
+  // for the op that reads it (engine/autograd.h: keep_column_sums): the sums of its values as
+  // read in column_sums_of, valid while the storage's version is still column_sums_version.
+  std::shared_ptr<TensorImpl> column_sums;
+  DType column_sums_of = DType::f32;
+  uint64_t column_sums_version = 0;
 };
 
 class Tensor {

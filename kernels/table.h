@@ -207,6 +207,11 @@ struct LayerNormArgs {
   // product whose output feeds the LayerNorm reads its gradient in 16 bits: it takes this
   // copy instead of a cast pass of its own.
   void* dx_rounded = nullptr;
+  // Backward only, optional: dx's column sums (dim, in the accumulation type: f64 for f64 x,
+  // f32 otherwise), of the values as stored: dx_rounded's when it is given, else dx's. The
+  // bias gradient of a product whose output this LayerNorm normalises, summed in the pass
+  // that writes the product's output gradient instead of a pass of its own. Needs dx.
+  void* dx_sums = nullptr;
 };
 
 // Multi-tensor optimizer updates: one call updates `count` tensors of any sizes (on CUDA in
@@ -476,12 +481,14 @@ struct KernelTable {
   // mean and rstd written.
   void (*layer_norm_forward)(const LayerNormArgs& args, void* y, void* mean, void* rstd, const void* x,
                              const void* weight, const void* bias, StreamHandle stream);
-  // Bytes of device scratch layer_norm_backward needs for these shapes on the current device
-  // when it writes dweight or dbias (0 on the CPU); the caller allocates it, 16-byte aligned.
+  // Bytes of device scratch layer_norm_backward needs for these shapes (and dx_sums, given or
+  // not) on the current device when it writes dweight, dbias or dx_sums (0 on the CPU); the
+  // caller allocates it, 16-byte aligned.
   size_t (*layer_norm_workspace_size)(const LayerNormArgs& args);
   // Backward of the forward, xhat = (x - mean) * rstd, g = dy * weight, means over the row:
   //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
-  //   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy.
+  //   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy,
+  //   dx_sums = sum over rows of dx as stored (LayerNormArgs::dx_sums).
   // Each of dx, dweight, dbias may be null (not wanted). Deterministic: no atomics.
   void (*layer_norm_backward)(const LayerNormArgs& args, void* dx, void* dweight, void* dbias, const void* dy,
                               const void* x, const void* mean, const void* rstd, const void* weight,

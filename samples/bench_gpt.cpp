@@ -84,6 +84,8 @@ int main(int argc, char** argv) {
   flags.add_switch("weight-copies", &run_options.autocast_weight_copies, "keep autocast's bf16 weight copies");
   flags.add_switch("gradient-copies", &run_options.autocast_gradient_copies,
                    "LayerNorm's backward keeps the bf16 gradient a product reads");
+  flags.add_switch("fused-bias-sums", &run_options.fused_bias_sums,
+                   "LayerNorm's backward also sums the gradient it writes for a linear layer's bias");
   flags.add_switch("hopper-attention", &run_options.hopper_attention,
                    "attention on Hopper's warpgroup products on an H100 or H200");
   if (const std::vector<std::string> positional = flags.parse(argc, argv); !positional.empty())

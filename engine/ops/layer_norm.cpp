@@ -14,8 +14,14 @@
 // When x's gradient will be read in y's 16-bit dtype (x is an autocast product's f32
 // residual output: set_gradient_read_dtype), the backward writes dx a second time, rounded
 // to that dtype, in the same pass, and keeps it on dx for the product (cast_or_kept).
+//
+// When x is a product's output whose backward sums its gradient for a bias gradient
+// (set_gradient_sums_read), and reads it as the kernel writes it (dx itself, or the rounding
+// above), the backward also sums it over the rows in the same pass and keeps the sums on dx
+// for the product (keep_column_sums, engine/autograd.h; Options::fused_bias_sums).
 #include "engine/autocast.h"
 #include "engine/ops/dispatch.h"
+#include "engine/options.h"
 
 namespace loom {
 
@@ -82,8 +88,10 @@ TensorList layer_norm_impl(const Tensor& input, const Tensor& weight, const Tens
     Tensor sx = x.detach(), sw = w.defined() ? w.detach() : Tensor();
     const std::optional<DType> read_as = gradient_read_dtype(x);
     const bool round_dx = need_x && a.dtype == DType::f32 && a.out_dtype != DType::f32 && read_as == a.out_dtype;
+    const bool sum_dx = need_x && options().fused_bias_sums &&
+                        gradient_sums_read(x) == (round_dx ? a.out_dtype : a.dtype);
     record(tee ? "layer_norm_tee" : "layer_norm", {x, w, b}, tee ? TensorList{alias, y} : TensorList{y},
-           [a, dev, sx, sw, mean, rstd, need_x, need_w, need_b, tee, round_dx](const TensorList& g) {
+           [a, dev, sx, sw, mean, rstd, need_x, need_w, need_b, tee, round_dx, sum_dx](const TensorList& g) {
              LayerNormArgs args = a;
              Tensor dL_dalias = tee && need_x ? g[0].to(a.dtype).contiguous() : Tensor();
              args.dx_add = dL_dalias.defined() ? dL_dalias.data_ptr() : nullptr;
@@ -94,13 +102,16 @@ TensorList layer_norm_impl(const Tensor& input, const Tensor& weight, const Tens
              args.dx_rounded = ptr_or_null(dL_dx_rounded);
              Tensor dL_dw = need_w ? Tensor::empty({a.dim}, a.param_dtype, dev) : Tensor();
              Tensor dL_db = need_b ? Tensor::empty({a.dim}, a.param_dtype, dev) : Tensor();
+             Tensor dx_sums = sum_dx ? Tensor::empty({a.dim}, accumulation_type(a.dtype), dev) : Tensor();
+             args.dx_sums = ptr_or_null(dx_sums);
              // Scratch lives until the kernels are queued; the allocator reuses it in stream order.
-             const size_t bytes = need_w || need_b ? kernels(dev).layer_norm_workspace_size(a) : 0;
+             const size_t bytes = need_w || need_b || sum_dx ? kernels(dev).layer_norm_workspace_size(args) : 0;
              Tensor ws = bytes ? Tensor::empty({int64_t(bytes)}, DType::u8, dev) : Tensor();
              kernels(dev).layer_norm_backward(args, ptr_or_null(dL_dx), ptr_or_null(dL_dw), ptr_or_null(dL_db),
                                               dL_dy.data_ptr(), sx.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
                                               ptr_or_null(sw), ptr_or_null(ws), gst);
              if (round_dx) set_weight_copy(dL_dx, dL_dx_rounded);
+             if (sum_dx) keep_column_sums(dL_dx, dx_sums, round_dx ? a.out_dtype : a.dtype);
              return TensorList{dL_dx, dL_dw, dL_db};
            });
   }

@@ -1,7 +1,9 @@
 // Linear layers as single ops, so their products carry the work around them in cuBLASLt
 // epilogues instead of passes of their own:
 //   linear    y = x W^T + b: the bias added in the forward product's epilogue, and its
-//             gradient (the column sums of dy) computed by the weight gradient's product.
+//             gradient (the column sums of dy) computed by the weight gradient's product,
+//             or taken from the op that computed dy when it summed dy as it wrote it
+//             (a LayerNorm's backward: sums_or_product below).
 //   gelu_mlp  y = gelu(x W1^T + b1) W2^T + b2, a transformer's MLP: the first product
 //             applies the bias and GELU and keeps the pre-activation z; in backward the
 //             product dH = dy W2 multiplies by gelu'(z) and sums b1's gradient as it stores.
@@ -83,14 +85,27 @@ Tensor cast_bias_grad(const Tensor& db, DType bias_dtype) { return db.defined() 
 // The output's gradient as the (rows, n) buffer the products read.
 Tensor rows_of(const Tensor& g) { return g.reshape({-1, g.size(-1)}); }
 
+// The weight's gradient dW = dy^T x (rows of dy and x), and the bias's (db, in `db_dtype`, when
+// has_bias): the sums kept on the output gradient g by the op that computed it, read in
+// the compute dtype t, when it kept them (set_gradient_sums_read), else the row sums of dy^T
+// in the product.
+void sums_or_product(const Tensor& g, const Tensor& dy, const Tensor& x, bool has_bias, DType t, DType db_dtype,
+                     bool f32, Tensor& dw, Tensor& db) {
+  const Tensor kept = has_bias ? take_column_sums(g, t) : Tensor();
+  db = kept.defined() ? kept.to(db_dtype) : bias_grad(has_bias, dy.size(1), db_dtype, dy.device());
+  dw = ops::product_2d(dy.t(), x, [&](GemmArgs& a) { if (!kept.defined()) a.row_sums_a = ptr_or_null(db); }, f32);
+}
+
 // The output's gradient in the compute dtype t, as rows: the f32 gradient of a fused f32
 // output is cast, or its rounding taken where the op that computed it kept one.
 Tensor read_gradient(const Tensor& g, DType t) { return rows_of(cast_or_kept(g, t)); }
 
 // A fused f32 output beside a 16-bit product: its gradient is read in the product's dtype,
-// so the op computing it may keep that rounding (set_gradient_read_dtype).
-void declare_gradient_dtype(const Tensor& y, const Output& o, DType t) {
+// so the op computing it may keep that rounding (set_gradient_read_dtype). With a bias, the
+// gradient's column sums are read too, which that op may also keep (set_gradient_sums_read).
+void declare_gradient_reads(const Tensor& y, const Output& o, DType t, bool has_bias) {
   if (o.fused && o.dtype != t && options().autocast_gradient_copies) set_gradient_read_dtype(y, t);
+  if (has_bias && options().fused_bias_sums) set_gradient_sums_read(y, t);
 }
 
 }  // namespace
@@ -127,19 +142,17 @@ Tensor linear(const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor
     const bool has_bias = b.input.defined(), need_x = x.requires_grad(), fused = o.fused;
     const DType out_dtype = o.dtype;
     record("linear", {x, w.input, b.input, o.residual}, {y},
-           [sx, sw, has_bias, need_x, fused, out_dtype, t, out_features, f32](const TensorList& g) {
+           [sx, sw, has_bias, need_x, fused, out_dtype, t, f32](const TensorList& g) {
              const Tensor dy = read_gradient(g[0], t);
              Tensor db, dw;
              // A split pass may ask for x's gradient and the parameters' apart (gradient_wanted).
              // The bias's sums ride in the weight's product: both are computed, or neither.
-             if (gradient_wanted(1) || (has_bias && gradient_wanted(2))) {
-               db = bias_grad(has_bias, out_features, f32 ? DType::f32 : t, dy.device());
-               dw = ops::product_2d(dy.t(), sx, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db); }, f32);
-             }
+             if (gradient_wanted(1) || (has_bias && gradient_wanted(2)))
+               sums_or_product(g[0], dy, sx, has_bias, t, f32 ? DType::f32 : t, f32, dw, db);
              Tensor dx = need_x && gradient_wanted(0) ? ops::product_2d(dy, sw) : Tensor();
              return TensorList{dx, dw, f32 ? db : cast_bias_grad(db, out_dtype), fused ? rows_of(g[0]) : Tensor()};
            });
-    declare_gradient_dtype(y, o, t);
+    declare_gradient_reads(y, o, t, b.input.defined());
   }
   return y;
 }
@@ -194,7 +207,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
     };
     auto kept = std::make_shared<Kept>();
     record("gelu_mlp", {x, w1.input, b1.input, w2.input, b2.input, o.residual}, {y},
-           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden, out_features, f32,
+           [sx, sw1, sw2, z, h, has_b1, has_b2, need_x, fused, out_dtype, t, hidden, f32,
             kept](const TensorList& g) {
              const Tensor dy = read_gradient(g[0], t);
              // What a split pass asks for (gradient_wanted): each bias's sums ride in a product
@@ -205,10 +218,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
              const bool want_first = gradient_wanted(1) || (has_b1 && gradient_wanted(2));
              const bool want_second = gradient_wanted(3) || (has_b2 && gradient_wanted(4));
              Tensor db2, dw2;
-             if (want_second) {
-               db2 = bias_grad(has_b2, out_features, f32 ? DType::f32 : t, dy.device());
-               dw2 = ops::product_2d(dy.t(), h, [&](GemmArgs& a) { a.row_sums_a = ptr_or_null(db2); }, f32);
-             }
+             if (want_second) sums_or_product(g[0], dy, h, has_b2, t, f32 ? DType::f32 : t, f32, dw2, db2);
              const Tensor db2_out = f32 ? db2 : cast_bias_grad(db2, out_dtype);
              const Tensor dresidual = fused ? rows_of(g[0]) : Tensor();
              if (!want_x && !want_first) return TensorList{Tensor(), Tensor(), Tensor(), dw2, db2_out, dresidual};
@@ -231,7 +241,7 @@ Tensor gelu_mlp(const Tensor& x0, const Tensor& w1_0, const Tensor& b1_0, const 
              Tensor dx = want_x ? ops::product_2d(dz, sw1) : Tensor();
              return TensorList{dx, dw1, f32 ? cast_bias_grad(db1, DType::f32) : db1, dw2, db2_out, dresidual};
            });
-    declare_gradient_dtype(y, o, t);
+    declare_gradient_reads(y, o, t, b2.input.defined());
   }
   return y;
 }

@@ -1,5 +1,5 @@
 // CPU layer normalisation over the rows of a contiguous (rows, dim) buffer: threads over
-// rows for the forward and dx, over column blocks for dweight and dbias.
+// rows for the forward and dx, over column blocks for dweight, dbias and dx's sums.
 //
 // This is the reference the CUDA kernels are checked against, so every sum is pairwise in
 // double whatever the dtypes: the row statistics and the backward's row means over dim, the
@@ -120,26 +120,38 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
         }
       });
     }
-    if (!dweight && !dbias) return;
+    if (!dweight && !dbias && !a.dx_sums) return;
+    // dx as stored, for its column sums.
+    auto stored_dx = [&](int64_t i) {
+      return a.dx_rounded ? as_double(static_cast<const O*>(a.dx_rounded)[i]) : as_double(static_cast<const T*>(dx)[i]);
+    };
     // Column blocks, each summed pairwise over all rows.
     const int64_t blocks = (a.dim + kColumnBlock - 1) / kColumnBlock;
     parallel_for(blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t c0 = blk * kColumnBlock;
         const int cols = int(std::min<int64_t>(kColumnBlock, a.dim - c0));
-        double sw[kColumnBlock], sb[kColumnBlock];
-        pairwise_cols<kColumnBlock>(0, a.rows, cols, sw, [&](int64_t r, int c) {
-          return as_double(gys[r * a.dim + c0 + c]) * xhat(r, c0 + c);
-        });
-        pairwise_cols<kColumnBlock>(0, a.rows, cols, sb,
-                                    [&](int64_t r, int c) { return as_double(gys[r * a.dim + c0 + c]); });
-        dispatch_floating(a.param_dtype, "layer_norm parameters", [&](auto tag) {
-          using P = decltype(tag);
-          for (int c = 0; c < cols; ++c) {
-            if (dweight) static_cast<P*>(dweight)[c0 + c] = P(sw[c]);
-            if (dbias) static_cast<P*>(dbias)[c0 + c] = P(sb[c]);
-          }
-        });
+        if (dweight || dbias) {
+          double sw[kColumnBlock], sb[kColumnBlock];
+          pairwise_cols<kColumnBlock>(0, a.rows, cols, sw, [&](int64_t r, int c) {
+            return as_double(gys[r * a.dim + c0 + c]) * xhat(r, c0 + c);
+          });
+          pairwise_cols<kColumnBlock>(0, a.rows, cols, sb,
+                                      [&](int64_t r, int c) { return as_double(gys[r * a.dim + c0 + c]); });
+          dispatch_floating(a.param_dtype, "layer_norm parameters", [&](auto tag) {
+            using P = decltype(tag);
+            for (int c = 0; c < cols; ++c) {
+              if (dweight) static_cast<P*>(dweight)[c0 + c] = P(sw[c]);
+              if (dbias) static_cast<P*>(dbias)[c0 + c] = P(sb[c]);
+            }
+          });
+        }
+        if (a.dx_sums) {
+          double sd[kColumnBlock];
+          pairwise_cols<kColumnBlock>(0, a.rows, cols, sd,
+                                      [&](int64_t r, int c) { return stored_dx(r * a.dim + c0 + c); });
+          for (int c = 0; c < cols; ++c) static_cast<A*>(a.dx_sums)[c0 + c] = A(sd[c]);
+        }
       }
     });
   });

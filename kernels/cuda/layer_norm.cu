@@ -11,8 +11,9 @@
 //
 // The backward's warp kernel likewise holds a row of x and dy in registers, takes the two
 // row sums of the formula, writes dx (and, when asked, dx rounded to 16 bits for the
-// autocast product that reads it), and adds dy * xhat and dy into per-lane column
-// accumulators: a lane owns the same columns in every row it visits. At the end the block
+// autocast product that reads it), and adds dy * xhat and dy (and, when asked, dx as
+// stored: LayerNormArgs::dx_sums) into per-lane column accumulators: a lane owns the same
+// columns in every row it visits. At the end the block
 // adds its warps' accumulators in warp order in shared memory and writes one partial row
 // per block into the caller's scratch; a second kernel sums each column's partials in a
 // fixed order. No atomics: results are bitwise reproducible run to run (the number of
@@ -21,8 +22,8 @@
 // Other shapes take general paths. Rows that are not a whole number of vectors, or buffers
 // that are not 16-byte aligned, are read one value per lane (in the warp kernels up to 128
 // values per row; f64 always). Rows too long for a warp's registers get a block per row that
-// re-reads the row for each pass (from L1/L2), and the backward's parameter sums then come
-// from a column kernel writing the same partial rows.
+// re-reads the row for each pass (from L1/L2), and the backward's column sums then come
+// from a column kernel writing the same partial rows after dx is stored.
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -43,10 +44,18 @@ constexpr int kMaxPerLane = 4;           // vectors (or single values) a lane ho
 constexpr int kForwardBlocksPerSm = 4;   // grid of the grid-stride forward kernels
 constexpr int kBackwardBlocksPerSm = 2;  // grid of the backward warp kernel: one partial row per block
 
+// The backward's partial rows, in order: dweight's sums, dbias's, and dx's when asked.
+constexpr int kParamRows = 2, kSumRows = 3;
+
 
 template <class A> struct Pair {
   A a, b;
 };
+
+// The value of a dx element as stored: rounded to O when the rounded copy is written.
+template <class O, class A> __device__ __forceinline__ A as_stored(A v, bool rounded) {
+  return rounded ? to_acc(from_acc<O>(v)) : v;
+}
 
 struct Add {
   template <class A> __device__ __forceinline__ A operator()(A x, A y) const { return x + y; }
@@ -164,11 +173,13 @@ __device__ __forceinline__ void store_dx(T* dx, O* rounded, int64_t at, const Pa
 }
 
 // Per row: dx (when not null) from the two row sums; the block's sums of dy * xhat and dy per
-// column go to partials[blockIdx.x] (2, dim) when partials is not null. Shared memory: the
-// staged weight (dim), then the block's column sums (2, dim), in the accumulation type.
+// column, and with kSums of dx as stored, go to partials[blockIdx.x] (2 or 3 rows of dim)
+// when partials is not null. Shared memory, in the accumulation type: the staged weight
+// (dim), the block's column sums (2 or 3, dim), and with kSums each warp's sums of dx
+// (kWarps, dim), which registers have no room for beside the other two at two blocks an SM.
 // Four vectors a lane need more registers than two blocks an SM leave (rows of 1024 would
 // spill): that instantiation runs one block an SM, its grid in two waves.
-template <class T, class O, int V, int kPer>
+template <class T, class O, int V, int kPer, bool kSums>
 __global__ void __launch_bounds__(kThreads, kPer < kMaxPerLane ? kBackwardBlocksPerSm : 1)
     backward_warp_kernel(T* __restrict__ dx, const T* __restrict__ dx_add, O* __restrict__ dx_rounded,
                          acc_t<T>* __restrict__ partials,
@@ -177,15 +188,23 @@ __global__ void __launch_bounds__(kThreads, kPer < kMaxPerLane ? kBackwardBlocks
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char smem[];
   A* s_w = reinterpret_cast<A*>(smem);  // (dim)
-  A* s_sum = s_w + dim;                 // (2, dim): dweight, dbias
+  constexpr int kRows = kSums ? kSumRows : kParamRows;
+  A* s_sum = s_w + dim;                 // (kRows, dim): dweight, dbias, dx
+  A* s_dx = s_sum + kRows * dim;        // (kWarps, dim) with kSums
+  if constexpr (kSums) {
+    for (int i = threadIdx.x; i < kWarps * dim; i += kThreads) s_dx[i] = A(0);
+  }
   stage_params<A>(s_w, nullptr, p, dim);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nv = dim / V;
   const A inv_dim = A(1) / A(dim);
-  A dw[kPer][V], db[kPer][V];  // this lane's columns, summed over the warp's rows
+  A sums_of[kParamRows][kPer][V];  // this lane's columns, summed over the warp's rows
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) {
+  for (int i = 0; i < kParamRows; ++i) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) dw[k][j] = db[k][j] = A(0);
+    for (int k = 0; k < kPer; ++k) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) sums_of[i][k][j] = A(0);
+    }
   }
   for (int64_t r = int64_t(blockIdx.x) * kWarps + warp; r < rows; r += int64_t(gridDim.x) * kWarps) {
     Pack<T, V> xv[kPer];
@@ -209,8 +228,8 @@ __global__ void __launch_bounds__(kThreads, kPer < kMaxPerLane ? kBackwardBlocks
         const A xhat = (to_acc(xv[k].v[j]) - mu) * rs, gy = to_acc(gv[k].v[j]), g = gy * w.v[j];
         sums.a += g;
         sums.b += g * xhat;
-        dw[k][j] += gy * xhat;
-        db[k][j] += gy;
+        sums_of[0][k][j] += gy * xhat;
+        sums_of[1][k][j] += gy;
       }
     }
     sums = group_reduce<32>(sums, Add{});
@@ -230,31 +249,45 @@ __global__ void __launch_bounds__(kThreads, kPer < kMaxPerLane ? kBackwardBlocks
         out.v[j] = from_acc<T>(rs * (g - mean_g - xhat * mean_gx) + extra);
       }
       store_dx<T, O, V>(dx, dx_rounded, r * dim + vec * V, out);
+      if constexpr (kSums) {  // this warp's row of s_dx: its lanes' columns, no other warp's
+        A* at = s_dx + warp * dim + vec * V;
+        Pack<A, V> sum = load<A, V>(at);
+#pragma unroll
+        for (int j = 0; j < V; ++j) sum.v[j] += as_stored<O>(to_acc(out.v[j]), dx_rounded != nullptr);
+        store<A, V>(at, sum);
+      }
     }
   }
   if (!partials) return;  // the same for the whole block
   // The warps' column sums, added in warp order; every warp covers every column.
+  if constexpr (kSums) {
+    __syncthreads();
+    for (int c = threadIdx.x; c < dim; c += kThreads) {
+      A sum = A(0);
+      for (int w = 0; w < kWarps; ++w) sum += s_dx[w * dim + c];
+      s_sum[kParamRows * dim + c] = sum;
+    }
+  }
   for (int w = 0; w < kWarps; ++w) {
     if (warp == w) {
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const int vec = lane + 32 * k;
-        if (vec >= nv) continue;
-        Pack<A, V> sw = w ? load<A, V>(s_sum + vec * V) : Pack<A, V>{};
-        Pack<A, V> sb = w ? load<A, V>(s_sum + dim + vec * V) : Pack<A, V>{};
+      for (int i = 0; i < kParamRows; ++i) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          sw.v[j] += dw[k][j];
-          sb.v[j] += db[k][j];
+        for (int k = 0; k < kPer; ++k) {
+          const int vec = lane + 32 * k;
+          if (vec >= nv) continue;
+          A* at = s_sum + i * dim + vec * V;
+          Pack<A, V> sum = w ? load<A, V>(at) : Pack<A, V>{};
+#pragma unroll
+          for (int j = 0; j < V; ++j) sum.v[j] += sums_of[i][k][j];
+          store<A, V>(at, sum);
         }
-        store<A, V>(s_sum + vec * V, sw);
-        store<A, V>(s_sum + dim + vec * V, sb);
       }
     }
     __syncthreads();
   }
-  A* out = partials + int64_t(blockIdx.x) * 2 * dim;
-  for (int i = threadIdx.x; i < 2 * dim; i += kThreads) out[i] = s_sum[i];
+  A* out = partials + int64_t(blockIdx.x) * kRows * dim;
+  for (int i = threadIdx.x; i < kRows * dim; i += kThreads) out[i] = s_sum[i];
 }
 
 // ---- block per row, for rows too long for registers ------------------------------------
@@ -351,71 +384,95 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Block (column tile of 32, partial p) sums dy * xhat and dy over rows
+// Block (column tile of 32, partial p) sums dy * xhat and dy, and with `stored` (the dx
+// kernel's output: dx, or dx_rounded when `rounded`) dx as stored, over rows
 // [p * rows_per_partial, (p + 1) * rows_per_partial): a warp-wide row of columns, the block's
-// warps taking every kWarps-th row, then adding up in warp order.
+// warps taking every kWarps-th row, then adding up in warp order. Partial rows as the warp
+// kernel writes them: 2, or 3 with `stored`.
 template <class T, class O>
 __global__ void __launch_bounds__(kThreads)
     column_partials_kernel(acc_t<T>* __restrict__ partials, const O* __restrict__ dy, const T* __restrict__ x,
-                           const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, int64_t rows,
-                           int64_t dim, int64_t rows_per_partial) {
+                           const void* __restrict__ stored, bool rounded, const acc_t<T>* __restrict__ mean,
+                           const acc_t<T>* __restrict__ rstd, int64_t rows, int64_t dim, int64_t rows_per_partial) {
   using A = acc_t<T>;
   __shared__ Pair<A> s[kWarps][32];
+  __shared__ A s_dx[kWarps][32];
   const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_partial, r1 = min(rows, r0 + rows_per_partial);
   Pair<A> acc{A(0), A(0)};
+  A acc_dx = A(0);
   if (c < dim) {
     for (int64_t r = r0 + ty; r < r1; r += kWarps) {
       const A gy = to_acc(dy[r * dim + c]);
       acc.a += gy * (to_acc(x[r * dim + c]) - mean[r]) * rstd[r];
       acc.b += gy;
+      if (stored)
+        acc_dx += rounded ? to_acc(static_cast<const O*>(stored)[r * dim + c])
+                          : to_acc(static_cast<const T*>(stored)[r * dim + c]);
     }
   }
   s[ty][tx] = acc;
+  s_dx[ty][tx] = acc_dx;
   __syncthreads();
   if (ty != 0 || c >= dim) return;
-  for (int w = 1; w < kWarps; ++w) acc = Add{}(acc, s[w][tx]);
-  partials[int64_t(blockIdx.y) * 2 * dim + c] = acc.a;
-  partials[(int64_t(blockIdx.y) * 2 + 1) * dim + c] = acc.b;
+  for (int w = 1; w < kWarps; ++w) {
+    acc = Add{}(acc, s[w][tx]);
+    acc_dx += s_dx[w][tx];
+  }
+  const int n_rows = stored ? kSumRows : kParamRows;
+  A* out = partials + int64_t(blockIdx.y) * n_rows * dim + c;
+  out[0] = acc.a;
+  out[dim] = acc.b;
+  if (stored) out[2 * dim] = acc_dx;
 }
 
-// dweight and dbias (either may be null) from n partial rows (2, dim): a column tile of 32
-// per block, the warps taking every kWarps-th partial into kReduceChains sums (so that a
-// thread has that many loads in flight: the grid is only dim / 32 blocks), then adding up
-// in warp order.
+// The column sums from n partial rows of `n_rows` rows of dim: dweight and dbias (either may
+// be null, in `dtype`) from the first two, and dx_sums (in the accumulation type) from the
+// third when n_rows is 3. A column tile of 32 per block, the warps taking every kWarps-th
+// partial into kReduceChains sums (so that a thread has that many loads in flight: the grid
+// is only dim / 32 blocks), then adding up in warp order.
 constexpr int kReduceChains = 4;
 
 template <class A>
-__global__ void __launch_bounds__(kThreads) param_reduce_kernel(void* dweight, void* dbias, DType dtype,
-                                                                const A* __restrict__ partials, int n, int64_t dim) {
-  __shared__ Pair<A> s[kWarps][32];
+__global__ void __launch_bounds__(kThreads)
+    param_reduce_kernel(void* dweight, void* dbias, DType dtype, A* __restrict__ dx_sums,
+                        const A* __restrict__ partials, int n, int n_rows, int64_t dim) {
+  __shared__ A s[kSumRows][kWarps][32];
   const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;
-  Pair<A> acc{A(0), A(0)};
+  A acc[kSumRows] = {};
   if (c < dim) {
-    Pair<A> chain[kReduceChains] = {};
+    A chain[kReduceChains][kSumRows] = {};
+    auto add = [&](A* into, int k) {
+#pragma unroll
+      for (int i = 0; i < kSumRows; ++i) {
+        if (i < n_rows) into[i] += partials[(int64_t(k) * n_rows + i) * dim + c];
+      }
+    };
     int k = ty;
     for (; k + (kReduceChains - 1) * kWarps < n; k += kReduceChains * kWarps) {
 #pragma unroll
-      for (int u = 0; u < kReduceChains; ++u) {
-        chain[u].a += partials[int64_t(k + u * kWarps) * 2 * dim + c];
-        chain[u].b += partials[(int64_t(k + u * kWarps) * 2 + 1) * dim + c];
-      }
+      for (int u = 0; u < kReduceChains; ++u) add(chain[u], k + u * kWarps);
     }
-    for (; k < n; k += kWarps) {
-      chain[0].a += partials[int64_t(k) * 2 * dim + c];
-      chain[0].b += partials[(int64_t(k) * 2 + 1) * dim + c];
-    }
+    for (; k < n; k += kWarps) add(chain[0], k);
 #pragma unroll
-    for (int u = 0; u < kReduceChains; ++u) acc = Add{}(acc, chain[u]);
+    for (int u = 0; u < kReduceChains; ++u) {
+#pragma unroll
+      for (int i = 0; i < kSumRows; ++i) acc[i] += chain[u][i];
+    }
   }
-  s[ty][tx] = acc;
+#pragma unroll
+  for (int i = 0; i < kSumRows; ++i) s[i][ty][tx] = acc[i];
   __syncthreads();
   if (ty != 0 || c >= dim) return;
-  for (int w = 1; w < kWarps; ++w) acc = Add{}(acc, s[w][tx]);
-  if (dweight) param_store(dweight, dtype, c, acc.a);
-  if (dbias) param_store(dbias, dtype, c, acc.b);
+  for (int w = 1; w < kWarps; ++w) {
+#pragma unroll
+    for (int i = 0; i < kSumRows; ++i) acc[i] += s[i][w][tx];
+  }
+  if (dweight) param_store(dweight, dtype, c, acc[0]);
+  if (dbias) param_store(dbias, dtype, c, acc[1]);
+  if (dx_sums) dx_sums[c] = acc[2];
 }
 
 // ---- launch planning -------------------------------------------------------------------
@@ -525,27 +582,31 @@ void layer_norm_forward(const LayerNormArgs& a, void* y, void* mean, void* rstd,
   });
 }
 
+// Partial rows a backward call writes: dweight's and dbias's sums, and dx's when asked.
+int partial_rows(const LayerNormArgs& a) { return a.dx_sums ? kSumRows : kParamRows; }
+
 size_t layer_norm_workspace_size(const LayerNormArgs& a) {
   if (a.rows == 0 || a.dim == 0) return 0;
-  return size_t(partial_count(a)) * 2 * size_t(a.dim) * acc_size(a.dtype);
+  return size_t(partial_count(a)) * size_t(partial_rows(a)) * size_t(a.dim) * acc_size(a.dtype);
 }
 
 void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* dbias, const void* dy, const void* x,
                          const void* mean, const void* rstd, const void* weight, void* workspace,
                          StreamHandle stream) {
-  const bool params = dweight || dbias;
+  check_layer_norm_backward(a, dx);
+  const bool sums = a.dx_sums != nullptr, params = dweight || dbias || sums;  // params: any column sums
   if (a.dim == 0 || (!dx && !params)) return;
   cudaStream_t s = as_cuda(stream);
   if (a.rows == 0) {  // no rows: zero sums, nothing else to write
     const size_t bytes = size_t(a.dim) * dtype_size(a.param_dtype);
     if (dweight) LOOM_CUDA(cudaMemsetAsync(dweight, 0, bytes, s));
     if (dbias) LOOM_CUDA(cudaMemsetAsync(dbias, 0, bytes, s));
+    if (sums) LOOM_CUDA(cudaMemsetAsync(a.dx_sums, 0, size_t(a.dim) * acc_size(a.dtype), s));
     return;
   }
-  LOOM_ASSERT(!params || workspace, "layer_norm backward: dweight and dbias need the scratch of "
+  LOOM_ASSERT(!params || workspace, "layer_norm backward: dweight, dbias and dx_sums need the scratch of "
                                     "layer_norm_workspace_size (", layer_norm_workspace_size(a), " bytes)");
   const ParamRefs p{weight, nullptr, a.param_dtype};
-  check_layer_norm_backward(a, dx);
   const Layout l = layout_for(a, {dx, dy, x, a.dx_add, a.dx_rounded});
   const int64_t n = partial_count(a);
   dispatch_io(a, "layer_norm backward", [&](auto t, auto o) {
@@ -564,10 +625,14 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
     if (l.per_lane > 0) {
       with_warp_layout<T>(l, [&](auto v, auto per) {
         constexpr int V = decltype(v)::value, kPer = decltype(per)::value;
-        const size_t smem = (params ? 3 : 1) * size_t(a.dim) * sizeof(A);
-        backward_warp_kernel<T, O, V, kPer><<<unsigned(n), kThreads, smem, s>>>(
-            dxs, adds, rounded, params ? partials : nullptr, dys, xs, ms, rs, p, a.rows, int(a.dim));
-        LOOM_CUDA_LAUNCH();
+        const size_t smem = (params ? 1 + partial_rows(a) + (sums ? kWarps : 0) : 1) * size_t(a.dim) * sizeof(A);
+        auto launch = [&](auto kernel) {
+          kernel<<<unsigned(n), kThreads, smem, s>>>(dxs, adds, rounded, params ? partials : nullptr, dys, xs, ms, rs,
+                                                     p, a.rows, int(a.dim));
+          LOOM_CUDA_LAUNCH();
+        };
+        if (sums) launch(backward_warp_kernel<T, O, V, kPer, true>);
+        else launch(backward_warp_kernel<T, O, V, kPer, false>);
       });
     } else {
       if (dx) {
@@ -583,13 +648,15 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
         const int64_t per_partial = ceil_div(a.rows, n);
         used = ceil_div(a.rows, per_partial);
         const dim3 grid(unsigned(ceil_div(a.dim, 32)), unsigned(used));
-        column_partials_kernel<T, O><<<grid, kThreads, 0, s>>>(partials, dys, xs, ms, rs, a.rows, a.dim, per_partial);
+        const void* stored = !sums ? nullptr : a.dx_rounded ? a.dx_rounded : dx;
+        column_partials_kernel<T, O><<<grid, kThreads, 0, s>>>(partials, dys, xs, stored, a.dx_rounded != nullptr, ms,
+                                                               rs, a.rows, a.dim, per_partial);
         LOOM_CUDA_LAUNCH();
       }
     }
     if (params) {
-      param_reduce_kernel<A><<<unsigned(ceil_div(a.dim, 32)), kThreads, 0, s>>>(dweight, dbias, a.param_dtype,
-                                                                                partials, int(used), a.dim);
+      param_reduce_kernel<A><<<unsigned(ceil_div(a.dim, 32)), kThreads, 0, s>>>(
+          dweight, dbias, a.param_dtype, static_cast<A*>(a.dx_sums), partials, int(used), partial_rows(a), a.dim);
       LOOM_CUDA_LAUNCH();
     }
   });

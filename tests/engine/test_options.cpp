@@ -17,6 +17,7 @@ TEST(Options, DefaultsAreTheFasterWays) {
   EXPECT_TRUE(o.conv_autotuning);
   EXPECT_TRUE(o.autocast_weight_copies);
   EXPECT_TRUE(o.autocast_gradient_copies);
+  EXPECT_TRUE(o.fused_bias_sums);
 }
 
 TEST(Options, GuardsSetForTheirScopeAndRestoreWhatTheyFound) {
@@ -51,6 +52,7 @@ TEST(Options, GuardsSetForTheirScopeAndRestoreWhatTheyFound) {
   EXPECT_EQ(after.hopper_attention, before.hopper_attention);
   EXPECT_EQ(after.autocast_weight_copies, before.autocast_weight_copies);
   EXPECT_EQ(after.autocast_gradient_copies, before.autocast_gradient_copies);
+  EXPECT_EQ(after.fused_bias_sums, before.fused_bias_sums);
 }
 
 TEST(Options, SetOptionsHoldsUntilChanged) {

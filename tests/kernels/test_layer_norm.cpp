@@ -260,14 +260,60 @@ TEST(LayerNormCpu, RoundedDxIsTheStoredDxRounded) {
       }
 }
 
+// dx_sums are the column sums of dx as stored (its rounding when dx_rounded is written), in
+// the accumulation type, with and without the parameters' sums and dx_add; dx, dweight and
+// dbias are the bits they are without them.
+TEST(LayerNormCpu, DxSumsAreTheColumnSumsOfDxAsStored) {
+  for (const Dtypes& d : {Dtypes{DType::f32, DType::f32, DType::f32}, Dtypes{DType::f64, DType::f64, DType::f64},
+                          Dtypes{DType::bf16, DType::bf16, DType::f32}, Dtypes{DType::f32, DType::bf16, DType::f32},
+                          Dtypes{DType::f32, DType::f16, DType::f32}})
+    for (const bool round : {false, true})
+      for (const bool params : {false, true})
+        for (const Case& k : cases()) {
+          if (round && (d.x != DType::f32 || d.out == DType::f32)) continue;
+          SCOPED_TRACE(std::string(k.name) + ", " + name_of(d) + (round ? ", rounded" : "") +
+                       (params ? ", params" : ""));
+          std::mt19937 rng(43);
+          const size_t n = size_t(k.rows * k.dim), dim = size_t(k.dim);
+          const DType acc = acc_of(d.x);
+          LayerNormArgs a;
+          a.dtype = d.x, a.out_dtype = d.out, a.param_dtype = d.param, a.rows = k.rows, a.dim = k.dim;
+          Buffer x(values(k.rows, k.dim, 2.0, 0.7, d.x, rng), d.x);
+          Buffer dy(values(k.rows, k.dim, 1.0, 0.1, d.out, rng), d.out);
+          Buffer w(values(1, k.dim, 0.5, 1, d.param, rng), d.param);
+          Buffer extra(values(k.rows, k.dim, 3.0, 0, d.x, rng), d.x);
+          Buffer y(n, d.out), mean(size_t(k.rows), acc), rstd(size_t(k.rows), acc);
+          Buffer dx(n, d.x), dx_alone(n, d.x), rounded(n, d.out), dw(dim, d.param), dw_alone(dim, d.param),
+              db(dim, d.param), db_alone(dim, d.param), sums(dim, acc);
+          cpu::layer_norm_forward(a, y.data(), mean.data(), rstd.data(), x.data(), w.data(), nullptr, nullptr);
+          a.dx_add = extra.data();
+          a.dx_rounded = round ? rounded.data() : nullptr;
+          cpu::layer_norm_backward(a, dx_alone.data(), params ? dw_alone.data() : nullptr,
+                                   params ? db_alone.data() : nullptr, dy.data(), x.data(), mean.data(), rstd.data(),
+                                   w.data(), nullptr, nullptr);
+          a.dx_sums = sums.data();
+          cpu::layer_norm_backward(a, dx.data(), params ? dw.data() : nullptr, params ? db.data() : nullptr, dy.data(),
+                                   x.data(), mean.data(), rstd.data(), w.data(), nullptr, nullptr);
+          EXPECT_EQ(dx.bytes, dx_alone.bytes);
+          EXPECT_EQ(dw.bytes, dw_alone.bytes);
+          EXPECT_EQ(db.bytes, db_alone.bytes);
+          const std::vector<double> stored = round ? rounded.values() : dx.values();
+          std::vector<double> want(dim, 0.0), scale(dim, 1.0);
+          for (size_t i = 0; i < n; ++i) want[i % dim] += stored[i], scale[i % dim] += std::abs(stored[i]);
+          expect_close(sums.values(), want, scale, rounding_tol(acc), "dx sums");
+        }
+}
+
 TEST(LayerNormCpu, NoRowsGiveZeroParameterGradients) {
   LayerNormArgs a;
   a.rows = 0, a.dim = 3;
-  std::vector<float> dw(3, 7.f), db(3, 7.f);
-  cpu::layer_norm_backward(a, nullptr, dw.data(), db.data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+  std::vector<float> dw(3, 7.f), db(3, 7.f), sums(3, 7.f), dx(1);
+  a.dx_sums = sums.data();
+  cpu::layer_norm_backward(a, dx.data(), dw.data(), db.data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                            nullptr);
   EXPECT_EQ(dw, std::vector<float>(3, 0.f));
   EXPECT_EQ(db, std::vector<float>(3, 0.f));
+  EXPECT_EQ(sums, std::vector<float>(3, 0.f));
 }
 
 }  // namespace

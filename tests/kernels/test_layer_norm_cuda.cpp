@@ -4,7 +4,8 @@
 // as GPT-2, 1000, 1024), single values per lane (1, 7, 100), a block per row (3000 in vectors;
 // 1030 and 4097 in single values), buffers that are not 16-byte aligned, and GPT-2's full
 // 16384 rows so that every warp runs several rows. Also: no affine, weight only, dx not
-// wanted, bitwise-identical repeated runs, a large common offset, and no rows.
+// wanted, dx rounded beside it, dx's column sums (LayerNormArgs::dx_sums) on every path,
+// bitwise-identical repeated runs, a large common offset, and no rows.
 //
 // Tolerances: statistics and sums are f32 on the GPU and pairwise f64 on the CPU, so they
 // agree to a few f32 roundings of the sum of magnitudes; outputs may differ by an ulp of
@@ -131,14 +132,23 @@ struct Options {
   double offset = -0.3;
   double tol_scale = 1;  // on the tolerances of y and dx
   bool rounded_dx = false;  // also dx rounded to out (f32 x, 16-bit out): bitwise dx's rounding
+  bool dx_sums = false;     // also dx's column sums as stored (needs dx)
 };
+
+// Column sums over the rows of a (rows, dim) matrix, in double; with `absolute`, of |v|.
+std::vector<double> column_sums(const std::vector<double>& v, int64_t dim, bool absolute) {
+  std::vector<double> s(size_t(dim), 0.0);
+  for (size_t i = 0; i < v.size(); ++i) s[i % size_t(dim)] += absolute ? std::abs(v[i]) : v[i];
+  return s;
+}
 
 // Runs forward and backward on both devices and compares everything; the GPU backward reads
 // the CPU's saved statistics, so it is compared on its own.
 void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
   SCOPED_TRACE(std::string(k.name) + ", " + name_of(d) + (o.misalign ? ", misaligned" : "") +
                (o.params == Params::none ? ", no affine" : o.params == Params::weight_only ? ", weight only" : "") +
-               (o.want_dx == WantDx::no ? ", no dx" : "") + (o.rounded_dx ? ", rounded dx" : ""));
+               (o.want_dx == WantDx::no ? ", no dx" : "") + (o.rounded_dx ? ", rounded dx" : "") +
+               (o.dx_sums ? ", dx sums" : ""));
   std::mt19937 rng(19);
   const int64_t rows = k.rows, dim = k.dim;
   const size_t n = size_t(rows * dim), m = o.misalign;
@@ -150,7 +160,7 @@ void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
   Both x(values(rows, dim, 2.0, 0.4, o.offset, d.x, rng), d.x, m);
   Both dy(values(rows, dim, 1.0, 0.05, -0.1, d.out, rng), d.out, m);
   Both w(values(1, dim, 0.5, 0, 1.0, d.param, rng), d.param), b(values(1, dim, 1.0, 0, 0, d.param, rng), d.param);
-  Both rounded(n, d.out, m);
+  Both rounded(n, d.out, m), sums(size_t(dim), acc);
   Both y(n, d.out, m), mean(size_t(rows), acc), rstd(size_t(rows), acc), dx(n, d.x, m), dw(size_t(dim), d.param),
       db(size_t(dim), d.param);
   DeviceBuffer<uint8_t> gmean(size_t(rows) * dtype_size(acc)), grstd(size_t(rows) * dtype_size(acc));
@@ -158,6 +168,7 @@ void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
   cpu::layer_norm_forward(a, y.cpu(), mean.cpu(), rstd.cpu(), x.cpu(), has_w ? w.cpu() : nullptr,
                           has_b ? b.cpu() : nullptr, nullptr);
   a.dx_rounded = o.rounded_dx ? rounded.cpu() : nullptr;
+  a.dx_sums = o.dx_sums ? sums.cpu() : nullptr;
   cpu::layer_norm_backward(a, dx.cpu(), has_w ? dw.cpu() : nullptr, has_b ? db.cpu() : nullptr, dy.cpu(), x.cpu(),
                            mean.cpu(), rstd.cpu(), has_w ? w.cpu() : nullptr, nullptr, nullptr);
 
@@ -165,8 +176,9 @@ void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
                            has_b ? b.gpu() : nullptr, nullptr);
   // The backward from the CPU's statistics, with scratch as the engine sizes it.
   Both saved_mean(mean.cpu_values(), acc), saved_rstd(rstd.cpu_values(), acc);
-  DeviceBuffer<uint8_t> ws(std::max<size_t>(cuda::layer_norm_workspace_size(a), 1));
   a.dx_rounded = o.rounded_dx ? rounded.gpu() : nullptr;
+  a.dx_sums = o.dx_sums ? sums.gpu() : nullptr;
+  DeviceBuffer<uint8_t> ws(std::max<size_t>(cuda::layer_norm_workspace_size(a), 1));
   cuda::layer_norm_backward(a, want_dx ? dx.gpu() : nullptr, has_w ? dw.gpu() : nullptr, has_b ? db.gpu() : nullptr,
                             dy.gpu(), x.gpu(), saved_mean.gpu(), saved_rstd.gpu(), has_w ? w.gpu() : nullptr, ws.get(),
                             nullptr);
@@ -197,6 +209,13 @@ void check_case(const Case& k, const Dtypes& d, const Options& o = {}) {
   if (o.rounded_dx) {  // each device's copy is its own dx rounded
     EXPECT_EQ(encode(rounded.cpu_values(), d.out), encode(dx.cpu_values(), d.out)) << "CPU rounded dx";
     EXPECT_EQ(encode(rounded.gpu_values(), d.out), encode(dx.gpu_values(), d.out)) << "CUDA rounded dx";
+  }
+  if (o.dx_sums) {  // each device's sums against its own stored dx summed here in double
+    const std::vector<double> cpu_stored = o.rounded_dx ? rounded.cpu_values() : dx.cpu_values();
+    const std::vector<double> gpu_stored = o.rounded_dx ? rounded.gpu_values() : dx.gpu_values();
+    const std::vector<double> scale = one_plus_abs(column_sums(cpu_stored, dim, true));
+    expect_close(sums.cpu_values(), column_sums(cpu_stored, dim, false), scale, sum_tol(d.x), "CPU dx sums");
+    expect_close(sums.gpu_values(), column_sums(gpu_stored, dim, false), scale, sum_tol(d.x), "CUDA dx sums");
   }
   const double pt = std::max(sum_tol(d.x), output_tol(d.param));
   if (has_w) expect_close(dw.gpu_values(), dw.cpu_values(), one_plus_abs(dw_scale), pt, "dweight");
@@ -236,6 +255,22 @@ TEST(LayerNormCuda, RoundedDxIsDxRoundedOnEveryPath) {
       for (const size_t misalign : {0, 1})
         check_case(k, {DType::f32, out, DType::f32}, {.misalign = misalign, .rounded_dx = true});
   check_case({"gpt2", 16384, 768}, {DType::f32, DType::bf16, DType::f32}, {.rounded_dx = true});
+}
+
+// dx's column sums (LayerNormArgs::dx_sums) on every launch path and dtype pairing, of dx
+// or of its rounding, with and without the parameters' sums, aligned and not, over GPT-2's
+// rows; the other outputs as without them.
+TEST(LayerNormCuda, DxSumsAreTheColumnSumsOfDxAsStored) {
+  LOOM_REQUIRE_CUDA();
+  for (const Dtypes& d : dtype_table())
+    for (const Case& k : cases()) check_case(k, d, {.dx_sums = true});
+  for (const DType out : {DType::bf16, DType::f16})
+    for (const Case& k : cases())
+      for (const size_t misalign : {0, 1})
+        check_case(k, {DType::f32, out, DType::f32}, {.misalign = misalign, .rounded_dx = true, .dx_sums = true});
+  for (const Case& k : cases()) check_case(k, dtype_table()[0], {.params = Params::none, .dx_sums = true});
+  check_case({"gpt2", 16384, 768}, {DType::f32, DType::bf16, DType::f32}, {.rounded_dx = true, .dx_sums = true});
+  check_case({"block_many_rows", 1200, 3000}, dtype_table()[0], {.dx_sums = true});
 }
 
 TEST(LayerNormCuda, UnalignedBuffersTakeTheSingleValuePaths) {
@@ -287,11 +322,14 @@ TEST(LayerNormCuda, NoRowsGiveZeroParameterGradients) {
   LOOM_REQUIRE_CUDA();
   LayerNormArgs a;
   a.rows = 0, a.dim = 3;
-  DeviceBuffer<float> dw(std::vector<float>(3, 7.f)), db(std::vector<float>(3, 7.f));
-  cuda::layer_norm_backward(a, nullptr, dw.get(), db.get(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+  DeviceBuffer<float> dw(std::vector<float>(3, 7.f)), db(std::vector<float>(3, 7.f)), sums(std::vector<float>(3, 7.f));
+  DeviceBuffer<float> dx(1);
+  a.dx_sums = sums.get();
+  cuda::layer_norm_backward(a, dx.get(), dw.get(), db.get(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                             nullptr);
   EXPECT_EQ(dw.to_host(), std::vector<float>(3, 0.f));
   EXPECT_EQ(db.to_host(), std::vector<float>(3, 0.f));
+  EXPECT_EQ(sums.to_host(), std::vector<float>(3, 0.f));
 }
 
 }  // namespace
