@@ -75,12 +75,17 @@ template <int N> __device__ __forceinline__ void bulk_wait() {
 }
 
 // A thread's part of a warpgroup's dQ tile (rows r and r + 8, columns col + 8 c) into a
-// (kQueries, kD) f32 tile.
+// (kQueries, kD) f32 tile. The tile's rows are 256 bytes, so the 8 rows a store of a warp
+// reaches would share their banks: store k writes chunk c = (k + r) % 4 of the thread's
+// four, which spreads each store over two rows a bank.
 __device__ __forceinline__ void stage_dq(float* tile, const float (&dq)[kHalf / 8][4], int r, int col) {
+  static_assert(kHalf / 8 == 4, "four column chunks rotate");
+  auto pick = [&](int c, int e) { return c == 0 ? dq[0][e] : c == 1 ? dq[1][e] : c == 2 ? dq[2][e] : dq[3][e]; };
 #pragma unroll
-  for (int c = 0; c < kHalf / 8; ++c) {
-    *reinterpret_cast<float2*>(tile + r * kD + col + 8 * c) = make_float2(dq[c][0], dq[c][1]);
-    *reinterpret_cast<float2*>(tile + (r + 8) * kD + col + 8 * c) = make_float2(dq[c][2], dq[c][3]);
+  for (int k = 0; k < kHalf / 8; ++k) {
+    const int c = (k + r) & 3;
+    *reinterpret_cast<float2*>(tile + r * kD + col + 8 * c) = make_float2(pick(c, 0), pick(c, 1));
+    *reinterpret_cast<float2*>(tile + (r + 8) * kD + col + 8 * c) = make_float2(pick(c, 2), pick(c, 3));
   }
 }
 
