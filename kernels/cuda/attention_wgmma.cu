@@ -89,7 +89,10 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
   }
   __syncthreads();  // K(0) has been read before step 0 refills its buffer with K(2)
 
-  for (int n = 0; n < n_tiles; ++n) {
+  // Key tile n, its scores in `cur`: the next tile's scores issued into `nxt` first. Two
+  // steps a turn of the loop, the arrays trading roles, so no scores are copied between them.
+  float next[NB][4];
+  auto step = [&](int n, float (&cur)[NB][4], float (&nxt)[NB][4]) {
     if (n + 1 < n_tiles) load_v(n + 1);
     if (n + 2 < n_tiles) load_k(n + 2);
     cp_async_commit();
@@ -97,25 +100,24 @@ template <class T, int D> __global__ void __launch_bounds__(kThreads) wgmma_forw
     fence_async_shared();
     __syncthreads();     // and for the block
     const bool more = n + 1 < n_tiles;
-    float next[NB][4];
-    if (more) issue_times_transposed<T, D>(next, sQ, sK + ((n + 1) & 1) * kTile);
+    if (more) issue_times_transposed<T, D>(nxt, sQ, sK + ((n + 1) & 1) * kTile);
     const int j0 = n * kBlockN;
-    online_softmax<D, true>(s, o, m, l, scale_log2, edge(j0), r0 + g, j0, p);
+    online_softmax<D, true>(cur, o, m, l, scale_log2, edge(j0), r0 + g, j0, p);
     uint32_t pa[NB / 2][4];
 #pragma unroll
-    for (int kk = 0; kk < NB / 2; ++kk) acc_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+    for (int kk = 0; kk < NB / 2; ++kk) acc_to_a<T>(pa[kk], cur[2 * kk], cur[2 * kk + 1]);
     issue_times<T, D>(o, pa, sV + (n & 1) * kTile);
     wgmma_wait<0>();
     fence_registers(o);
-    if (more) {
-      fence_registers(next);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nb][e] = next[nb][e];
-    }
+    if (more) fence_registers(nxt);
     __syncthreads();  // V(n) and K(n + 1) have been read before step n + 1 refills their buffers
+  };
+  int n = 0;
+  for (; n + 1 < n_tiles; n += 2) {
+    step(n, s, next);
+    step(n + 1, next, s);
   }
+  if (n < n_tiles) step(n, s, next);
   cp_async_wait<0>();
   __syncthreads();
   finish_forward<D, kRows, T>(p, o, m, l, sQ, bh, q0);
