@@ -122,6 +122,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   float* sL = reinterpret_cast<float*>(sV + kKeys * S);              // lse2: kBuffers x kQueries
   float* sD = sL + kBuffers * kQueries;                              // Di: kBuffers x kQueries
   float* sDq = sD + kBuffers * kQueries;                             // dQ's (kQueries, D) tile, twice
+  auto dq_tile = [&](int n) { return sDq + (n & 1) * kQueries * D; };  // query tile n's (of the sweep)
 
   const int warp = tid / 32, lane = lane_id(), g = lane >> 2, t = lane & 3;
   const GridPlace place = grouped_block(p, (p.kv_len + kKeys - 1) / kKeys);
@@ -134,6 +135,11 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   float* dq_acc = p.dq_acc + bh * p.q_pad * D;
   const float scale_log2 = float(p.scale_log2);
   const int it_begin = p.causal ? k0 / kQueries : 0, it_end = (p.q_len + kQueries - 1) / kQueries;
+  // Query tile n's dQ (n of the sweep, from it_begin), staged by both warpgroups, added into
+  // the accumulator by one bulk reduction (one thread's).
+  auto add_dq_tile = [&](int n) {
+    bulk_add(dq_acc + int64_t((it_begin + n) * kQueries) * D, dq_tile(n), kQueries * D * 4);
+  };
 
   // Query tile `it` into buffer `buf`: Q and its lse2 rows by the first warpgroup, dO and its
   // Di rows by the second (in bounds: padded).
@@ -222,7 +228,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     if (it + 2 < it_end) load_query_tile((n + 2) % kBuffers, it + 2);
     cp_async_commit();
     if (threadIdx.x == 0 && it > it_begin)  // the tile before's dQ, staged by both warpgroups
-      bulk_add(dq_acc + int64_t(i0 - kQueries) * D, sDq + ((n - 1) & 1) * kQueries * D, kQueries * D * 4);
+      add_dq_tile(n - 1);
 
     // dQ's tile (queries x this warpgroup's 32 columns) = dS K over the block's keys: A =
     // dS^T read transposed, B = K's half read transposed.
@@ -244,15 +250,14 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
-    stage_dq(sDq + (n & 1) * kQueries * D, dq, warp * 16 + g, group * kHalf + 2 * t);
+    stage_dq(dq_tile(n), dq, warp * 16 + g, group * kHalf + 2 * t);
   }
   wgmma_wait<0>();  // every product is done; waited for here, ptxas injects no wait of its own
   cp_async_wait<0>();
   fence_async_shared();  // the last dQ tile, for the bulk add
   __syncthreads();
   if (threadIdx.x == 0 && it_begin < it_end) {
-    bulk_add(dq_acc + int64_t(it_end - 1) * kQueries * D, sDq + ((it_end - 1 - it_begin) & 1) * kQueries * D,
-             kQueries * D * 4);
+    add_dq_tile(it_end - 1 - it_begin);
     bulk_wait<0>();
   }
   stage_rows<D>(sKg, dk, warp * 16, float(p.scale), float(p.scale));
