@@ -173,37 +173,70 @@ __device__ __forceinline__ void mma_acc_rows(float (&acc)[MT][D / 8][4], const f
 // block takes part. The tile's first row is found in int64 once; offsets inside the tile
 // are int (attention.cu sends only 0 <= ld < 2^24 here), which keeps as few registers live
 // as the contiguous kernels did. `thread`: this thread's index among the kThreads that load
-// (a warpgroup's, in a block of several).
+// (a warpgroup's, in a block of several). When the threads cover whole rows, a thread's
+// chunks are one column of rows kStepRows apart: its source and destination are found once
+// and stepped, and a tile inside the matrix tests no rows.
 template <int D, int R, class T>
 __device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0, int len,
                                           int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
-  const T* tile = src + int64_t(row0) * ld;
+  if constexpr (kThreads % kChunks == 0 && kTotal % kThreads == 0) {
+    constexpr int kStepRows = kThreads / kChunks, kCalls = kTotal / kThreads;
+    const int r = thread / kChunks, col = thread % kChunks * 8;
+    const T* from = src + (int64_t(row0) + r) * ld + col;
+    T* to = dst + r * (D + 8) + col;
+    if (row0 + R <= len) {
 #pragma unroll
-  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + thread;
-    if (c < kTotal) {
-      const int r = c / kChunks, col = c % kChunks * 8;
-      const bool valid = row0 + r < len;
-      cp_async_16(dst + r * (D + 8) + col, valid ? tile + (r * ld + col) : src, valid);
+      for (int it = 0; it < kCalls; ++it) cp_async_16(to + it * kStepRows * (D + 8), from + it * kStepRows * ld, true);
+    } else {
+#pragma unroll
+      for (int it = 0; it < kCalls; ++it) {
+        const bool valid = row0 + r + it * kStepRows < len;
+        cp_async_16(to + it * kStepRows * (D + 8), valid ? from + it * kStepRows * ld : src, valid);
+      }
+    }
+  } else {
+    const T* tile = src + int64_t(row0) * ld;
+#pragma unroll
+    for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+      const int c = it * kThreads + thread;
+      if (c < kTotal) {
+        const int r = c / kChunks, col = c % kChunks * 8;
+        const bool valid = row0 + r < len;
+        cp_async_16(dst + r * (D + 8) + col, valid ? tile + (r * ld + col) : src, valid);
+      }
     }
   }
 }
 
 // Rows of a tile back to global memory rows `ld` elements apart, 16 bytes per access; rows
-// at or past len skipped. Offsets and `thread` as in load_rows.
+// at or past len skipped. Offsets, `thread` and the whole-row case as in load_rows.
 template <int D, int R, class T>
 __device__ __forceinline__ void store_rows(T* dst, int ld, const T* src, int row0, int len,
                                            int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
-  T* tile = dst + int64_t(row0) * ld;
+  if constexpr (kThreads % kChunks == 0 && kTotal % kThreads == 0) {
+    constexpr int kStepRows = kThreads / kChunks, kCalls = kTotal / kThreads;
+    const int r = thread / kChunks, col = thread % kChunks * 8;
+    T* to = dst + (int64_t(row0) + r) * ld + col;
+    const T* from = src + r * (D + 8) + col;
+    const bool full = row0 + R <= len;
 #pragma unroll
-  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + thread;
-    if (c < kTotal) {
-      const int r = c / kChunks, col = c % kChunks * 8;
-      if (row0 + r < len)
-        *reinterpret_cast<uint4*>(tile + (r * ld + col)) = *reinterpret_cast<const uint4*>(src + r * (D + 8) + col);
+    for (int it = 0; it < kCalls; ++it) {
+      if (full || row0 + r + it * kStepRows < len)
+        *reinterpret_cast<uint4*>(to + it * kStepRows * ld) =
+            *reinterpret_cast<const uint4*>(from + it * kStepRows * (D + 8));
+    }
+  } else {
+    T* tile = dst + int64_t(row0) * ld;
+#pragma unroll
+    for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+      const int c = it * kThreads + thread;
+      if (c < kTotal) {
+        const int r = c / kChunks, col = c % kChunks * 8;
+        if (row0 + r < len)
+          *reinterpret_cast<uint4*>(tile + (r * ld + col)) = *reinterpret_cast<const uint4*>(src + r * (D + 8) + col);
+      }
     }
   }
 }
