@@ -481,9 +481,9 @@ struct KernelTable {
   // mean and rstd written.
   void (*layer_norm_forward)(const LayerNormArgs& args, void* y, void* mean, void* rstd, const void* x,
                              const void* weight, const void* bias, StreamHandle stream);
-  // Bytes of device scratch layer_norm_backward needs for these shapes (and dx_sums, given or
-  // not) on the current device when it writes dweight, dbias or dx_sums (0 on the CPU); the
-  // caller allocates it, 16-byte aligned.
+  // Bytes of device scratch layer_norm_backward needs for these shapes on the current device
+  // when it writes dweight, dbias or dx_sums (0 on the CPU); the caller allocates it, 16-byte
+  // aligned.
   size_t (*layer_norm_workspace_size)(const LayerNormArgs& args);
   // Backward of the forward, xhat = (x - mean) * rstd, g = dy * weight, means over the row:
   //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),

@@ -46,6 +46,7 @@ constexpr int kBackwardBlocksPerSm = 2;  // grid of the backward warp kernel: on
 
 // The backward's partial rows, in order: dweight's sums, dbias's, and dx's when asked.
 constexpr int kParamRows = 2, kSumRows = 3;
+constexpr size_t kDefaultSharedBytes = 48 << 10;  // dynamic shared memory a launch gets unasked
 
 
 template <class A> struct Pair {
@@ -582,20 +583,21 @@ void layer_norm_forward(const LayerNormArgs& a, void* y, void* mean, void* rstd,
   });
 }
 
-// Partial rows a backward call writes: dweight's and dbias's sums, and dx's when asked.
+// Partial rows a backward call writes: dweight's and dbias's sums, and dx's when asked. The
+// scratch is sized for three either way, so that a caller may size it before setting dx_sums.
 int partial_rows(const LayerNormArgs& a) { return a.dx_sums ? kSumRows : kParamRows; }
 
 size_t layer_norm_workspace_size(const LayerNormArgs& a) {
   if (a.rows == 0 || a.dim == 0) return 0;
-  return size_t(partial_count(a)) * size_t(partial_rows(a)) * size_t(a.dim) * acc_size(a.dtype);
+  return size_t(partial_count(a)) * kSumRows * size_t(a.dim) * acc_size(a.dtype);
 }
 
 void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* dbias, const void* dy, const void* x,
                          const void* mean, const void* rstd, const void* weight, void* workspace,
                          StreamHandle stream) {
-  check_layer_norm_backward(a, dx);
   const bool sums = a.dx_sums != nullptr, params = dweight || dbias || sums;  // params: any column sums
   if (a.dim == 0 || (!dx && !params)) return;
+  check_layer_norm_backward(a, dx);
   cudaStream_t s = as_cuda(stream);
   if (a.rows == 0) {  // no rows: zero sums, nothing else to write
     const size_t bytes = size_t(a.dim) * dtype_size(a.param_dtype);
@@ -626,6 +628,8 @@ void layer_norm_backward(const LayerNormArgs& a, void* dx, void* dweight, void* 
       with_warp_layout<T>(l, [&](auto v, auto per) {
         constexpr int V = decltype(v)::value, kPer = decltype(per)::value;
         const size_t smem = (params ? 1 + partial_rows(a) + (sums ? kWarps : 0) : 1) * size_t(a.dim) * sizeof(A);
+        LOOM_ASSERT(smem <= kDefaultSharedBytes, "layer_norm backward: ", smem, " bytes of shared memory for rows of ",
+                    a.dim, " exceed the ", kDefaultSharedBytes, " a launch gets without opting in");
         auto launch = [&](auto kernel) {
           kernel<<<unsigned(n), kThreads, smem, s>>>(dxs, adds, rounded, params ? partials : nullptr, dys, xs, ms, rs,
                                                      p, a.rows, int(a.dim));
