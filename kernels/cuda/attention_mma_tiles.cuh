@@ -173,14 +173,16 @@ __device__ __forceinline__ void mma_acc_rows(float (&acc)[MT][D / 8][4], const f
 // block takes part. The tile's first row is found in int64 once; offsets inside the tile
 // are int (attention.cu sends only 0 <= ld < 2^24 here), which keeps as few registers live
 // as the contiguous kernels did. `thread`: this thread's index among the kThreads that load
-// (a warpgroup's, in a block of several). When the threads cover whole rows, a thread's
-// chunks are one column of rows kStepRows apart: its source and destination are found once
-// and stepped, and a tile inside the matrix tests no rows.
-template <int D, int R, class T>
+// (a warpgroup's, in a block of several). With kStepped, when the threads cover whole rows, a
+// thread's chunks are one column of rows kStepRows apart: its source and destination are
+// found once and stepped, and a tile inside the matrix tests no rows. Without it each chunk
+// finds its own row and column: the Hopper head_dim-64 backward keeps that form, which runs
+// faster there.
+template <int D, int R, bool kStepped = true, class T>
 __device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0, int len,
                                           int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
-  if constexpr (kThreads % kChunks == 0 && kTotal % kThreads == 0) {
+  if constexpr (kStepped && kThreads % kChunks == 0 && kTotal % kThreads == 0) {
     constexpr int kStepRows = kThreads / kChunks, kCalls = kTotal / kThreads;
     const int r = thread / kChunks, col = thread % kChunks * 8;
     const T* from = src + (int64_t(row0) + r) * ld + col;
@@ -210,12 +212,12 @@ __device__ __forceinline__ void load_rows(T* dst, const T* src, int ld, int row0
 }
 
 // Rows of a tile back to global memory rows `ld` elements apart, 16 bytes per access; rows
-// at or past len skipped. Offsets, `thread` and the whole-row case as in load_rows.
-template <int D, int R, class T>
+// at or past len skipped. Offsets, `thread` and kStepped as in load_rows.
+template <int D, int R, bool kStepped = true, class T>
 __device__ __forceinline__ void store_rows(T* dst, int ld, const T* src, int row0, int len,
                                            int thread = int(threadIdx.x)) {
   constexpr int kChunks = D / 8, kTotal = R * kChunks;
-  if constexpr (kThreads % kChunks == 0 && kTotal % kThreads == 0) {
+  if constexpr (kStepped && kThreads % kChunks == 0 && kTotal % kThreads == 0) {
     constexpr int kStepRows = kThreads / kChunks, kCalls = kTotal / kThreads;
     const int r = thread / kChunks, col = thread % kChunks * 8;
     T* to = dst + (int64_t(row0) + r) * ld + col;

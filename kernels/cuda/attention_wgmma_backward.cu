@@ -157,8 +157,8 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
 
   T* sKg = sK + group * kGroupKeys * S;  // this warpgroup's rows
   T* sVg = sV + group * kGroupKeys * S;
-  load_rows<D, kGroupKeys>(sKg, in.k, int(st.k.seq), kg, p.kv_len, tid);
-  load_rows<D, kGroupKeys>(sVg, in.v, int(st.v.seq), kg, p.kv_len, tid);
+  load_rows<D, kGroupKeys, false>(sKg, in.k, int(st.k.seq), kg, p.kv_len, tid);
+  load_rows<D, kGroupKeys, false>(sVg, in.v, int(st.v.seq), kg, p.kv_len, tid);
   load_halves(sKh, in.k, int(st.k.seq), kg, p.kv_len, group * kGroupKeys, tid);
   if (it_begin < it_end) load_query_tile(0, it_begin);
   if (it_begin + 1 < it_end) load_query_tile(1, it_begin + 1);
@@ -263,8 +263,8 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   stage_rows<D>(sKg, dk, warp * 16, float(p.scale), float(p.scale));
   stage_rows<D>(sVg, dv, warp * 16, 1.f, 1.f);
   __syncthreads();
-  store_rows<D, kGroupKeys>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sKg, kg, p.kv_len, tid);
-  store_rows<D, kGroupKeys>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sVg, kg, p.kv_len, tid);
+  store_rows<D, kGroupKeys, false>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sKg, kg, p.kv_len, tid);
+  store_rows<D, kGroupKeys, false>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sVg, kg, p.kv_len, tid);
 #endif
 }
 
