@@ -68,13 +68,15 @@
 // pass (two passes a block over (B T, C) f32 in a GPT). Cost: the rounded copy's memory
 // until the product has read it. Off: the product casts. Values are the same.
 //
-// fused_bias_sums (default on). On: the LayerNorm backward that computes a linear layer's
-// output gradient (a GPT block's residual stream, the attention and MLP outputs) also sums
-// it over the rows as it writes it, and the layer takes those sums as its bias gradient
-// instead of a pass over the gradient of its own (engine/autograd.h: set_gradient_sums_read).
-// Under autocast they are sums of the rounded gradient the layer reads, so they need
-// autocast_gradient_copies on. Off: the pass. Values agree within rounding: the same terms,
-// summed in another order.
+// fused_bias_sums (default on). On: the backward that computes a linear layer's output
+// gradient also sums it over the rows as it writes it, and the layer takes those sums as its
+// bias gradient instead of a pass over the gradient of its own (engine/autograd.h:
+// set_gradient_sums_read). LayerNorm's does so for the layers whose output it normalises (in
+// a GPT block the attention and MLP outputs, through the residual stream); packed
+// attention's for the qkv projection, its dq, dk and dv summed by the kernels that write
+// them. Under autocast LayerNorm's are sums of the rounded gradient the layer reads, so they
+// need autocast_gradient_copies on. Off: the pass. Values agree within rounding: the same
+// terms, summed in another order.
 #pragma once
 
 namespace loom {

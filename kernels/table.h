@@ -326,6 +326,15 @@ struct AttentionArgs {
   // where true, else the tensor-core kernels every target runs. Results agree within f32
   // rounding.
   bool hopper = true;
+  // Where set, the backward also writes the column sums of dq, dk and dv as stored: for each
+  // head h and column d, the sum over batch and rows of dq[b, h, t, d], then dk's and dv's
+  // likewise, into 3 * heads * head_dim values of the accumulation type (f64 for f64, else
+  // f32), in that order. Over a packed (B, T, 3C) gradient of q | k | v these are its column
+  // sums: the bias gradient of the projection that made qkv. The workspace size is asked
+  // for with it set. On the Hopper kernels dK's and dV's sums are taken from the tiles they
+  // store, before they leave shared memory; elsewhere, and for dq, by a pass over the
+  // stored gradient.
+  void* column_sums = nullptr;
 };
 
 struct KernelTable {

@@ -11,7 +11,9 @@
 // copies to change layout: sdpa takes any view whose head_dim is stride 1 as it is and
 // writes its output in (B, T, H, D) order; the packed op reads q, k and v as column slices
 // of qkv, writes a (B, T, C) output, and its backward writes dq, dk and dv straight into
-// the slices of one (B, T, 3C) gradient.
+// the slices of one (B, T, 3C) gradient. When the projection that made qkv reads that
+// gradient's column sums for its bias (set_gradient_sums_read, Options::fused_bias_sums),
+// the backward kernels sum it as they write it and keep the sums on it (keep_column_sums).
 #include <array>
 #include <cmath>
 
@@ -181,7 +183,8 @@ Tensor packed_self_attention(const Tensor& qkv0, int64_t heads, bool causal, dou
 
   if (any_requires_grad({qkv})) {
     Tensor sqkv = qkv.detach(), so = out.detach();
-    record(op, {qkv}, {out}, [a, sqkv, so, lse, dev, column](const TensorList& g) {
+    const bool sum_dqkv = options().fused_bias_sums && gradient_sums_read(qkv) == t;
+    record(op, {qkv}, {out}, [a, sqkv, so, lse, dev, column, sum_dqkv](const TensorList& g) {
       const int64_t B = a.batch, T = a.q_len, C = a.heads * a.head_dim;
       Tensor gout = g[0].to(a.dtype);
       if (!in_place(packed(gout, a.heads, a.head_dim))) gout = gout.contiguous();
@@ -191,10 +194,13 @@ Tensor packed_self_attention(const Tensor& qkv0, int64_t heads, bool causal, dou
       b.strides.dout = strides_of(packed(gout, a.heads, a.head_dim));
       b.strides.dq = b.strides.dk = b.strides.dv = strides_of(packed(dqkv, a.heads, a.head_dim));
       if (dqkv.numel() > 0) {
+        Tensor sums = sum_dqkv ? Tensor::empty({3 * C}, acc_dtype(a.dtype), dev) : Tensor();
+        b.column_sums = ops::ptr_or_null(sums);
         char* d = static_cast<char*>(dqkv.data_ptr());
         const int64_t d_column = C * int64_t(dqkv.element_size());
         const char* q = static_cast<const char*>(sqkv.data_ptr());
         run_backward(b, dev, d, d + d_column, d + 2 * d_column, gout, sqkv, q + column, q + 2 * column, so, lse);
+        if (sum_dqkv) keep_column_sums(dqkv, sums, a.dtype);
       }
       return TensorList{dqkv};
     });

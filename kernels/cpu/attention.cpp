@@ -19,6 +19,7 @@
 // since dk and dv sum over every query row.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -303,6 +304,29 @@ LOOM_INLINE void backward_heads(const Operands<T>& o, const acc_t<T>* lse, int64
 }
 
 
+// AttentionArgs::column_sums from the gradients as written: each (operand, head, column)'s
+// sum over batch and rows, in double, then rounded once to the accumulation type.
+template <class T> void column_sums(const Operands<T>& o, acc_t<T>* sums) {
+  using A = acc_t<T>;
+  const int64_t H = o.a.heads, D = o.D;
+  const Rows<T>* grads[3] = {&o.dq, &o.dk, &o.dv};
+  const int64_t lens[3] = {o.Tq, o.Tk, o.Tk};
+  parallel_for(3 * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> sum(static_cast<size_t>(D));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t which = task / H, h = task % H;
+      const Rows<T>& g = *grads[which];
+      std::fill(sum.begin(), sum.end(), 0.0);
+      for (int64_t b = 0; b < o.a.batch; ++b) {
+        const T* rows = g.head(b * H + h);
+        for (int64_t t = 0; t < lens[which]; ++t)
+          for (int64_t d = 0; d < D; ++d) sum[size_t(d)] += double(A(rows[t * g.s.seq + d]));
+      }
+      for (int64_t d = 0; d < D; ++d) sums[task * D + d] = A(sum[size_t(d)]);
+    }
+  });
+}
+
 template <class T>
 void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, const T* dout_ptr, const T* q_ptr,
                     const T* k_ptr, const T* v_ptr, const T* out_ptr, const acc_t<T>* lse) {
@@ -310,6 +334,7 @@ void backward_typed(const AttentionArgs& a, T* dq_ptr, T* dk_ptr, T* dv_ptr, con
   parallel_for(a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
     vector_isa::run_copy([&]() LOOM_INLINE_LAMBDA { backward_heads(o, lse, begin, end); });
   });
+  if (a.column_sums) column_sums(o, static_cast<acc_t<T>*>(a.column_sums));
 }
 
 }  // namespace
@@ -328,7 +353,11 @@ void attention_forward(const AttentionArgs& args, void* out, void* lse, const vo
 
 void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv, const void* dout, const void* q,
                         const void* k, const void* v, const void* out, const void* lse, void*, StreamHandle) {
-  if (args.batch * args.heads == 0) return;
+  if (args.batch * args.heads == 0) {
+    const size_t acc_bytes = args.dtype == DType::f64 ? sizeof(double) : sizeof(float);
+    if (args.column_sums) std::memset(args.column_sums, 0, size_t(3 * args.heads * args.head_dim) * acc_bytes);
+    return;
+  }
   dispatch_floating(args.dtype, "attention backward", [&](auto tag) {
     using T = decltype(tag);
     backward_typed(args, static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv), static_cast<const T*>(dout),

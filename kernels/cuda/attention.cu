@@ -360,6 +360,42 @@ void launch_rows(Kernel kernel, int64_t blocks, size_t smem, const char* what, c
 
 int64_t row_blocks(int64_t len) { return (len + kRowWarps - 1) / kRowWarps; }
 
+// The rows kernels' backward: lse2 and Di into the workspace's first two rows, then dK/dV
+// and dQ.
+void rows_backward(const Params& p, DType dtype, const void* out, const void* lse, void* workspace, size_t rows,
+                   cudaStream_t s) {
+  dispatch_floating(dtype, "attention backward", [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    if (rows > 0) {
+      const unsigned blocks = blocks_for(int64_t(rows), 256 / 32);
+      backward_prep_kernel<T, A><<<blocks, 256, 0, s>>>(p, static_cast<const T*>(out), static_cast<const A*>(lse),
+                                                        static_cast<A*>(workspace), static_cast<A*>(workspace) + rows);
+      LOOM_CUDA_LAUNCH();
+    }
+    const int D = p.head_dim;
+    const size_t dkdv_smem = size_t(2 * kRowWarps * D + 2 * kTileRows * (D + 1) + 2 * kTileRows) * sizeof(A);
+    const size_t dq_smem = size_t(2 * kRowWarps * D + 2 * kTileRows * (D + 1)) * sizeof(A);
+    with_per_lane(D, [&](auto per) {
+      constexpr int kPer = decltype(per)::value;
+      launch_rows(backward_dkdv_rows_kernel<T, kPer>, p.heads * row_blocks(p.kv_len), dkdv_smem, "backward dk/dv",
+                  p, s);
+      launch_rows(backward_dq_rows_kernel<T, kPer>, p.heads * row_blocks(p.q_len), dq_smem, "backward dq", p, s);
+    });
+  });
+}
+
+// Row tiles a batch in the column sums' partials (Params::sum_tiles).
+int64_t sum_tiles(const AttentionArgs& a) {
+  return (std::max(a.q_len, a.kv_len) + attention::kSumRows - 1) / attention::kSumRows;
+}
+
+// Bytes of the column sums' partials at the workspace's end (0 without column_sums).
+size_t sum_partials_size(const AttentionArgs& a) {
+  if (!a.column_sums) return 0;
+  return size_t(a.batch * sum_tiles(a) * 3 * a.heads * a.head_dim) * acc_size(a.dtype);
+}
+
 }  // namespace
 
 size_t attention_workspace_size(const AttentionArgs& args) {
@@ -367,7 +403,7 @@ size_t attention_workspace_size(const AttentionArgs& args) {
   const size_t rows = size_t(args.batch * args.heads * q_pad);
   // The tensor-core backward's f32 dQ accumulator, after lse2 and Di.
   const size_t dq_acc = attention::dq_by_atomics(args) ? rows * args.head_dim * 4 : 0;
-  return 2 * rows * acc_size(args.dtype) + dq_acc;
+  return 2 * rows * acc_size(args.dtype) + dq_acc + sum_partials_size(args);
 }
 
 void attention_forward(const AttentionArgs& args, void* out, void* lse, const void* q, const void* k, const void* v,
@@ -397,7 +433,12 @@ void attention_forward(const AttentionArgs& args, void* out, void* lse, const vo
 void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv, const void* dout, const void* q,
                         const void* k, const void* v, const void* out, const void* lse, void* workspace,
                         StreamHandle stream) {
-  if (args.batch * args.heads == 0) return;
+  if (args.batch * args.heads == 0) {
+    if (args.column_sums)
+      LOOM_CUDA(cudaMemsetAsync(args.column_sums, 0, size_t(3 * args.heads * args.head_dim) * acc_size(args.dtype),
+                                as_cuda(stream)));
+    return;
+  }
   Params p = make_params(args);
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv;
   const size_t rows = size_t(p.heads) * size_t(p.q_pad);
@@ -406,36 +447,30 @@ void attention_backward(const AttentionArgs& args, void* dq, void* dk, void* dv,
   p.lse2 = workspace;
   p.di = static_cast<char*>(workspace) + rows * acc_size(args.dtype);
   const bool atomics = attention::dq_by_atomics(args);
-  if (atomics)
-    p.dq_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + 2 * rows * acc_size(args.dtype));
+  char* next = static_cast<char*>(workspace) + 2 * rows * acc_size(args.dtype);
+  if (atomics) {
+    p.dq_acc = reinterpret_cast<float*>(next);
+    next += rows * size_t(p.head_dim) * sizeof(float);
+  }
   cudaStream_t s = as_cuda(stream);
+  if (args.column_sums) {
+    LOOM_ASSERT(workspace != nullptr, "attention backward's column sums need a workspace of ",
+                attention_workspace_size(args), " bytes");
+    p.sum_partials = next;
+    p.sum_tiles = int(sum_tiles(args));
+    LOOM_CUDA(cudaMemsetAsync(next, 0, sum_partials_size(args), s));
+  }
   const AttentionLayout& st = p.strides;
+  int summed = 0;  // the operands whose partial sums the kernels wrote
   if (attention::mma_supported(args.dtype, args.head_dim) &&
       aligned16({q, k, v, out, dout, dq, dk, dv, workspace}) &&
       mma_layout(p, {{st.q, p.q_len}, {st.k, p.kv_len}, {st.v, p.kv_len}, {st.out, p.q_len}, {st.dout, p.q_len},
                      {st.dq, p.q_len}, {st.dk, p.kv_len}, {st.dv, p.kv_len}})) {
-    attention::mma_backward(p, out, lse, args.dtype, atomics, args.hopper, s);
-    return;
+    summed = attention::mma_backward(p, out, lse, args.dtype, atomics, args.hopper, s);
+  } else {
+    rows_backward(p, args.dtype, out, lse, workspace, rows, s);
   }
-  dispatch_floating(args.dtype, "attention backward", [&](auto tag) {
-    using T = decltype(tag);
-    using A = acc_t<T>;
-    if (rows > 0) {
-      const unsigned blocks = blocks_for(int64_t(rows), 256 / 32);
-      backward_prep_kernel<T, A><<<blocks, 256, 0, s>>>(p, static_cast<const T*>(out), static_cast<const A*>(lse),
-                                                        static_cast<A*>(workspace), static_cast<A*>(workspace) + rows);
-      LOOM_CUDA_LAUNCH();
-    }
-    const int D = p.head_dim;
-    const size_t dkdv_smem = size_t(2 * kRowWarps * D + 2 * kTileRows * (D + 1) + 2 * kTileRows) * sizeof(A);
-    const size_t dq_smem = size_t(2 * kRowWarps * D + 2 * kTileRows * (D + 1)) * sizeof(A);
-    with_per_lane(D, [&](auto per) {
-      constexpr int kPer = decltype(per)::value;
-      launch_rows(backward_dkdv_rows_kernel<T, kPer>, p.heads * row_blocks(p.kv_len), dkdv_smem, "backward dk/dv",
-                  p, s);
-      launch_rows(backward_dq_rows_kernel<T, kPer>, p.heads * row_blocks(p.q_len), dq_smem, "backward dq", p, s);
-    });
-  });
+  if (args.column_sums) attention::column_sums(p, args.dtype, 7 & ~summed, args.column_sums, s);
 }
 
 }  // namespace loom::cuda

@@ -37,6 +37,12 @@ struct Params {
   void* dk = nullptr;
   void* dv = nullptr;
   float* dq_acc = nullptr;  // (heads, q_pad, head_dim) f32, zeroed: dQ / scale by atomics (mma_backward)
+  // AttentionArgs::column_sums' partial sums, in the accumulation type, zeroed: for batch b
+  // and row tile r (rows kSumRows r to kSumRows r + kSumRows - 1 of every head), row
+  // b * sum_tiles + r holds dq's, dk's and dv's column sums over those rows, 3 * C values
+  // (C = heads_per_batch * head_dim, head h's columns at h * head_dim). Null: no sums.
+  void* sum_partials = nullptr;
+  int sum_tiles = 0;  // row tiles a batch: max(q_len, kv_len) over kSumRows, rounded up
   AttentionLayout strides;  // every operand's, resolved (none left at the all-zero default)
   int64_t heads = 0;        // batch * heads, below 2^31
   int heads_per_batch = 1;
@@ -54,6 +60,14 @@ struct Params {
 };
 
 constexpr int kRowPad = 128;  // a multiple of every tensor-core kernel's query tile
+constexpr int kSumRows = 64;  // rows of a partial column sum: the Hopper backward's key group
+
+// Where row tile `tile` of head bh puts operand `which`'s (0 dq, 1 dk, 2 dv) column sums
+// in p.sum_partials, head_dim values of A from there.
+template <class A> __device__ __forceinline__ A* sum_partial(const Params& p, int64_t bh, int tile, int which) {
+  const int64_t b = bh / p.heads_per_batch, h = bh - b * p.heads_per_batch, C = int64_t(p.heads_per_batch) * p.head_dim;
+  return static_cast<A*>(p.sum_partials) + (b * p.sum_tiles + tile) * 3 * C + which * C + h * p.head_dim;
+}
 
 // Block b's head and index within it in the Hopper kernels' grids (kernels/core/head_groups.h).
 struct GridPlace {
@@ -117,9 +131,10 @@ bool mma_supported(DType dtype, int64_t head_dim);
 // Every operand's rows are 16-byte aligned (the caller checks).
 void mma_forward(const Params& p, DType dtype, cudaStream_t stream);
 // With `hopper` and atomics, where wgmma_backward_supported, the Hopper kernel computes dK,
-// dV and dQ.
-void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, bool hopper,
-                  cudaStream_t stream);
+// dV and dQ. With p.sum_partials, the kernels that write a gradient add its partial column
+// sums where they can: returns which they wrote, a mask of 1 << which (0 dq, 1 dk, 2 dv).
+int mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, bool hopper,
+                 cudaStream_t stream);
 // True when the Hopper forward (attention_wgmma.cu) takes these shapes on the current GPU:
 // bf16 or f16, head_dim 64 or 128, a GPU of compute capability 9.0, and a build with 90 in
 // cuda-arch. wgmma_forward has mma_forward's contract.
@@ -132,6 +147,10 @@ void wgmma_forward(const Params& p, DType dtype, cudaStream_t stream);
 bool wgmma_backward_supported(DType dtype, int64_t head_dim);
 void wgmma_dkdv_dq(const Params& p, DType dtype, cudaStream_t stream);
 void wgmma_dkdv_dq128(const Params& p, DType dtype, cudaStream_t stream);
+// The partial column sums of the operands in `missing` (a mask as mma_backward's), by a pass
+// over the stored gradient, then every column's total over the partials into `sums`
+// (attention_sums.cu).
+void column_sums(const Params& p, DType dtype, int missing, void* sums, cudaStream_t stream);
 // Whether mma_backward accumulates dQ with atomics (fewer products, not deterministic) rather
 // than in a kernel of its own, which args.deterministic asks for.
 bool dq_by_atomics(const AttentionArgs& args);

@@ -325,20 +325,47 @@ __global__ void __launch_bounds__(kThreads) backward_dkdv_kernel(const Params p)
 
 // ---- backward: dQ from its accumulator -------------------------------------------------
 
-// dq = scale * dq_acc, rounded to T and written through dq's strides; 8 columns a thread.
-template <class T, int D> __global__ void __launch_bounds__(256) dq_convert_kernel(const Params p) {
-  constexpr int kChunks = D / 8;
-  const int64_t n = p.heads * p.q_len * kChunks;
+// dq = scale * dq_acc, rounded to T and written through dq's strides. A block takes rows of
+// one head kSumRows at a time, a thread 8 columns of a row; with p.sum_partials it also adds
+// up the columns of the tile as stored (rounded to T), through shared memory, into the tile's
+// partial sums.
+constexpr int kConvertThreads = 256;
+template <class T, int D> __global__ void __launch_bounds__(kConvertThreads) dq_convert_kernel(const Params p) {
+  constexpr int kChunks = D / 8, kRows = kConvertThreads / kChunks;  // rows a pass
+  __shared__ float sums[kRows][D];
+  const int tiles = (p.q_len + kSumRows - 1) / kSumRows, chunk = int(threadIdx.x) % kChunks,
+            r = int(threadIdx.x) / kChunks, col = chunk * 8;
   const float scale = float(p.scale);
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < n; c += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = c / kChunks, bh = row / p.q_len;
-    const int i = int(row - bh * p.q_len), col = int(c % kChunks) * 8;
-    const float* src = p.dq_acc + (bh * p.q_pad + i) * D + col;
-    const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
-    const uint4 out{pack2<T>(a.x * scale, a.y * scale), pack2<T>(a.z * scale, a.w * scale),
-                    pack2<T>(b.x * scale, b.y * scale), pack2<T>(b.z * scale, b.w * scale)};
-    T* dq = static_cast<T*>(p.dq) + p.offset(p.strides.dq, bh) + int64_t(i) * p.strides.dq.seq + col;
-    *reinterpret_cast<uint4*>(dq) = out;
+  for (int64_t block = blockIdx.x; block < p.heads * tiles; block += gridDim.x) {
+    const int64_t bh = block / tiles;
+    const int tile = int(block - bh * tiles), row0 = tile * kSumRows, rows = min(kSumRows, p.q_len - row0);
+    const float* src = p.dq_acc + (bh * p.q_pad + row0) * D + col;
+    T* dq = static_cast<T*>(p.dq) + p.offset(p.strides.dq, bh) + int64_t(row0) * p.strides.dq.seq + col;
+    float sum[8] = {};
+    for (int i = r; r < kRows && i < rows; i += kRows) {
+      const float4 a = *reinterpret_cast<const float4*>(src + i * D), b = *reinterpret_cast<const float4*>(src + i * D + 4);
+      const uint4 out{pack2<T>(a.x * scale, a.y * scale), pack2<T>(a.z * scale, a.w * scale),
+                      pack2<T>(b.x * scale, b.y * scale), pack2<T>(b.z * scale, b.w * scale)};
+      *reinterpret_cast<uint4*>(dq + int64_t(i) * p.strides.dq.seq) = out;
+      const uint32_t words[4] = {out.x, out.y, out.z, out.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 stored = unpack2<T>(words[e]);
+        sum[2 * e] += stored.x;
+        sum[2 * e + 1] += stored.y;
+      }
+    }
+    if (!p.sum_partials) continue;  // the same for every block
+    if (r < kRows)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sums[r][col + e] = sum[e];
+    __syncthreads();
+    if (threadIdx.x < D) {
+      float total = 0;
+      for (int i = 0; i < kRows; ++i) total += sums[i][threadIdx.x];
+      sum_partial<float>(p, bh, tile, 0)[threadIdx.x] = total;
+    }
+    __syncthreads();  // sums is refilled by the next tile
   }
 }
 }  // namespace
@@ -347,9 +374,10 @@ bool dq_by_atomics(const AttentionArgs& args) {
   return !args.deterministic && mma_supported(args.dtype, args.head_dim);
 }
 
-void mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, bool hopper,
-                  cudaStream_t stream) {
+int mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, bool hopper,
+                 cudaStream_t stream) {
   LOOM_ASSERT(!atomics || p.q_len == 0 || p.dq_acc != nullptr, "attention: the backward's dQ accumulator is missing");
+  int summed = 0;
   dispatch(dtype, p.head_dim, [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value, MT = D <= 64 ? 2 : 1;
@@ -371,15 +399,20 @@ void mma_backward(const Params& p, const void* out, const void* lse, DType dtype
     }
     const int64_t chunks = p.heads * p.q_len * (D / 8);
     if (chunks > 0) LOOM_CUDA(cudaMemsetAsync(p.dq_acc, 0, size_t(p.heads) * p.q_pad * D * sizeof(float), stream));
-    if (hopper && wgmma_backward_supported(dtype, D))
+    if (hopper && wgmma_backward_supported(dtype, D)) {
       wgmma_dkdv_dq(p, dtype, stream);
-    else
+      summed |= 2 | 4;  // the kernel sums dK's and dV's tiles as it stores them
+    } else {
       launch(backward_dkdv_kernel<T, D, MT, true>, key_blocks, dkdv_smem<T, D, MT, true>(), "backward dk/dv/dq", p,
              stream);
+    }
     if (chunks == 0) return;
-    dq_convert_kernel<T, D><<<unsigned(std::min<int64_t>((chunks + 255) / 256, 65535)), 256, 0, stream>>>(p);
+    const int64_t blocks = p.heads * tiles(p.q_len, kSumRows);
+    dq_convert_kernel<T, D><<<unsigned(std::min<int64_t>(blocks, int64_t(1) << 20)), kConvertThreads, 0, stream>>>(p);
     LOOM_CUDA_LAUNCH();
+    summed |= 1;
   });
+  return summed;
 }
 
 }  // namespace loom::cuda::attention

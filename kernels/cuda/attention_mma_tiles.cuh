@@ -102,6 +102,17 @@ template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi)
   return u;
 }
 
+// The two values pack2 rounded, back as floats (sums of what was stored).
+template <class T> __device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+  } else {
+    __half2 h;
+    memcpy(&h, &u, 4);
+    return __half22float2(h);
+  }
+}
+
 // ---- fragments and tiles ---------------------------------------------------------------
 // Tiles in shared memory are row-major with row stride S = D + 8 elements.
 

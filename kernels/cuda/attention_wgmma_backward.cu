@@ -265,6 +265,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   __syncthreads();
   store_rows<D, kGroupKeys, false>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sKg, kg, p.kv_len, tid);
   store_rows<D, kGroupKeys, false>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sVg, kg, p.kv_len, tid);
+  sum_group_rows<D>(p, bh, kg, sKg, sVg, tid);
 #endif
 }
 

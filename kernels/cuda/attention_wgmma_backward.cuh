@@ -31,4 +31,22 @@ void launch_blocks(Kernel kernel, size_t smem, const char* what, const Params& p
   LOOM_CUDA_LAUNCH();
 }
 
+// With p.sum_partials, the column sums of a warpgroup's dK and dV rows as staged for their
+// stores (keys kg.. of head bh, rows D + 8 elements apart in shared memory) into key tile
+// kg / kSumRows's partials: a thread a column, summed down the rows in order. `thread`: its
+// index in the warpgroup.
+static_assert(kGroupKeys == kSumRows, "a warpgroup's keys are one tile of the partial sums");
+template <int D, class T>
+__device__ __forceinline__ void sum_group_rows(const Params& p, int64_t bh, int kg, const T* sdk, const T* sdv,
+                                               int thread) {
+  const int rows = min(kGroupKeys, p.kv_len - kg);
+  if (!p.sum_partials || rows <= 0) return;
+  for (int c = thread; c < 2 * D; c += kThreads) {
+    const T* column = (c < D ? sdk : sdv) + c % D;
+    float sum = 0;
+    for (int r = 0; r < rows; ++r) sum += to_acc(column[r * (D + 8)]);
+    sum_partial<float>(p, bh, kg / kSumRows, c < D ? 1 : 2)[c % D] = sum;
+  }
+}
+
 }  // namespace loom::cuda::attention::wgmma_backward

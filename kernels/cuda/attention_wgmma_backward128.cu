@@ -209,6 +209,7 @@ template <class T> __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_dkd
   __syncthreads();
   store_rows<D, kGroupKeys>(static_cast<T*>(p.dk) + p.offset(st.dk, bh), int(st.dk.seq), sdK, kg, p.kv_len, tid);
   store_rows<D, kGroupKeys>(static_cast<T*>(p.dv) + p.offset(st.dv, bh), int(st.dv.seq), sdV, kg, p.kv_len, tid);
+  sum_group_rows<D>(p, bh, kg, sdK, sdV, tid);
 #endif
 }
 

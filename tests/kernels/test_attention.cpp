@@ -3,6 +3,7 @@
 // that matrix (dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = scale dS K, ...), so the
 // kernels' shortcuts (Di = rowsum(dO O), P recomputed from lse) are checked, not assumed.
 // Strided operands (column slices, other axis orders) must give the contiguous results.
+// The backward's column sums (AttentionArgs::column_sums) are those of the gradients it wrote.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -139,11 +140,13 @@ template <class T> std::vector<double> widen(const std::vector<T>& x) {
 }
 
 // The CPU kernels in T (inputs rounded to T first); also returns the rounded inputs.
-template <class T> Result run_cpu(const Case& c, DType dt, Inputs& x) {
+// column_sums: where the backward writes AttentionArgs::column_sums, if anywhere.
+template <class T> Result run_cpu(const Case& c, DType dt, Inputs& x, void* column_sums = nullptr) {
   using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
   auto q = cast<T>(x.q), k = cast<T>(x.k), v = cast<T>(x.v), go = cast<T>(x.dout);
   x = {widen(q), widen(k), widen(v), widen(go)};
-  const AttentionArgs a = c.args(dt);
+  AttentionArgs a = c.args(dt);
+  a.column_sums = column_sums;
   std::vector<T> out(q.size()), dq(q.size()), dk(k.size()), dv(v.size());
   std::vector<A> lse(size_t(c.B * c.H * c.Tq));
   const KernelTable& cpu = cpu_kernel_table();
@@ -186,6 +189,40 @@ template <class T> void check_all(DType dt, double tol) {
 TEST(AttentionCpu, MatchesNaiveCompositeInF64) { check_all<double>(DType::f64, 1e-12); }
 TEST(AttentionCpu, MatchesNaiveCompositeInF32) { check_all<float>(DType::f32, 1e-5); }
 TEST(AttentionCpu, MatchesNaiveCompositeInBf16) { check_all<bf16>(DType::bf16, 1.0 / 64); }
+
+// The backward's column sums are those of dq, dk and dv as it wrote them, and asking for
+// them changes no gradient.
+template <class T> void check_column_sums(DType dt, double rel) {
+  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  uint32_t seed = 300;
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.str() + " " + std::string(dtype_name(dt)));
+    Inputs x = random_inputs(c, seed++), y = x;
+    const Result plain = run_cpu<T>(c, dt, x);
+    std::vector<A> sums(size_t(3 * c.H * c.D), std::numeric_limits<A>::quiet_NaN());
+    const Result summed = run_cpu<T>(c, dt, y, sums.data());
+    EXPECT_EQ(summed.dq, plain.dq);
+    EXPECT_EQ(summed.dk, plain.dk);
+    EXPECT_EQ(summed.dv, plain.dv);
+    test::expect_column_sums(widen(sums), test::column_sums_of(summed.dq, summed.dk, summed.dv, c.B, c.H, c.Tq, c.Tk, c.D),
+                             rel, "column sums");
+  }
+}
+
+TEST(AttentionCpu, ColumnSumsAreThoseOfTheWrittenGradients) {
+  check_column_sums<double>(DType::f64, 1e-15);
+  check_column_sums<float>(DType::f32, 1e-7);
+  check_column_sums<bf16>(DType::bf16, 1e-7);
+}
+
+TEST(AttentionCpu, ColumnSumsOfNoBatchAreZeros) {
+  AttentionArgs a = Case{0, 3, 5, 5, 4, true, 0}.args(DType::f32);
+  std::vector<float> sums(3 * 3 * 4, std::numeric_limits<float>::quiet_NaN());
+  a.column_sums = sums.data();
+  cpu_kernel_table().attention_backward(a, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                        nullptr, nullptr, nullptr);
+  for (float e : sums) EXPECT_EQ(e, 0.0f);
+}
 
 TEST(AttentionCpu, CausalIsTopLeftAligned) {
   // Two queries, three keys: query 0 sees key 0 only (its output is v[0] exactly), query 1
@@ -246,7 +283,8 @@ TEST(AttentionCpu, StridedOperandsGiveTheContiguousResultsExactly) {
     place(kv, C, a.strides.v, x.v, B, H, Tk, D);
     place(dout, 0, a.strides.dout, x.dout, B, H, Tq, D);
     std::vector<double> out(size_t(B * Tq * C), NAN), lse(size_t(B * H * Tq), NAN), dq(out.size(), NAN),
-        dkv(kv.size(), NAN);
+        dkv(kv.size(), NAN), sums(size_t(3 * C), NAN);
+    a.column_sums = sums.data();
     const KernelTable& cpu = cpu_kernel_table();
     cpu.attention_forward(a, out.data(), lse.data(), q.data(), kv.data(), kv.data() + C, nullptr);
     cpu.attention_backward(a, dq.data(), dkv.data(), dkv.data() + C, dout.data(), q.data(), kv.data(),
@@ -256,6 +294,7 @@ TEST(AttentionCpu, StridedOperandsGiveTheContiguousResultsExactly) {
     EXPECT_EQ(take(dq, 0, a.strides.dq, B, H, Tq, D), want.dq);
     EXPECT_EQ(take(dkv, 0, a.strides.dk, B, H, Tk, D), want.dk);
     EXPECT_EQ(take(dkv, C, a.strides.dv, B, H, Tk, D), want.dv);
+    EXPECT_EQ(sums, test::column_sums_of(want.dq, want.dk, want.dv, B, H, Tq, Tk, D).sums);
     for (const auto* filled : {&out, &dq, &dkv})
       for (double e : *filled) ASSERT_FALSE(std::isnan(e)) << "out, dq and dk | dv fill their buffers";
   }

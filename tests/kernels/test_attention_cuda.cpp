@@ -5,11 +5,14 @@
 // must take the rows path), strided operands (column slices of packed buffers, other axis
 // orders; rows aligned for the tensor cores or not), and sequences with no queries or no keys.
 // The tensor-core backward runs both ways it has (dQ by atomics, and deterministic in a
-// kernel of its own), and the deterministic one gives the same bits on a second run.
+// kernel of its own), and the deterministic one gives the same bits on a second run. Every
+// GPU backward also writes its column sums (AttentionArgs::column_sums), checked against
+// the sums of the gradients it wrote.
 // The backward kernels of both devices get the same out and lse (the CPU forward's), so
 // each comparison measures one kernel.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,8 +29,10 @@
 namespace loom {
 namespace {
 
+using test::column_sums_of;
 using test::DeviceBuffer;
 using test::decode;
+using test::expect_column_sums;
 using test::encode;
 using test::place;
 using test::take;
@@ -84,6 +89,10 @@ std::vector<uint8_t> random_bytes(int64_t n, uint32_t seed, DType dt) {
 // constant, dq and dk vanish in exact arithmetic, and each device leaves its own rounding.
 double tolerance(DType dt) { return dt == DType::bf16 ? 2e-2 : dt == DType::f16 ? 4e-3 : 2e-4; }
 
+// The column sums' rounding allowed relative to a column's magnitude: f32 sums of 64 rows,
+// then of the tiles' partials.
+double sums_tolerance(DType dt) { return dt == DType::f64 ? 1e-13 : 2e-5; }
+
 void expect_close(const std::vector<double>& got, const std::vector<double>& want, double tol,
                   const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
@@ -135,6 +144,9 @@ void check(const Case& c, DType dt, size_t offset, bool deterministic = false, b
   Placed d_q(q, offset), d_k(k, offset), d_v(v, offset), d_dout(dout, offset), d_cpu_out(out, offset);
   Placed d_out(out, offset), d_dq(dq, offset), d_dk(dk, offset), d_dv(dv, offset);
   DeviceBuffer<float> d_lse(static_cast<size_t>(nrows)), d_cpu_lse(lse);
+  DeviceBuffer<float> d_sums(size_t(3 * c.H * c.D));
+  LOOM_CUDA(cudaMemset(d_sums.get(), 0xff, d_sums.size() * sizeof(float)));  // NaN until written
+  a.column_sums = d_sums.get();
   DeviceBuffer<uint8_t> workspace(gpu.attention_workspace_size(a));
   LOOM_CUDA(cudaMemset(d_out.get(), 0xff, out.size()));  // NaN until written
   gpu.attention_forward(a, d_out.get(), d_lse.get(), d_q.get(), d_k.get(), d_v.get(), nullptr);
@@ -147,9 +159,15 @@ void check(const Case& c, DType dt, size_t offset, bool deterministic = false, b
   std::vector<float> got_lse = d_lse.to_host();
   for (int64_t r = 0; r < nrows; ++r)
     EXPECT_NEAR(got_lse[size_t(r)], lse[size_t(r)], 1e-4 * (std::abs(lse[size_t(r)]) + 1)) << "lse row " << r;
-  expect_close(decode(d_dq.to_host(), dt), decode(dq, dt), tol, "dq");
-  expect_close(decode(d_dk.to_host(), dt), decode(dk, dt), tol, "dk");
-  expect_close(decode(d_dv.to_host(), dt), decode(dv, dt), tol, "dv");
+  const std::vector<double> got_dq = decode(d_dq.to_host(), dt), got_dk = decode(d_dk.to_host(), dt),
+                            got_dv = decode(d_dv.to_host(), dt);
+  expect_close(got_dq, decode(dq, dt), tol, "dq");
+  expect_close(got_dk, decode(dk, dt), tol, "dk");
+  expect_close(got_dv, decode(dv, dt), tol, "dv");
+  const std::vector<float> sums = d_sums.to_host();
+  expect_column_sums(std::vector<double>(sums.begin(), sums.end()),
+                     column_sums_of(got_dq, got_dk, got_dv, c.B, c.H, c.Tq, c.Tk, c.D), sums_tolerance(dt),
+                     "column sums");
 }
 
 TEST(AttentionCuda, ForwardAndBackwardMatchCpu) {
@@ -173,7 +191,7 @@ TEST(AttentionCuda, DeterministicBackwardMatchesCpu) {
     for (DType dt : {DType::bf16, DType::f16}) check(c, dt, 0, true);
 }
 
-// dq, dk and dv as bytes from one GPU forward and backward on fixed inputs.
+// dq, dk, dv and their column sums as bytes from one GPU forward and backward on fixed inputs.
 std::vector<uint8_t> gpu_gradients(const AttentionArgs& a, uint32_t seed) {
   const int64_t nq = a.batch * a.heads * a.q_len * a.head_dim, nk = a.batch * a.heads * a.kv_len * a.head_dim;
   const size_t es = dtype_size(a.dtype);
@@ -182,12 +200,15 @@ std::vector<uint8_t> gpu_gradients(const AttentionArgs& a, uint32_t seed) {
       v(random_bytes(nk, seed + 2, a.dtype)), dout(random_bytes(nq, seed + 3, a.dtype));
   DeviceBuffer<uint8_t> out(size_t(nq) * es), dq(size_t(nq) * es), dk(size_t(nk) * es), dv(size_t(nk) * es);
   DeviceBuffer<float> lse(size_t(a.batch * a.heads * a.q_len));
-  DeviceBuffer<uint8_t> workspace(gpu.attention_workspace_size(a));
+  DeviceBuffer<uint8_t> sums(size_t(3 * a.heads * a.head_dim) * sizeof(float));
+  AttentionArgs summed = a;
+  summed.column_sums = sums.get();
+  DeviceBuffer<uint8_t> workspace(gpu.attention_workspace_size(summed));
   gpu.attention_forward(a, out.get(), lse.get(), q.get(), k.get(), v.get(), nullptr);
-  gpu.attention_backward(a, dq.get(), dk.get(), dv.get(), dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
-                         workspace.get(), nullptr);
+  gpu.attention_backward(summed, dq.get(), dk.get(), dv.get(), dout.get(), q.get(), k.get(), v.get(), out.get(),
+                         lse.get(), workspace.get(), nullptr);
   std::vector<uint8_t> bytes = dq.to_host();
-  for (const auto* g : {&dk, &dv}) {
+  for (const auto* g : {&dk, &dv, &sums}) {
     const std::vector<uint8_t> more = g->to_host();
     bytes.insert(bytes.end(), more.begin(), more.end());
   }
@@ -258,9 +279,11 @@ void check_strided(const Case& c, DType dt, int64_t q_pad) {
   DeviceBuffer<uint8_t> d_q(encode(hq, dt)), d_kv(encode(hkv, dt)), d_dout(encode(hdout, dt)),
       d_cpu_out(encode(hout, dt));
   DeviceBuffer<uint8_t> d_out(size_t(nq) * es), d_dq(size_t(nq) * es), d_dkv(hkv.size() * es);
-  DeviceBuffer<float> d_lse(lse.size()), d_cpu_lse(lse);
+  DeviceBuffer<float> d_lse(lse.size()), d_cpu_lse(lse), d_sums(size_t(3 * C));
+  a.column_sums = d_sums.get();
   DeviceBuffer<uint8_t> workspace(gpu.attention_workspace_size(a));
   for (auto* g : {&d_out, &d_dq, &d_dkv}) LOOM_CUDA(cudaMemset(g->get(), 0xff, g->size()));  // NaN until written
+  LOOM_CUDA(cudaMemset(d_sums.get(), 0xff, d_sums.size() * sizeof(float)));
   const size_t v_at = size_t(C) * es;
   gpu.attention_forward(a, d_out.get(), d_lse.get(), d_q.get(), d_kv.get(), d_kv.get() + v_at, nullptr);
   gpu.attention_backward(a, d_dq.get(), d_dkv.get(), d_dkv.get() + v_at, d_dout.get(), d_q.get(), d_kv.get(),
@@ -276,6 +299,11 @@ void check_strided(const Case& c, DType dt, int64_t q_pad) {
   expect_close(take(got_dq, 0, a.strides.dq, B, H, Tq, D), decode(dq, dt), tol, "dq");
   expect_close(take(got_dkv, 0, a.strides.dk, B, H, Tk, D), decode(dk, dt), tol, "dk");
   expect_close(take(got_dkv, C, a.strides.dv, B, H, Tk, D), decode(dv, dt), tol, "dv");
+  const std::vector<float> sums = d_sums.to_host();
+  expect_column_sums(std::vector<double>(sums.begin(), sums.end()),
+                     column_sums_of(take(got_dq, 0, a.strides.dq, B, H, Tq, D), take(got_dkv, 0, a.strides.dk, B, H, Tk, D),
+                                    take(got_dkv, C, a.strides.dv, B, H, Tk, D), B, H, Tq, Tk, D),
+                     sums_tolerance(dt), "column sums");
   for (const auto* filled : {&got_out, &got_dq, &got_dkv})
     for (double e : *filled) ASSERT_FALSE(std::isnan(e)) << "out, dq and dk | dv fill their buffers";
 }
@@ -336,6 +364,17 @@ TEST(AttentionCuda, NoKeysOrNoQueriesGiveZeros) {
                            nullptr, nullptr);
     for (double e : decode(dk.to_host(), dt)) EXPECT_EQ(e, 0.0);
     for (double e : decode(dv.to_host(), dt)) EXPECT_EQ(e, 0.0);
+    // Column sums of either, and of a batch with no heads' rows at all, are zeros.
+    for (AttentionArgs a : {none_k, none_q, AttentionArgs{dt, 0, 2, 5, 5, 64, true, 0.125}}) {
+      DeviceBuffer<float> sums(size_t(3 * 2 * 64));
+      LOOM_CUDA(cudaMemset(sums.get(), 0xff, sums.size() * sizeof(float)));
+      a.column_sums = sums.get();
+      DeviceBuffer<uint8_t> sum_ws(std::max<size_t>(gpu.attention_workspace_size(a), 1));
+      LOOM_CUDA(cudaMemset(dk.get(), 0xff, 8960 * es));
+      gpu.attention_backward(a, dq.get(), dk.get(), dv.get(), q.get(), q.get(), k.get(), k.get(), out.get(), lse.get(),
+                             sum_ws.get(), nullptr);
+      for (float e : sums.to_host()) EXPECT_EQ(e, 0.0f) << "B " << a.batch << ", Tq " << a.q_len << ", Tk " << a.kv_len;
+    }
   }
 }
 

@@ -1,16 +1,16 @@
-// Bias gradients summed by the LayerNorm backward that writes a linear layer's output
-// gradient (Options::fused_bias_sums; engine/autograd.h: set_gradient_sums_read), on any
-// device: the layer takes the sums kept on its output's gradient, and only sums of the
-// values it reads, while they are valid; LayerNorm keeps sums only when they were declared in
-// the dtype it writes; and a GPT's gradients and training agree with the sums on and off
-// within the rounding of summing in another order. test_bias_sums.cpp runs these on the CPU,
-// test_bias_sums_cuda.cpp on cuda:0.
+// Bias gradients summed by the backward that writes a linear layer's output gradient
+// (Options::fused_bias_sums; engine/autograd.h: set_gradient_sums_read), LayerNorm's or
+// packed attention's, on any device: the layer takes the sums kept on its output's
+// gradient, and only sums of the values it reads, while they are valid; LayerNorm and
+// attention keep sums only when they were declared in the dtype they write; and a GPT's
+// gradients and training agree with the sums on and off within the rounding of summing in
+// another order. test_bias_sums.cpp runs these on the CPU, test_bias_sums_cuda.cpp on cuda:0.
 #pragma once
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -120,6 +120,52 @@ inline void expect_layer_norm_keeps_declared_sums(Device device) {
       const Tensor read = c.read_as ? rounding : seen;
       ASSERT_TRUE(read.defined());
       expect_close_to_scale(sums, sum(read.to(DType::f32), {0}).to(Device::cpu()), 1e-5, "sums");
+    }
+}
+
+// packed_self_attention's backward keeps on qkv's (B, T, 3C) gradient its column sums when
+// they are declared in the dtype it computes in (qkv's, bf16 here, or f32), and not when
+// declared otherwise, not declared, or with fused_bias_sums off; a probe node stands for the
+// qkv projection. Head size 64 and 2 x 100 rows: on an H100 or H200 the Hopper backward
+// sums dK and dV, dQ's conversion dQ, over tiles the last of which is short.
+inline void expect_attention_keeps_declared_sums(Device device) {
+  struct Case {
+    const char* name;
+    DType dtype;
+    std::optional<DType> sums_as;
+    bool fused, kept;
+  };
+  const Case cases[] = {
+      {"bf16 sums", DType::bf16, DType::bf16, true, true},
+      {"f32 sums", DType::f32, DType::f32, true, true},
+      {"f32 sums of bf16", DType::bf16, DType::f32, true, false},
+      {"none declared", DType::bf16, std::nullopt, true, false},
+      {"fused_bias_sums off", DType::bf16, DType::bf16, false, false},
+  };
+  for (const Case& c : cases)
+    for (const bool causal : {true, false}) {
+      SCOPED_TRACE(std::string(c.name) + (causal ? ", causal" : ""));
+      OptionWith fused(&Options::fused_bias_sums, c.fused);
+      manual_seed(23);
+      Tensor a = randn({2, 100, 3 * 128}).to(device).to(c.dtype).set_requires_grad();
+      Tensor qkv = randn({2, 100, 3 * 128}).to(device).to(c.dtype);
+      Tensor seen, sums;
+      record("probe", {a}, {qkv}, [&](const TensorList& g) {
+        seen = g[0];
+        sums = take_column_sums(g[0], c.sums_as.value_or(c.dtype));
+        return TensorList{g[0]};
+      });
+      if (c.sums_as) set_gradient_sums_read(qkv, *c.sums_as);
+      const Tensor gy = randn({2, 100, 128}).to(device);
+      sum(mul(packed_self_attention(qkv, 2, causal).to(DType::f32), gy)).backward();
+      ASSERT_TRUE(seen.defined());
+      if (!c.kept) {
+        EXPECT_FALSE(sums.defined());
+        continue;
+      }
+      ASSERT_TRUE(sums.defined());
+      EXPECT_EQ(sums.dtype(), DType::f32);
+      expect_close_to_scale(sums, sum(seen.to(DType::f32), {0, 1}).to(Device::cpu()), 1e-5, "sums");
     }
 }
 

@@ -1,5 +1,6 @@
-// Bias gradients summed by LayerNorm's backward (tests/layers/bias_sums.h) on cuda:0: the
-// CUDA kernel's sums are the ones taken, and a GPT trains the same with them as without.
+// Bias gradients summed by LayerNorm's and packed attention's backward
+// (tests/layers/bias_sums.h) on cuda:0: the CUDA kernels' sums are the ones taken, and a GPT
+// trains the same with them as without.
 #include "tests/common/gpu.h"
 #include "tests/layers/bias_sums.h"
 
@@ -16,6 +17,11 @@ TEST(BiasSumsCuda, LinearTakesTheSumsKeptOnItsOutputGradient) {
 TEST(BiasSumsCuda, LayerNormKeepsSumsOnlyWhenDeclaredInTheDtypeItWrites) {
   LOOM_REQUIRE_CUDA();
   expect_layer_norm_keeps_declared_sums(kGpu);
+}
+
+TEST(BiasSumsCuda, AttentionKeepsSumsOnlyWhenDeclaredInTheDtypeItComputesIn) {
+  LOOM_REQUIRE_CUDA();
+  expect_attention_keeps_declared_sums(kGpu);
 }
 
 TEST(BiasSumsCuda, GptGradientsAndTrainingAgreeWithAndWithoutThem) {
