@@ -73,8 +73,8 @@
 // bias gradient instead of a pass over the gradient of its own (engine/autograd.h:
 // set_gradient_sums_read). LayerNorm's does so for the layers whose output it normalises (in
 // a GPT block the attention and MLP outputs, through the residual stream); packed
-// attention's for the qkv projection, its dq, dk and dv summed by the kernels that write
-// them. Under autocast LayerNorm's are sums of the rounded gradient the layer reads, so they
+// attention's for the qkv projection, its dq, dk and dv summed as its CUDA kernels store them
+// where they can (kernels/table.h: AttentionArgs::column_sums). Under autocast LayerNorm's are sums of the rounded gradient the layer reads, so they
 // need autocast_gradient_copies on. Off: the pass. Values agree within rounding: the same
 // terms, summed in another order.
 #pragma once

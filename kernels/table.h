@@ -331,9 +331,10 @@ struct AttentionArgs {
   // likewise, into 3 * heads * head_dim values of the accumulation type (f64 for f64, else
   // f32), in that order. Over a packed (B, T, 3C) gradient of q | k | v these are its column
   // sums: the bias gradient of the projection that made qkv. The workspace size is asked
-  // for with it set. On the Hopper kernels dK's and dV's sums are taken from the tiles they
-  // store, before they leave shared memory; elsewhere, and for dq, by a pass over the
-  // stored gradient.
+  // for with it set. On CUDA's tensor cores with dQ by atomics (not deterministic), dq's sums
+  // are taken as its conversion from the f32 accumulator stores it, and on the Hopper
+  // kernels dK's and dV's from the tiles they store, before those leave shared memory; the
+  // rest (and the CPU's) by a pass over the stored gradient.
   void* column_sums = nullptr;
 };
 

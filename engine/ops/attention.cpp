@@ -13,7 +13,8 @@
 // of qkv, writes a (B, T, C) output, and its backward writes dq, dk and dv straight into
 // the slices of one (B, T, 3C) gradient. When the projection that made qkv reads that
 // gradient's column sums for its bias (set_gradient_sums_read, Options::fused_bias_sums),
-// the backward kernels sum it as they write it and keep the sums on it (keep_column_sums).
+// the backward asks the kernels for them (AttentionArgs::column_sums) and keeps them on it
+// (keep_column_sums).
 #include <array>
 #include <cmath>
 

@@ -132,7 +132,8 @@ bool mma_supported(DType dtype, int64_t head_dim);
 void mma_forward(const Params& p, DType dtype, cudaStream_t stream);
 // With `hopper` and atomics, where wgmma_backward_supported, the Hopper kernel computes dK,
 // dV and dQ. With p.sum_partials, the kernels that write a gradient add its partial column
-// sums where they can: returns which they wrote, a mask of 1 << which (0 dq, 1 dk, 2 dv).
+// sums where they can: returns which operands' sums those kernels write when asked, a mask of
+// 1 << which (0 dq, 1 dk, 2 dv).
 int mma_backward(const Params& p, const void* out, const void* lse, DType dtype, bool atomics, bool hopper,
                  cudaStream_t stream);
 // True when the Hopper forward (attention_wgmma.cu) takes these shapes on the current GPU:
